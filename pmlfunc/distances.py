@@ -1,0 +1,304 @@
+"""Distances and similarities between rows of two embedding matrices.
+
+Every distance is an immutable, hashable object called as ``d(x, y=None)`` that returns the
+``(B, M)`` matrix between the rows of ``x`` (``B × D``) and ``y`` (``M × D``); ``y=None`` means
+``y = x`` (the self-distance of a batch). ``d.is_similarity`` tells the direction: ``True`` when a
+larger value means closer (cosine, dot), ``False`` for distances (lp, snr).
+
+Float16/bfloat16 inputs are computed in float32 and the matrix is returned in the input dtype.
+Losses call :meth:`Distance.matrix` instead, which keeps the float32 result for their reductions.
+
+The Euclidean distance (``lp(p=2)``) is the *safe-matmul* distance of DESIGN.md: the expansion
+``‖a‖² + ‖b‖² − 2a·b`` (one matmul), then, per row, the ``exact_budget`` entries with the smallest
+``d² / (‖a‖² + ‖b‖²)``—the only entries where the expansion cancels catastrophically—are
+recomputed exactly from the differences ``a − b``. Nothing of size ``B × M × D`` is ever
+allocated; the backward is two matmuls with a zero (not NaN) gradient at ``d = 0``; the
+self-distance diagonal is exactly zero.
+
+Error bound (float32 compute, eps = 2⁻²³): an entry recomputed exactly has the error of a direct
+difference, ``|d − d*| ≤ ~D·eps·d*``. Any other entry has ``d² ≥ r·(‖a‖² + ‖b‖²)`` where ``r`` is
+the row's ``(exact_budget+1)``-th smallest ratio, and the expansion's absolute error on ``d²`` is at
+most ``~2·√D·eps·(‖a‖² + ‖b‖²)``, so ``|d − d*| ≤ √D·eps·(‖a‖² + ‖b‖²) / d*``. Rows with more than
+``exact_budget`` near-duplicates keep expansion values for the surplus (clamped at 0). For
+float16/bfloat16 inputs the float32 error is far below the output rounding (``2⁻¹¹``/``2⁻⁹``
+relative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks
+
+__all__ = ["Distance", "cosine", "dot", "lp", "safe_euclidean", "snr"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The safe-matmul Euclidean distance
+# ---------------------------------------------------------------------------------------------
+
+
+def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: bool) -> Tensor:
+    """Squared distances by the matmul expansion, with the ``budget`` most cancellation-prone
+    entries of each row recomputed exactly from the differences. Runs inside a Function's forward
+    (no autograd), so it works in place on its own buffers."""
+    sq_x = (x * x).sum(-1)
+    sq_y = (y * y).sum(-1)
+    scale = sq_x.unsqueeze(-1) + sq_y.unsqueeze(-2)
+    d2 = torch.addmm(scale, x, y.transpose(-1, -2), beta=1.0, alpha=-2.0)
+    n_cols = d2.shape[-1]
+    k = min(budget, n_cols - 1 if self_mode else n_cols)
+    if k > 0:
+        # Rank entries by d² / (‖a‖² + ‖b‖²): the relative size of the cancellation error.
+        # Unit-norm rows have a constant denominator, so d² itself ranks them.
+        key = d2.clone() if normalized else d2 / scale.clamp_min(torch.finfo(d2.dtype).tiny)
+        if self_mode:
+            key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+        idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
+        diff = x.unsqueeze(-2) - y[idx]  # (B, k, D): the static per-row budget
+        d2.scatter_(-1, idx, (diff * diff).sum(-1))
+    d2.clamp_min_(0.0)
+    if self_mode:
+        d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
+    return d2
+
+
+def _euclid_backward(g: Tensor, d: Tensor, x: Tensor, y: Tensor, squared: bool) -> tuple[Tensor, Tensor]:
+    """Gradients of ``d_ij = ‖x_i − y_j‖`` (or its square) w.r.t. ``x`` and ``y``: two matmuls."""
+    if squared:
+        w = 2.0 * g
+    else:
+        w = torch.where(d > 0, g / d, 0.0)  # d = 0 (duplicates, the diagonal): zero, not NaN
+    grad_x = x * w.sum(-1, keepdim=True) - w @ y
+    grad_y = y * w.sum(-2).unsqueeze(-1) - w.transpose(-1, -2) @ x
+    return grad_x, grad_y
+
+
+class _SafeEuclidean(torch.autograd.Function):
+    """``‖x_i − y_j‖`` (or its square) for two separate sets."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, y: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
+        d2 = _expansion(x, y, budget, self_mode=False, normalized=normalized)
+        return d2 if squared else d2.sqrt_()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, squared, _, _ = inputs
+        ctx.squared = squared
+        ctx.save_for_backward(x, y, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, d = ctx.saved_tensors
+        grad_x, grad_y = _euclid_backward(g, d, x, y, ctx.squared)
+        return grad_x, grad_y, None, None, None
+
+
+class _SafeEuclideanSelf(torch.autograd.Function):
+    """``‖x_i − x_j‖`` (or its square) of a batch with itself; exact-zero diagonal."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
+        d2 = _expansion(x, x, budget, self_mode=True, normalized=normalized)
+        return d2 if squared else d2.sqrt_()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, squared, _, _ = inputs
+        ctx.squared = squared
+        ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, d = ctx.saved_tensors
+        grad_x, grad_y = _euclid_backward(g, d, x, x, ctx.squared)
+        return grad_x + grad_y, None, None, None
+
+
+def safe_euclidean(x: Tensor, y: Tensor | None = None, *, squared: bool = False, exact_budget: int = 8) -> Tensor:
+    """Pairwise Euclidean distances ``‖x_i − y_j‖₂`` (``squared=True``: ``‖x_i − y_j‖₂²``).
+
+    The matmul expansion with the ``exact_budget`` most cancellation-prone entries of every row
+    recomputed from the differences (see the module docstring for the error bound). Computed in
+    float32 for float16/bfloat16 inputs and returned in that precision. ``y=None`` is the
+    self-distance of ``x`` with an exact-zero diagonal.
+
+    Example:
+        >>> x = torch.randn(4, 3)
+        >>> safe_euclidean(x).diagonal()
+        tensor([0., 0., 0., 0.])
+    """
+    out_dtype = x.dtype
+    cd = _checks.compute_dtype(out_dtype)
+    xc = x.to(cd)
+    if y is None:
+        d = _SafeEuclideanSelf.apply(xc, squared, int(exact_budget), False)
+    else:
+        d = _SafeEuclidean.apply(xc, y.to(cd), squared, int(exact_budget), False)
+    return d.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distance objects
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Distance:
+    """Base class: a frozen (immutable, hashable) description of a distance."""
+
+    is_similarity: ClassVar[bool] = False
+
+    def __call__(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        """The ``(B, M)`` matrix between the rows of ``x`` and ``y`` (``y=None``: ``x`` itself)."""
+        return self.matrix(x, y).to(x.dtype)
+
+    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        """Like ``__call__`` but returns float32 for float16/bfloat16 inputs (losses reduce in it)."""
+        _checks.embeddings(x, "x")
+        if y is not None:
+            _checks.embeddings(y, "y")
+            _checks.same_space(x, y, "y", "x")
+        cd = _checks.compute_dtype(x.dtype)
+        return self._compute(x.to(cd), None if y is None else y.to(cd))
+
+    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+    def sign(self) -> float:
+        """``+1`` for distances, ``-1`` for similarities: ``sign * (a - b)`` is PML's ``margin(a, b)``."""
+        return -1.0 if self.is_similarity else 1.0
+
+
+@dataclass(frozen=True)
+class _Lp(Distance):
+    p: float = 2.0
+    power: float = 1.0
+    normalize: bool = True
+    exact_budget: int = 8
+
+    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+        if self.normalize:
+            x = F.normalize(x, p=self.p, dim=-1)
+            y = None if y is None else F.normalize(y, p=self.p, dim=-1)
+        if self.p == 2:
+            squared = self.power == 2
+            if y is None:
+                mat = _SafeEuclideanSelf.apply(x, squared, self.exact_budget, self.normalize)
+            else:
+                mat = _SafeEuclidean.apply(x, y, squared, self.exact_budget, self.normalize)
+            if squared:
+                return mat
+        else:
+            mat = torch.cdist(x, x if y is None else y, p=self.p)
+        if self.power != 1:
+            mat = mat**self.power
+        return mat
+
+
+def lp(p: float = 2, power: float = 1, normalize: bool = True, *, exact_budget: int = 8) -> Distance:
+    """Minkowski distance ``‖x̂_i − ŷ_j‖_p ** power`` (PML ``LpDistance``).
+
+    Args:
+        p: the norm's order (``p >= 1``); ``p=2`` uses the safe-matmul Euclidean distance, other
+            values ``torch.cdist``. Rows are normalised with the same ``p``.
+        power: exponent applied to the distance; ``power=2`` with ``p=2`` is computed directly
+            as the squared distance (no square root, smooth at 0).
+        normalize: L_p-normalise rows first (PML's ``normalize_embeddings=True``).
+        exact_budget: per-row number of entries recomputed exactly (``p=2`` only).
+
+    Example:
+        >>> d = lp()
+        >>> d(torch.eye(2)).round(decimals=4)
+        tensor([[0.0000, 1.4142],
+                [1.4142, 0.0000]])
+    """
+    p = float(p)
+    if not p >= 1:
+        raise ValueError(f"p must be >= 1, got {p}")
+    power = float(power)
+    if not power > 0:
+        raise ValueError(f"power must be > 0, got {power}")
+    if int(exact_budget) < 0:
+        raise ValueError(f"exact_budget must be >= 0, got {exact_budget}")
+    return _Lp(p=p, power=power, normalize=bool(normalize), exact_budget=int(exact_budget))
+
+
+@dataclass(frozen=True)
+class _Dot(Distance):
+    normalize: bool = False
+    is_similarity: ClassVar[bool] = True
+
+    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+        if self.normalize:
+            x = F.normalize(x, p=2, dim=-1)
+            y = None if y is None else F.normalize(y, p=2, dim=-1)
+        return x @ (x if y is None else y).transpose(-1, -2)
+
+
+def dot(normalize: bool = False) -> Distance:
+    """Dot-product similarity ``x_i · y_j`` (PML ``DotProductSimilarity``).
+
+    ``normalize`` defaults to ``False`` (PML 3's choice; PML 2.9.0 normalised by default).
+
+    Example:
+        >>> dot()(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]))
+        tensor([[11.]])
+    """
+    return _Dot(normalize=bool(normalize))
+
+
+def cosine() -> Distance:
+    """Cosine similarity ``x_i · y_j / (‖x_i‖ ‖y_j‖)`` (PML ``CosineSimilarity``).
+
+    Example:
+        >>> cosine()(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]])).round(decimals=4)
+        tensor([[0.7071]])
+    """
+    return _Dot(normalize=True)
+
+
+@dataclass(frozen=True)
+class _SNR(Distance):
+    normalize: bool = True
+    exact_budget: int = 8
+
+    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+        if x.shape[-1] < 2:
+            raise ValueError("snr() needs embedding size >= 2 (an unbiased variance over features)")
+        if self.normalize:
+            x = F.normalize(x, p=2, dim=-1)
+            y = None if y is None else F.normalize(y, p=2, dim=-1)
+        # Var(x − y) = ‖(x − x̄) − (y − ȳ)‖² / (D − 1): a squared Euclidean distance of centred rows.
+        xc = x - x.mean(-1, keepdim=True)
+        if y is None:
+            sq = _SafeEuclideanSelf.apply(xc, True, self.exact_budget, False)
+        else:
+            sq = _SafeEuclidean.apply(xc, y - y.mean(-1, keepdim=True), True, self.exact_budget, False)
+        var_x = (xc * xc).sum(-1, keepdim=True)  # (D − 1)·Var(x_i); the (D − 1) factors cancel
+        return sq / var_x
+
+
+def snr() -> Distance:
+    """Signal-to-noise-ratio distance ``Var(x̂_i − ŷ_j) / Var(x̂_i)`` (PML ``SNRDistance``).
+
+    Computed as a squared Euclidean distance between centred rows: no ``B × M × D`` buffer.
+
+    Reference: Yuan et al., "Signal-To-Noise Ratio: A Robust Distance Metric for Deep Metric
+    Learning", CVPR 2019.
+
+    Example:
+        >>> snr()(torch.randn(3, 8)).diagonal()
+        tensor([0., 0., 0.])
+    """
+    return _SNR()

@@ -1,0 +1,140 @@
+"""Shared set-up of every embedding loss: validation, the distance matrix, the pair masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ..distances import Distance
+from ..labels import PairMasks, pair_masks
+from ..reducers import Reducer, Terms, reduce
+
+__all__ = ["Batch", "finish", "masked_logsumexp", "prepare"]
+
+
+@dataclass
+class Batch:
+    """What a loss needs about its inputs, all in the compute dtype (float32 for fp16/bf16)."""
+
+    mat: Tensor  # (B, M) distance or similarity matrix
+    masks: PairMasks  # (B, M) positive / negative pair counts
+    labels: Tensor | None
+    counts: bool  # masks hold pair multiplicities (from an index tuple), not just 0/1
+    distance: Distance
+    out_dtype: torch.dtype
+    embeddings: Tensor
+    ref_emb: Tensor | None  # None in self mode
+
+    @property
+    def num_anchors(self) -> int:
+        return self.mat.shape[-2]
+
+    def bool_masks(self) -> tuple[Tensor, Tensor]:
+        """Boolean masks (PML's matrix-based losses set ``mask[a, p] = 1`` once per listed pair)."""
+        pos, neg = self.masks
+        return pos > 0, neg > 0
+
+    def similarity(self) -> Tensor:
+        """The matrix oriented so that larger means closer (negated for distances)."""
+        return self.mat if self.distance.is_similarity else -self.mat
+
+
+def prepare(
+    embeddings: Tensor,
+    labels: Tensor | None,
+    *,
+    ref_emb: Tensor | None,
+    ref_labels: Tensor | None,
+    indices_tuple,
+    mat: Tensor | None,
+    distance: Distance | None,
+    default_distance: Distance,
+) -> Batch:
+    """Validate a loss's inputs (shapes, dtypes, devices only) and build its matrix and masks."""
+    _checks.embeddings(embeddings)
+    b = embeddings.shape[0]
+    if distance is None:
+        distance = default_distance
+    if not isinstance(distance, Distance):
+        raise TypeError(f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}")
+    if labels is not None:
+        _checks.labels(labels, b, embeddings.device)
+    elif indices_tuple is None:
+        raise ValueError("labels and indices_tuple cannot both be None")
+    if ref_emb is not None:
+        _checks.embeddings(ref_emb, "ref_emb")
+        _checks.same_space(embeddings, ref_emb)
+        if ref_labels is None and indices_tuple is None:
+            raise ValueError("ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)")
+        if ref_labels is not None:
+            if labels is None:
+                raise ValueError("ref_labels was given but labels is None")
+            _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
+    elif ref_labels is not None:
+        raise ValueError("ref_labels was given without ref_emb")
+    m = b if ref_emb is None else ref_emb.shape[0]
+    cd = _checks.compute_dtype(embeddings.dtype)
+    if mat is not None:
+        if not isinstance(mat, Tensor):
+            raise TypeError(f"mat must be a tensor, got {type(mat).__name__}")
+        if tuple(mat.shape) != (b, m):
+            raise ValueError(f"mat must have shape (batch_size, ref_size) = {(b, m)}, got {tuple(mat.shape)}")
+        if not mat.dtype.is_floating_point:
+            raise TypeError(f"mat must be floating point, got {mat.dtype}")
+        if mat.device != embeddings.device:
+            raise ValueError(f"mat is on {mat.device} but embeddings are on {embeddings.device}")
+        mat = mat.to(cd)
+    else:
+        mat = distance.matrix(embeddings, ref_emb)
+    masks = pair_masks(
+        labels,
+        None if ref_emb is None else ref_labels,
+        indices_tuple,
+        (b, m),
+        dtype=cd,
+        device=embeddings.device,
+    )
+    return Batch(mat, masks, labels, indices_tuple is not None, distance, embeddings.dtype, embeddings, ref_emb)
+
+
+def default_reducer(reducer: Reducer | None, default: Reducer) -> Reducer:
+    return default if reducer is None else reducer
+
+
+def finish(batch: Batch, terms: dict[str, Terms], reducer: Reducer):
+    """Reduce the terms (summing sub-losses) and return the loss in the input dtype."""
+    return reduce(reducer, terms, batch.labels, batch.out_dtype)
+
+
+def masked_logsumexp(x: Tensor, keep: Tensor, weights: Tensor | None = None, dim: int = -1) -> Tensor:
+    """``log Σ_{j: keep_j} w_j exp(x_j)`` along ``dim`` (``w = 1`` when ``weights`` is None).
+
+    Rows with nothing kept get ``finfo.min``, a finite stand-in for −∞ that keeps every gradient
+    finite (``exp`` of it is 0, ``logaddexp`` with it is the other operand).
+    """
+    low = torch.finfo(x.dtype).min
+    xm = torch.where(keep, x, low)
+    shift = xm.amax(dim, keepdim=True).detach()
+    has_any = shift > low
+    shift = torch.where(has_any, shift, 0.0)
+    terms = torch.exp(xm - shift)
+    if weights is not None:
+        terms = terms * weights
+    s = terms.sum(dim, keepdim=True)
+    lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
+    return lse.squeeze(dim)
+
+
+def signed(sign: float, x: Tensor) -> Tensor:
+    """``sign * x`` without a pass over ``x`` when ``sign == 1``."""
+    return x if sign == 1.0 else -x
+
+
+def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
+    """A hyper-parameter ready to combine with ``ref``: tensors are cast to its dtype/device."""
+    if isinstance(value, Tensor):
+        return value.to(dtype=ref.dtype, device=ref.device)
+    return value

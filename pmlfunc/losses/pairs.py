@@ -1,0 +1,154 @@
+"""Pair losses: each term is one (anchor, other) pair of the ``B × M`` grid."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from ..distances import Distance, cosine, lp
+from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
+from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like, signed
+
+__all__ = ["contrastive", "multi_similarity"]
+
+
+def contrastive(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    pos_margin: float | Tensor = 0.0,
+    neg_margin: float | Tensor = 1.0,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""Contrastive (pair margin) loss.
+
+    For a distance ``d`` (similarities flip the sign of both hinges):
+
+    .. math::
+        L = R\big(\{[d_{ap} - m_{pos}]_+\}_{(a,p)}\big) + R\big(\{[m_{neg} - d_{an}]_+\}_{(a,n)}\big)
+
+    over positive pairs ``(a, p)`` and negative pairs ``(a, n)``; ``R`` is the reducer, applied to
+    each sub-loss (``pos_loss``, ``neg_loss``) separately.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        pos_margin: positives closer than this cost nothing (default ``0``).
+        neg_margin: negatives farther than this cost nothing (default ``1``).
+        distance: default ``lp()`` (normalised Euclidean).
+        reducer: default ``avg_nonzero()``.
+        ref_emb, ref_labels: a separate reference set (nothing excluded); default: the batch
+            itself without the diagonal.
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = contrastive(emb, labels, neg_margin=1.4)
+
+    Reference: Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an Invariant
+    Mapping", CVPR 2006.
+    """
+    pos_margin = _checks.hyper(pos_margin, "pos_margin")
+    neg_margin = _checks.hyper(neg_margin, "neg_margin")
+    batch = prepare(
+        embeddings,
+        labels,
+        ref_emb=ref_emb,
+        ref_labels=ref_labels,
+        indices_tuple=indices_tuple,
+        mat=mat,
+        distance=distance,
+        default_distance=lp(),
+    )
+    d, s = batch.mat, batch.distance.sign()
+    pos_loss = F.relu(signed(s, d - scalar_like(pos_margin, d)))
+    neg_loss = F.relu(signed(s, scalar_like(neg_margin, d) - d))
+    b = batch.num_anchors
+    terms = {
+        "pos_loss": DenseTerms(pos_loss, batch.masks.pos, "pos_pair", b),
+        "neg_loss": DenseTerms(neg_loss, batch.masks.neg, "neg_pair", b),
+    }
+    return finish(batch, terms, default_reducer(reducer, avg_nonzero()))
+
+
+def multi_similarity(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    alpha: float | Tensor = 2.0,
+    beta: float | Tensor = 50.0,
+    base: float | Tensor = 0.5,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""Multi-similarity loss.
+
+    Per anchor ``a``, with similarity ``s`` (a distance enters as ``-d``):
+
+    .. math::
+        \ell_a = \frac{1}{\alpha}\log\Big(1 + \sum_{p} e^{-\alpha (s_{ap} - \lambda)}\Big)
+               + \frac{1}{\beta}\log\Big(1 + \sum_{n} e^{\beta (s_{an} - \lambda)}\Big)
+
+    with ``λ = base``; anchors without positives (negatives) get 0 for that part.
+
+    Args:
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in :func:`contrastive`.
+        alpha: weight of positive pairs (default ``2``).
+        beta: weight of negative pairs (default ``50``).
+        base: the similarity shift λ (default ``0.5``).
+        distance: default ``cosine()``.
+        reducer: default ``mean()`` over anchors.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = multi_similarity(emb, labels)
+
+    Reference: Wang et al., "Multi-Similarity Loss with General Pair Weighting for Deep Metric
+    Learning", CVPR 2019.
+    """
+    alpha = _checks.hyper(alpha, "alpha", positive=True)
+    beta = _checks.hyper(beta, "beta", positive=True)
+    base = _checks.hyper(base, "base")
+    batch = prepare(
+        embeddings,
+        labels,
+        ref_emb=ref_emb,
+        ref_labels=ref_labels,
+        indices_tuple=indices_tuple,
+        mat=mat,
+        distance=distance,
+        default_distance=cosine(),
+    )
+    d, s = batch.mat, batch.distance.sign()
+    alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
+    shifted = signed(s, d - base)  # PML's margin(mat, base): positives pay for it, negatives for its opposite
+    pos, neg = batch.bool_masks()  # PML's matrix-based losses count each listed pair once
+    pos_lse = masked_logsumexp(alpha * shifted, pos)
+    neg_lse = masked_logsumexp(-beta * shifted, neg)
+    # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = finfo.min, which gives 0.
+    zero = pos_lse.new_zeros(())
+    per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
+    terms = {"loss": DenseTerms(per_anchor, _ones(per_anchor), "element", batch.num_anchors)}
+    return finish(batch, terms, default_reducer(reducer, mean()))
+
+
+def _ones(x: Tensor) -> Tensor:
+    return x.new_ones(x.shape)

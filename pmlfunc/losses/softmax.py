@@ -1,0 +1,145 @@
+"""Softmax (InfoNCE-style) losses: a positive scored against a row's log-sum-exp.
+
+Both losses need per-row log-sum-exps only; no positive-pair × negative-pair matrix is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ..distances import Distance, cosine
+from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
+from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like
+
+__all__ = ["ntxent", "supcon"]
+
+
+def ntxent(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.07,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""NT-Xent (normalised temperature-scaled cross entropy, InfoNCE) loss.
+
+    One term per positive pair ``(a, p)``, against the negatives ``N(a)`` of the same anchor,
+    with similarity ``s`` (a distance enters as ``-d``) and temperature ``τ``:
+
+    .. math::
+        \ell_{ap} = -\log\Big(\frac{e^{s_{ap}/τ}}{e^{s_{ap}/τ} + \sum_{n \in N(a)} e^{s_{an}/τ}}
+                     + \epsilon\Big)
+
+    with ``ε = finfo(dtype).tiny`` as in PML (it caps a term at ``-log ε``). Computed from one
+    log-sum-exp per row.
+
+    Args:
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in
+            :func:`pmlfunc.losses.contrastive`.
+        temperature: ``τ > 0`` (default ``0.07``); a 0-d tensor may be learnable.
+        distance: default ``cosine()``.
+        reducer: default ``mean()`` over positive pairs.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = ntxent(emb, labels, temperature=0.1)
+
+    References: Chen et al., "A Simple Framework for Contrastive Learning of Visual
+    Representations", ICML 2020; Sohn, "Improved Deep Metric Learning with Multi-class N-pair
+    Loss Objective", NeurIPS 2016; van den Oord et al., "Representation Learning with Contrastive
+    Predictive Coding", 2018.
+    """
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    batch = prepare(
+        embeddings,
+        labels,
+        ref_emb=ref_emb,
+        ref_labels=ref_labels,
+        indices_tuple=indices_tuple,
+        mat=mat,
+        distance=distance,
+        default_distance=cosine(),
+    )
+    z = batch.similarity() / scalar_like(temperature, batch.mat)
+    neg = batch.masks.neg  # counts weight repeated negatives, as in PML
+    neg_lse = masked_logsumexp(z, neg > 0, neg if batch.counts else None)
+    # log(e^z / (e^z + e^lse)) = -log(1 + e^(lse - z)); PML adds ε inside the log.
+    log_ratio = -torch.logaddexp(neg_lse.unsqueeze(-1) - z, z.new_zeros(()))
+    losses = -torch.logaddexp(log_ratio, log_ratio.new_full((), math.log(torch.finfo(z.dtype).tiny)))
+    terms = {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
+    return finish(batch, terms, default_reducer(reducer, mean()))
+
+
+def supcon(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.1,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""Supervised contrastive loss.
+
+    Per anchor ``a`` with positives ``P(a)`` and candidates ``A(a) = P(a) ∪ N(a)`` (the diagonal
+    excluded in self mode), similarity ``s`` (a distance enters as ``-d``), temperature ``τ``:
+
+    .. math::
+        \ell_a = -\frac{1}{|P(a)|} \sum_{p \in P(a)}
+                 \Big(\frac{s_{ap}}{τ} - \log \sum_{k \in A(a)} e^{s_{ak}/τ}\Big)
+
+    ``ℓ_a = 0`` for anchors without positives. As in PML, the loss is 0 when the batch has no
+    positive pair or no negative pair at all.
+
+    Args:
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in
+            :func:`pmlfunc.losses.contrastive`.
+        temperature: ``τ > 0`` (default ``0.1``).
+        distance: default ``cosine()``.
+        reducer: default ``avg_nonzero()`` over anchors.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = supcon(emb, labels)
+
+    Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
+    """
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    batch = prepare(
+        embeddings,
+        labels,
+        ref_emb=ref_emb,
+        ref_labels=ref_labels,
+        indices_tuple=indices_tuple,
+        mat=mat,
+        distance=distance,
+        default_distance=cosine(),
+    )
+    z = batch.similarity() / scalar_like(temperature, batch.mat)
+    pos, neg = batch.bool_masks()
+    denom = masked_logsumexp(z, pos | neg)
+    posf = pos.to(z.dtype)
+    n_pos = posf.sum(-1)
+    mean_log_prob = (posf * z).sum(-1) / n_pos.clamp_min(1.0) - torch.where(n_pos > 0, denom, 0.0)
+    active = pos.any() & neg.any()
+    losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
+    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", batch.num_anchors)}
+    return finish(batch, terms, default_reducer(reducer, avg_nonzero()))

@@ -1,0 +1,271 @@
+"""Reducers: how a loss's per-element, per-pair or per-triplet terms become one number.
+
+A loss describes its unreduced terms as :class:`Terms` objects (one per sub-loss, e.g. the
+contrastive ``pos_loss`` and ``neg_loss``); a reducer turns each into a scalar and the loss sums
+them, as PML's ``MultipleReducers`` does. Terms never need to be materialised: every reducer is
+written over per-anchor sufficient statistics ``(Σ selected losses, # selected terms)`` that a
+``Terms`` object computes for a value window ``low < loss < high``. This is what lets the
+all-triplet loss count and sum its triplets without enumerating them.
+
+| reducer | result | PML |
+|---|---|---|
+| ``mean()`` | Σ losses / # terms | ``MeanReducer`` |
+| ``avg_nonzero()`` | Σ losses / # terms with loss > 0 | ``AvgNonZeroReducer`` |
+| ``sum()`` | Σ losses | ``SumReducer`` |
+| ``divisor()`` | Σ losses / the divisor the loss supplies | ``DivisorReducer`` |
+| ``threshold(low, high)`` | mean of the losses with low < loss < high | ``ThresholdReducer`` |
+| ``per_anchor(reducer)`` | per-anchor mean, then ``reducer`` over anchors | ``PerAnchorReducer`` |
+| ``class_weighted(weights)`` | Σ weights[label(anchor)]·loss / # terms | ``ClassWeightedReducer`` |
+| ``none()`` | the unreduced terms, as a dict | ``DoNothingReducer`` |
+
+A reducer whose selection is empty returns 0 (with zero gradients), as PML does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _checks
+
+__all__ = [
+    "DenseTerms",
+    "Reducer",
+    "Terms",
+    "avg_nonzero",
+    "class_weighted",
+    "divisor",
+    "mean",
+    "none",
+    "per_anchor",
+    "reduce",
+    "sum",
+    "threshold",
+]
+
+Bound = float | Tensor | None
+
+
+class Terms:
+    """Unreduced loss terms of one sub-loss, grouped by anchor.
+
+    Subclasses implement :meth:`stats`. ``kind`` is PML's reduction type (``"element"``,
+    ``"pos_pair"``, ``"neg_pair"``, ``"triplet"``); ``num_anchors`` the number of query rows;
+    ``divisor`` what :func:`divisor` divides by (``None`` when the loss supplies none).
+    """
+
+    kind: str
+    num_anchors: int
+    divisor: float | Tensor | None = None
+
+    def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        """Per-anchor ``(sum, count)`` of the terms with ``low < loss < high`` (``None``: no bound),
+        each of shape ``(num_anchors,)``; counts include pair multiplicities."""
+        raise NotImplementedError
+
+    def totals(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        """``(Σ selected losses, # selected terms)`` over all anchors, as 0-d tensors."""
+        s, c = self.stats(low, high)
+        return s.sum(), c.sum()
+
+    def dense(self) -> dict[str, Any]:
+        """The terms materialised: ``{"losses", "weights", "kind"}`` (used by :func:`none`)."""
+        raise NotImplementedError
+
+
+def _window(values: Tensor, low: Bound, high: Bound) -> Tensor | None:
+    sel = None
+    if low is not None:
+        sel = values > low
+    if high is not None:
+        h = values < high
+        sel = h if sel is None else sel & h
+    return sel
+
+
+@dataclass(frozen=True, eq=False)
+class DenseTerms(Terms):
+    """Terms held as a tensor: ``(B,)`` per-element, ``(B, M)`` per-pair, or a flat list ``(T,)``
+    with ``anchor_index`` giving each term's anchor row.
+
+    ``weights`` (same shape as ``losses``) are term multiplicities: 0 for absent terms.
+    """
+
+    losses: Tensor
+    weights: Tensor
+    kind: str
+    num_anchors: int
+    anchor_index: Tensor | None = None
+    divisor: float | Tensor | None = None
+
+    def _per_anchor(self, x: Tensor) -> Tensor:
+        if self.anchor_index is not None:
+            out = torch.zeros(self.num_anchors, dtype=x.dtype, device=x.device)
+            return out.index_add(0, self.anchor_index.long(), x)
+        return x if x.ndim == 1 else x.sum(-1)
+
+    def _selected(self, low: Bound, high: Bound) -> Tensor:
+        sel = _window(self.losses, low, high)
+        return self.weights if sel is None else torch.where(sel, self.weights, 0.0)
+
+    def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        w = self._selected(low, high)
+        return self._per_anchor(w * self.losses), self._per_anchor(w)
+
+    def totals(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        w = self._selected(low, high)
+        return w.reshape(-1) @ self.losses.reshape(-1), w.sum()
+
+    def dense(self) -> dict[str, Any]:
+        out = {"losses": self.losses, "weights": self.weights, "kind": self.kind}
+        if self.anchor_index is not None:
+            out["anchor_index"] = self.anchor_index
+        return out
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` with 0 where ``den == 0`` (and a zero, not NaN, gradient there)."""
+    nonzero = den > 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+class Reducer:
+    """Base class of the reducers. ``reducer(terms, labels)`` returns a 0-d tensor."""
+
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _Window(Reducer):
+    low: Bound = None
+    high: Bound = None
+
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        s, c = terms.totals(self.low, self.high)
+        return _ratio(s, c)
+
+
+@dataclass(frozen=True)
+class _Sum(Reducer):
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        return terms.totals()[0]
+
+
+@dataclass(frozen=True)
+class _Divisor(Reducer):
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        if terms.divisor is None:
+            raise ValueError("reducer=divisor() needs a loss that supplies a divisor; this loss does not (use sum() or mean())")
+        total = terms.totals()[0]
+        d = torch.as_tensor(terms.divisor, dtype=total.dtype, device=total.device)
+        return _ratio(total, d)
+
+
+@dataclass(frozen=True)
+class _PerAnchor(Reducer):
+    inner: Reducer = field(default_factory=lambda: _Window())
+
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        if terms.kind == "element":
+            return self.inner(terms, labels)
+        s, c = terms.stats()
+        per = _ratio(s, c)
+        return self.inner(DenseTerms(per, torch.ones_like(per), "element", terms.num_anchors), labels)
+
+
+@dataclass(frozen=True, eq=False)
+class _ClassWeighted(Reducer):
+    weights: Tensor
+
+    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        if labels is None:
+            raise ValueError("reducer=class_weighted(...) needs labels (the anchors' classes)")
+        s, c = terms.stats()
+        w = self.weights.to(device=s.device, dtype=s.dtype)[labels.long()]
+        return _ratio((w * s).sum(), c.sum())
+
+
+@dataclass(frozen=True)
+class _None(Reducer):
+    def __call__(self, terms: Terms, labels: Tensor | None = None):
+        return terms.dense()
+
+
+def mean() -> Reducer:
+    """Mean over all terms (PML ``MeanReducer``). Example: ``pf.losses.ntxent(e, y, reducer=mean())``."""
+    return _Window()
+
+
+def avg_nonzero() -> Reducer:
+    """Mean over the terms with a positive loss (PML ``AvgNonZeroReducer``):
+    ``Σ l / #{l > 0}``. Example: ``pf.losses.contrastive(e, y, reducer=avg_nonzero())``."""
+    return _Window(low=0.0)
+
+
+def sum() -> Reducer:  # noqa: A001 - PML's name
+    """Sum of all terms (PML ``SumReducer``). Example: ``pf.losses.contrastive(e, y, reducer=sum())``."""
+    return _Sum()
+
+
+def divisor() -> Reducer:
+    """Sum of all terms divided by the divisor the loss supplies (PML ``DivisorReducer``)."""
+    return _Divisor()
+
+
+def threshold(low: float | Tensor | None = None, high: float | Tensor | None = None) -> Reducer:
+    """Mean of the terms with ``low < loss < high`` (PML ``ThresholdReducer``); at least one bound.
+
+    Example: ``pf.losses.triplet_margin(e, y, reducer=threshold(low=0.1))``.
+    """
+    if low is None and high is None:
+        raise ValueError("threshold() needs at least one of low or high")
+    low = None if low is None else _checks.hyper(low, "low")
+    high = None if high is None else _checks.hyper(high, "high")
+    return _Window(low=low, high=high)
+
+
+def per_anchor(reducer: Reducer | None = None) -> Reducer:
+    """Average each anchor's terms, then reduce the per-anchor values with ``reducer``
+    (default ``mean()``) (PML ``PerAnchorReducer``). Anchors without terms count as 0.
+
+    Unlike PML, triplet terms are supported (each anchor's mean over its triplets).
+    """
+    if reducer is None:
+        reducer = mean()
+    if not isinstance(reducer, Reducer):
+        raise TypeError(f"per_anchor(reducer=...) must be a pmlfunc reducer, got {type(reducer).__name__}")
+    return _PerAnchor(reducer)
+
+
+def class_weighted(weights: Tensor) -> Reducer:
+    """``mean(loss · weights[label(anchor)])`` over all terms (PML ``ClassWeightedReducer``).
+
+    Args:
+        weights: ``(num_classes,)`` tensor of per-class weights.
+    """
+    if not isinstance(weights, Tensor) or weights.ndim != 1:
+        raise TypeError("class_weighted(weights) needs a 1-D tensor of per-class weights")
+    return _ClassWeighted(weights)
+
+
+def none() -> Reducer:
+    """No reduction: the loss returns ``{sub_loss_name: {"losses", "weights", "kind"}}``
+    (PML ``DoNothingReducer``). All-triplet terms are materialised as ``(B, M, M)`` here."""
+    return _None()
+
+
+def reduce(reducer: Reducer, terms: dict[str, Terms], labels: Tensor | None, out_dtype: torch.dtype):
+    """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``)."""
+    if not isinstance(reducer, Reducer):
+        raise TypeError(f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}")
+    if isinstance(reducer, _None):
+        return {name: t.dense() for name, t in terms.items()}
+    total = None
+    for t in terms.values():
+        v = reducer(t, labels)
+        total = v if total is None else total + v
+    return total.to(out_dtype)
