@@ -60,8 +60,9 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
         if self_mode:
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
         idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
-        diff = x.unsqueeze(-2) - y[idx]  # (B, k, D): the static per-row budget
-        d2.scatter_(-1, idx, (diff * diff).sum(-1))
+        # (B, k, D) differences: the static per-row budget (index_select: far faster than y[idx]).
+        diff = y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
+        d2 = d2.scatter(-1, idx, diff.mul_(diff).sum(-1))  # out of place: vmap has a rule for it
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)

@@ -133,6 +133,13 @@ def signed(sign: float, x: Tensor) -> Tensor:
     return x if sign == 1.0 else -x
 
 
+def shift(x: Tensor, value: float | Tensor) -> Tensor:
+    """``x - value`` without a pass over ``x`` when ``value`` is the Python number 0."""
+    if isinstance(value, float) and value == 0.0:
+        return x
+    return x - scalar_like(value, x)
+
+
 def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
     """A hyper-parameter ready to combine with ``ref``: tensors are cast to its dtype/device."""
     if isinstance(value, Tensor):

@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import _checks
 from ..distances import Distance, cosine, lp
 from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
-from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like, signed
+from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like, shift, signed
 
 __all__ = ["contrastive", "multi_similarity"]
 
@@ -72,8 +72,8 @@ def contrastive(
         default_distance=lp(),
     )
     d, s = batch.mat, batch.distance.sign()
-    pos_loss = F.relu(signed(s, d - scalar_like(pos_margin, d)))
-    neg_loss = F.relu(signed(s, scalar_like(neg_margin, d) - d))
+    pos_loss = F.relu(signed(s, shift(d, pos_margin)))
+    neg_loss = F.relu(signed(-s, shift(d, neg_margin)))
     b = batch.num_anchors
     terms = {
         "pos_loss": DenseTerms(pos_loss, batch.masks.pos, "pos_pair", b),

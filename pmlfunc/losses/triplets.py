@@ -74,13 +74,16 @@ class _CubeStats(torch.autograd.Function):
     """Per-anchor ``(Σ selected f(x), # selected)`` over the triplet cube
     ``x[a, p, n] = e_ap − g[a, p, n] + m`` with ``g = e_an`` (or ``min(e_an, e_pn)`` with swap)
     and ``f = relu`` or ``softplus``, terms weighted ``pos[a, p]·neg[a, n]`` and selected by
-    ``low < f(x) < high``. Anchor-chunked; the backward recomputes each chunk."""
+    ``low < f(x) < high``. Anchor-chunked; the backward recomputes each chunk.
+
+    ``swap_self`` means ``e_pn = e`` (self mode); it is a flag because compile rejects a Function
+    given the same tensor twice."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def _block(e, pos, neg, e_pn, margin, lo, hi, smooth, start, stop):
-        ea = e[start:stop]
+        ea = e[start:stop]  # e_pn: None, or the (M, M) positive-to-negative matrix
         an = ea.unsqueeze(-2)
         pick_an = None
         if e_pn is not None:
@@ -98,7 +101,9 @@ class _CubeStats(torch.autograd.Function):
         return x, f, w, pick_an
 
     @staticmethod
-    def forward(e, pos, neg, e_pn, margin, lo, hi, smooth, chunk):
+    def forward(e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk):
+        if swap_self:
+            e_pn = e
         sums, counts = [], []
         for start in range(0, e.shape[-2], chunk):
             _, f, w, _ = _CubeStats._block(e, pos, neg, e_pn, margin, lo, hi, smooth, start, start + chunk)
@@ -108,15 +113,16 @@ class _CubeStats(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        e, pos, neg, e_pn, margin, lo, hi, smooth, chunk = inputs
+        e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk = inputs
         ctx.save_for_backward(e, pos, neg, e_pn, margin, lo, hi)
-        ctx.smooth, ctx.chunk = smooth, chunk
+        ctx.smooth, ctx.swap_self, ctx.chunk = smooth, swap_self, chunk
         ctx.set_materialize_grads(True)
 
     @staticmethod
     def backward(ctx, g_sum, _g_count):
         e, pos, neg, e_pn, margin, lo, hi = ctx.saved_tensors
-        grad_e = torch.zeros_like(e)
+        if ctx.swap_self:
+            e_pn = e
         grad_pn = None if e_pn is None else torch.zeros_like(e_pn)
         grad_m = torch.zeros_like(margin)
         rows = []
@@ -135,7 +141,9 @@ class _CubeStats(torch.autograd.Function):
             rows.append(row)
             grad_m = grad_m + gx.sum()
         grad_e = torch.cat(rows, -2)
-        return grad_e, None, None, grad_pn, grad_m, None, None, None, None
+        if ctx.swap_self:
+            grad_e, grad_pn = grad_e + grad_pn, None
+        return grad_e, None, None, grad_pn, grad_m, None, None, None, None, None
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +155,8 @@ class AllTriplets(Terms):
     neg: Tensor
     margin: float | Tensor
     smooth: bool
-    e_pn: Tensor | None  # (M, M) reference-to-reference, for swap
+    e_pn: Tensor | None  # (M, M) reference-to-reference, for swap with a reference set
+    swap_self: bool = False  # swap in self mode: e_pn is e itself
     kind: str = "triplet"
 
     @property
@@ -158,7 +167,7 @@ class AllTriplets(Terms):
         return self.pos.sum(-1) * self.neg.sum(-1)
 
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
-        plain = not self.smooth and self.e_pn is None and high is None
+        plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         if plain and low is None:
             return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)[0], self._total_count()
         if plain and isinstance(low, float) and low == 0.0:
@@ -168,14 +177,15 @@ class AllTriplets(Terms):
         margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
         lo = None if low is None else torch.as_tensor(low, dtype=self.e.dtype, device=self.e.device)
         hi = None if high is None else torch.as_tensor(high, dtype=self.e.dtype, device=self.e.device)
-        s, c = _CubeStats.apply(self.e, self.pos, self.neg, self.e_pn, margin, lo, hi, self.smooth, chunk)
+        s, c = _CubeStats.apply(self.e, self.pos, self.neg, self.e_pn, margin, lo, hi, self.smooth, self.swap_self, chunk)
         if low is None and high is None:
             c = self._total_count()
         return s, c
 
     def dense(self) -> dict[str, Any]:
         an = self.e.unsqueeze(-2)
-        g = an if self.e_pn is None else torch.minimum(an, self.e_pn)
+        e_pn = self.e if self.swap_self else self.e_pn
+        g = an if e_pn is None else torch.minimum(an, e_pn)
         x = self.e.unsqueeze(-1) - g + self.margin
         losses = F.softplus(x) if self.smooth else F.relu(x)
         weights = self.pos.unsqueeze(-1) * self.neg.unsqueeze(-2)
@@ -259,10 +269,9 @@ def triplet_margin(
         losses = F.softplus(x) if smooth_loss else F.relu(x)
         terms: Terms = DenseTerms(losses, torch.ones_like(losses), "triplet", batch.num_anchors, anchor_index=a)
     else:
-        e_pn = None
-        if swap:
-            e_pn = e if batch.ref_emb is None else _ref_self(batch, sign)
-        terms = AllTriplets(e, batch.masks.pos, batch.masks.neg, margin, smooth_loss, e_pn)
+        e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
+        swap_self = swap and batch.ref_emb is None
+        terms = AllTriplets(e, batch.masks.pos, batch.masks.neg, margin, smooth_loss, e_pn, swap_self)
     return finish(batch, {"loss": terms}, reducer)
 
 
