@@ -1,4 +1,4 @@
-"""Triplet losses: each term is one (anchor, positive, negative) triplet.
+r"""Triplet losses: each term is one (anchor, positive, negative) triplet.
 
 All triplets are never enumerated. Write ``e`` for the distance oriented so that smaller means
 closer (``e = d``, or ``e = -s`` for a similarity) and ``t_ap = e_ap + m``. The hinge of triplet

@@ -1,0 +1,278 @@
+"""Distances: values against float64 direct references and PML, the safe-matmul Euclidean
+distance's accuracy in every precision, its gradients, transforms, memory and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning import distances as pml_d
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pmlfunc as pf
+from pmlfunc.distances import safe_euclidean
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _direct(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Float64 direct-difference Euclidean distances (the ground truth)."""
+    x, y = x.double(), y.double()
+    return (x[:, None, :] - y[None, :, :]).pow(2).sum(-1).sqrt()
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+# ---------------------------------------------------------------------------------------------
+
+PML_PAIRS = [
+    (pf.distances.lp(), pml_d.LpDistance()),
+    (pf.distances.lp(normalize=False), pml_d.LpDistance(normalize_embeddings=False)),
+    (pf.distances.lp(power=2), pml_d.LpDistance(power=2)),
+    (pf.distances.lp(p=1), pml_d.LpDistance(p=1)),
+    (pf.distances.lp(p=3, normalize=False), pml_d.LpDistance(p=3, normalize_embeddings=False)),
+    (pf.distances.cosine(), pml_d.CosineSimilarity()),
+    (pf.distances.dot(), pml_d.DotProductSimilarity(normalize_embeddings=False)),
+    (pf.distances.dot(normalize=True), pml_d.DotProductSimilarity()),
+    (pf.distances.snr(), pml_d.SNRDistance()),
+    (pf.distances.snr(), pml_d.SNRDistance()),
+]
+
+
+@pytest.mark.parametrize("ours,theirs", PML_PAIRS, ids=lambda v: repr(v))
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_matches_pml_values_and_gradients(ours, theirs, with_ref):
+    g = _gen(1)
+    x = torch.randn(10, 7, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 7, generator=g, dtype=torch.float64) if with_ref else None
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a = ours(x1, y)
+    b = theirs(x2, y)
+    assert ours.is_similarity == theirs.is_inverted
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    w = torch.randn(a.shape, generator=g, dtype=torch.float64)
+    (a * w).sum().backward()
+    (b * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_snr_equals_variance_definition():
+    g = _gen(2)
+    x = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    xn, yn = F.normalize(x, dim=1), F.normalize(y, dim=1)
+    ref = torch.var(xn[:, None] - yn[None], dim=2) / torch.var(xn, dim=1)[:, None]
+    torch.testing.assert_close(pf.distances.snr()(x, y), ref, rtol=1e-12, atol=1e-14)
+
+
+def test_self_distance_diagonal_is_exactly_zero():
+    x = torch.randn(33, 16, generator=_gen(3)) * 100
+    for d in (pf.distances.lp(), pf.distances.lp(normalize=False), pf.distances.lp(power=2), pf.distances.snr()):
+        assert torch.all(d(x).diagonal() == 0), d
+
+
+def test_distance_objects_are_immutable_and_hashable():
+    assert pf.distances.lp() == pf.distances.lp()
+    assert hash(pf.distances.lp()) == hash(pf.distances.lp())
+    assert pf.distances.lp() != pf.distances.lp(power=2)
+    assert len({pf.distances.cosine(), pf.distances.cosine(), pf.distances.dot()}) == 2
+    with pytest.raises(AttributeError):
+        pf.distances.lp().p = 1  # type: ignore[misc]
+    assert pf.distances.cosine().is_similarity and not pf.distances.lp().is_similarity
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe-matmul Euclidean accuracy
+# ---------------------------------------------------------------------------------------------
+
+
+def _case(kind: str, dtype: torch.dtype):
+    g = _gen(4)
+    n, dim = 64, 128
+    base = torch.randn(n, dim, generator=g)
+    if kind == "random":
+        x = base
+    elif kind == "nearby":  # pairs of rows 1e-3 apart (relative): the expansion cancels
+        x = torch.cat([base[: n // 2], base[: n // 2] + 1e-3 * torch.randn(n // 2, dim, generator=g)])
+    elif kind == "duplicate":  # every row twice
+        x = torch.cat([base[: n // 2], base[: n // 2]])
+    elif kind == "mixed":  # norms from 1e-2 to 1e2
+        x = base * torch.logspace(-2, 2, n)[:, None]
+    else:
+        raise AssertionError(kind)
+    return x.to(dtype)
+
+
+# The stated bound, for entries within the exact budget (every case below has at most one
+# near-duplicate per row): |d − d*| ≤ rel·d* + abs·sqrt(‖a‖² + ‖b‖²), with d* the float64
+# direct-difference distance of the same (rounded) inputs. rel is the output format's rounding
+# (2⁻²⁴, 2⁻¹¹, 2⁻⁸ for float32, float16, bfloat16) plus float32 accumulation; abs covers the
+# expansion's error on entries far from cancellation. Measured worst cases: float32 0.05 of
+# the old (1e-6, 2e-6) bound, i.e. 1.5e-7 relative; float16/bfloat16 0.99 (output rounding).
+BOUNDS = {
+    torch.float32: (2.5e-7, 1e-7),
+    torch.float16: (2**-11 + 1e-6, 2e-6),
+    torch.bfloat16: (2**-8 + 1e-6, 2e-6),
+}
+
+
+@pytest.mark.parametrize("dtype", list(BOUNDS), ids=str)
+@pytest.mark.parametrize("kind", ["random", "nearby", "duplicate", "mixed"])
+@pytest.mark.parametrize("self_mode", [True, False])
+def test_safe_euclidean_error_bound(dtype, kind, self_mode):
+    x = _case(kind, dtype)
+    y = None if self_mode else x.flip(0).contiguous()
+    d = safe_euclidean(x, y)
+    assert d.dtype == dtype
+    ref = _direct(x, x if y is None else y)
+    yy = x if y is None else y
+    scale = (x.double().pow(2).sum(1)[:, None] + yy.double().pow(2).sum(1)[None]).sqrt()
+    rel, ab = BOUNDS[dtype]
+    err = (d.double() - ref).abs()
+    assert torch.all(err <= rel * ref + ab * scale), float((err - rel * ref).max())
+
+
+@pytest.mark.parametrize("kind", ["nearby", "duplicate"])
+def test_plain_expansion_fails_where_safe_one_holds(kind):
+    """The cases above are hard: the unscreened expansion is far outside the bound."""
+    x = _case(kind, torch.float32)
+    sq = x.pow(2).sum(1)
+    naive = (sq[:, None] + sq[None] - 2 * x @ x.T).clamp_min(0).sqrt()
+    ref = _direct(x, x)
+    off = ~torch.eye(len(x), dtype=torch.bool)
+    naive_err = (naive.double() - ref)[off].abs().max()
+    safe_err = (safe_euclidean(x).double() - ref)[off].abs().max()
+    assert naive_err > 100 * safe_err
+
+
+def test_budget_zero_is_the_plain_expansion_and_budget_bounds_exact_entries():
+    x = _case("duplicate", torch.float32)
+    ref = _direct(x, x)
+    off = ~torch.eye(len(x), dtype=torch.bool)
+    err0 = (safe_euclidean(x, exact_budget=0).double() - ref)[off].abs().max()
+    err1 = (safe_euclidean(x, exact_budget=1).double() - ref)[off].abs().max()
+    assert err1 < 1e-5 < err0
+    # Four copies of each row need a budget of three per row.
+    x4 = torch.cat([x[:16]] * 4)
+    ref4 = _direct(x4, x4)
+    assert (safe_euclidean(x4, exact_budget=3).double() - ref4).abs().max() < 1e-5
+    assert (safe_euclidean(x4, exact_budget=1).double() - ref4).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients and transforms
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("squared", [False, True])
+def test_safe_euclidean_gradcheck(squared):
+    g = _gen(5)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: safe_euclidean(a, b, squared=squared), (x, y))
+    assert torch.autograd.gradcheck(lambda a: safe_euclidean(a, squared=squared), (x,))
+
+
+def test_gradient_is_zero_not_nan_at_zero_distance():
+    x = torch.randn(4, 3, generator=_gen(6)).repeat(2, 1).requires_grad_()
+    d = pf.distances.lp(normalize=False)(x)
+    (g,) = torch.autograd.grad(d.sum(), x)
+    assert torch.isfinite(g).all()
+    # Duplicates: each row's gradient is the sum over the distinct rows only.
+    xd = x.detach().double()
+    ref = sum(
+        (xd[i] - xd[j]) / (xd[i] - xd[j]).norm() for i in range(1) for j in range(8) if (xd[i] - xd[j]).norm() > 0
+    )
+    torch.testing.assert_close(g[0].double(), 2 * ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr)
+def test_vmap_and_grad_equal_eager(d):
+    g = _gen(7)
+    xs = torch.randn(3, 8, 5, generator=g)
+    ys = torch.randn(3, 6, 5, generator=g)
+    out = torch.func.vmap(d)(xs, ys)
+    torch.testing.assert_close(out, torch.stack([d(xs[i], ys[i]) for i in range(3)]))
+    gv = torch.func.vmap(torch.func.grad(lambda a: d(a).sum()))(xs)
+    ge = torch.stack([torch.func.grad(lambda a: d(a).sum())(xs[i]) for i in range(3)])
+    torch.testing.assert_close(gv, ge)
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+    g = _gen(8)
+    x = torch.randn(12, 6, generator=g)
+    y = torch.randn(9, 6, generator=g)
+
+    def f(a, b):
+        return pf.distances.lp()(a).sum() + pf.distances.lp()(a, b).square().sum() + pf.distances.snr()(a, b).sum()
+
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a = torch.compile(f, fullgraph=True)(x1, y)
+    b = f(x2, y)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "d", [pf.distances.lp(), pf.distances.lp(power=2), pf.distances.cosine(), pf.distances.snr()], ids=repr
+)
+def test_meta_device(d):
+    x = torch.empty(16, 8, device="meta", requires_grad=True)
+    out = d(x, torch.empty(5, 8, device="meta"))
+    assert out.shape == (16, 5) and out.device.type == "meta"
+    d(x).sum().backward()
+
+
+class _LargestAllocation(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_no_batch_by_batch_by_dim_buffer(dtype):
+    n, m, dim = 96, 80, 64
+    g = _gen(9)
+    x = torch.randn(n, dim, generator=g).to(dtype).requires_grad_()
+    y = torch.randn(m, dim, generator=g).to(dtype).requires_grad_()
+    with _LargestAllocation() as mode:
+        (safe_euclidean(x, y).float().sum() + safe_euclidean(x).float().sum()).backward()
+    assert mode.largest <= max(n * m, n * 8 * dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    d = pf.distances.lp()
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        d(torch.randn(3))
+    with pytest.raises(ValueError, match="y has embedding size"):
+        d(torch.randn(3, 4), torch.randn(3, 5))
+    with pytest.raises(TypeError, match="x must be a floating-point"):
+        d(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="y has dtype"):
+        d(torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="empty batch"):
+        d(torch.randn(0, 4))
+    with pytest.raises(ValueError, match="p must be >= 1"):
+        pf.distances.lp(p=0.5)
+    with pytest.raises(ValueError, match="power must be > 0"):
+        pf.distances.lp(power=0)
+    with pytest.raises(ValueError, match="embedding size >= 2"):
+        pf.distances.snr()(torch.randn(3, 1))
