@@ -1,0 +1,138 @@
+"""Pair masks, index-tuple conversion, reducers, and the all-triplet counting kernels."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import pmlfunc as pf
+from pmlfunc.labels import label_masks, tuple_masks
+from pmlfunc.losses.triplets import AllTriplets
+from pmlfunc.reducers import DenseTerms
+
+LABELS = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4])
+
+
+def test_label_masks_self_mode_excludes_diagonal_only():
+    pos, neg = label_masks(LABELS)
+    n = len(LABELS)
+    for i, j in itertools.product(range(n), range(n)):
+        assert pos[i, j] == float(LABELS[i] == LABELS[j] and i != j)
+        assert neg[i, j] == float(LABELS[i] != LABELS[j])
+
+
+def test_label_masks_reference_set_excludes_nothing():
+    ref = LABELS.clone()
+    pos, _ = label_masks(LABELS, ref)
+    assert torch.all(pos.diagonal() == 1)  # the same rows, but a separate set
+
+
+def test_tuple_masks_count_multiplicity():
+    a1, p = torch.tensor([0, 0, 1]), torch.tensor([1, 1, 0])
+    a2, n = torch.tensor([2]), torch.tensor([3])
+    pos, neg = tuple_masks((a1, p, a2, n), (4, 4))
+    assert pos[0, 1] == 2 and pos[1, 0] == 1 and pos.sum() == 3
+    assert neg[2, 3] == 1 and neg.sum() == 1
+    pos3, neg3 = tuple_masks((torch.tensor([0]), torch.tensor([1]), torch.tensor([2])), (3, 3))
+    assert pos3[0, 1] == 1 and neg3[0, 2] == 1 and pos3.sum() == neg3.sum() == 1
+
+
+@pytest.mark.parametrize(
+    "bad,err",
+    [
+        ((torch.tensor([0]), torch.tensor([1])), ValueError),
+        ((torch.tensor([0]), torch.tensor([1]), torch.tensor([0.5])), TypeError),
+        ((torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([2])), ValueError),
+        ((torch.tensor([[0]]), torch.tensor([[1]]), torch.tensor([[2]])), ValueError),
+    ],
+)
+def test_tuple_masks_reject_malformed_tuples(bad, err):
+    with pytest.raises(err, match="indices_tuple"):
+        tuple_masks(bad, (3, 3))
+
+
+def _terms():
+    g = torch.Generator().manual_seed(0)
+    losses = torch.relu(torch.randn(5, 6, generator=g, dtype=torch.float64))
+    weights = (torch.rand(5, 6, generator=g) < 0.6).double() * torch.randint(1, 3, (5, 6), generator=g).double()
+    return losses, weights
+
+
+def test_reducers_against_direct_formulas():
+    losses, w = _terms()
+    t = DenseTerms(losses, w, "pos_pair", 5)
+    labels = torch.tensor([0, 1, 1, 2, 0])
+    total, count = (w * losses).sum(), w.sum()
+    nz = w * (losses > 0)
+    torch.testing.assert_close(pf.reducers.mean()(t), total / count)
+    torch.testing.assert_close(pf.reducers.sum()(t), total)
+    torch.testing.assert_close(pf.reducers.avg_nonzero()(t), (nz * losses).sum() / nz.sum())
+    win = w * ((losses > 0.2) & (losses < 1.0))
+    torch.testing.assert_close(pf.reducers.threshold(0.2, 1.0)(t), (win * losses).sum() / win.sum())
+    per_row = (w * losses).sum(1) / w.sum(1).clamp_min(1)
+    torch.testing.assert_close(pf.reducers.per_anchor()(t), per_row.mean())
+    cw = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(
+        pf.reducers.class_weighted(cw)(t, labels), (cw[labels][:, None] * w * losses).sum() / count
+    )
+    out = pf.reducers.none()(t)
+    assert out["kind"] == "pos_pair" and out["losses"] is losses
+
+
+def test_empty_selection_is_zero_with_zero_gradient():
+    x = torch.zeros(4, 4, requires_grad=True)
+    t = DenseTerms(torch.relu(x - 1), torch.ones(4, 4), "pos_pair", 4)
+    out = pf.reducers.avg_nonzero()(t)
+    (g,) = torch.autograd.grad(out, x)
+    assert out.item() == 0 and torch.all(g == 0)
+
+
+def test_reducer_errors():
+    with pytest.raises(ValueError, match="at least one"):
+        pf.reducers.threshold()
+    with pytest.raises(TypeError, match="per_anchor"):
+        pf.reducers.per_anchor("mean")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="class_weighted"):
+        pf.reducers.class_weighted([1.0, 2.0])  # type: ignore[arg-type]
+    emb, labels = torch.randn(6, 3), torch.tensor([0, 0, 1, 1, 2, 2])
+    with pytest.raises(TypeError, match="reducer must be a pmlfunc reducer"):
+        pf.losses.contrastive(emb, labels, reducer="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="divisor"):
+        pf.losses.contrastive(emb, labels, reducer=pf.reducers.divisor())
+    with pytest.raises(ValueError, match="class_weighted"):
+        i = (torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))
+        pf.losses.contrastive(emb, None, indices_tuple=i, reducer=pf.reducers.class_weighted(torch.ones(3)))
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.5])
+@pytest.mark.parametrize("ties", [False, True])
+def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties):
+    """The sort-based hinge sums and nonzero counts equal the enumerated triplet cube, including
+    exact ties ``e_an == e_ap + m`` (a zero hinge that must not be counted)."""
+    g = torch.Generator().manual_seed(1)
+    b, m = 9, 11
+    if ties:
+        e = torch.randint(0, 4, (b, m), generator=g).double() / 2  # many exact ties
+    else:
+        e = torch.rand(b, m, generator=g, dtype=torch.float64)
+    pos = (torch.rand(b, m, generator=g) < 0.3).double() * torch.randint(1, 3, (b, m), generator=g).double()
+    neg = (torch.rand(b, m, generator=g) < 0.5).double() * (pos == 0).double()
+    terms = AllTriplets(e.requires_grad_(), pos, neg, margin, False, None)
+    s, c = terms.stats(low=0.0)
+    x = e[:, :, None] - e[:, None, :] + margin
+    w = pos[:, :, None] * neg[:, None, :]
+    torch.testing.assert_close(s, (w * x.relu()).sum((1, 2)))
+    torch.testing.assert_close(c, (w * (x > 0)).sum((1, 2)))
+    s_all, c_all = terms.stats()
+    torch.testing.assert_close(c_all, w.sum((1, 2)))
+    # Gradients of the sort path equal those of the cube.
+    (g1,) = torch.autograd.grad(s.sum(), e)
+    (g2,) = torch.autograd.grad((w * x.relu()).sum(), e)
+    torch.testing.assert_close(g1, g2)
+    # The chunked cube path (used for windows) agrees too.
+    s_w, c_w = terms.stats(low=0.1, high=0.9)
+    sel = w * ((x.relu() > 0.1) & (x.relu() < 0.9))
+    torch.testing.assert_close(s_w, (sel * x.relu()).sum((1, 2)))
+    torch.testing.assert_close(c_w, sel.sum((1, 2)))
