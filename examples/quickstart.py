@@ -23,7 +23,9 @@ for name, value in losses.items():
     print(f"{name:32s} {value.item():.4f}")
 
 # 2. Distances and reducers are small immutable objects.
-loss = pf.losses.contrastive(emb, labels, distance=pf.distances.cosine(), reducer=pf.reducers.mean())
+loss = pf.losses.contrastive(
+    emb, labels, distance=pf.distances.cosine(), reducer=pf.reducers.mean()
+)
 print(f"{'contrastive (cosine, mean)':32s} {loss.item():.4f}")
 
 # 3. One distance matrix shared by several losses.
@@ -33,7 +35,9 @@ print(f"{'ntxent + multi_similarity (mat)':32s} {both.item():.4f}")
 
 # 4. A separate reference set (e.g. a memory queue): nothing is excluded.
 queue, queue_labels = torch.randn(128, 32), torch.randint(0, 16, (128,))
-print(f"{'supcon vs a queue':32s} {pf.losses.supcon(emb, labels, ref_emb=queue, ref_labels=queue_labels).item():.4f}")
+print(
+    f"{'supcon vs a queue':32s} {pf.losses.supcon(emb, labels, ref_emb=queue, ref_labels=queue_labels).item():.4f}"
+)
 
 # 5. torch.func composes: gradients and a vmap over independent problems.
 grad = torch.func.grad(pf.losses.ntxent)(emb.detach(), labels)

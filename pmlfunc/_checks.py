@@ -20,11 +20,17 @@ def embeddings(x: object, name: str = "embeddings") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}"
+        )
     if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D of shape (batch_size, embedding_size), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must be 2-D of shape (batch_size, embedding_size), got shape {tuple(x.shape)}"
+        )
     if x.shape[0] == 0:
-        raise ValueError(f"{name} is an empty batch (shape {tuple(x.shape)}); at least one row is required")
+        raise ValueError(
+            f"{name} is an empty batch (shape {tuple(x.shape)}); at least one row is required"
+        )
     if x.shape[1] == 0:
         raise ValueError(f"{name} has embedding size 0 (shape {tuple(x.shape)})")
     return x
@@ -33,7 +39,9 @@ def embeddings(x: object, name: str = "embeddings") -> Tensor:
 def labels(y: object, batch_size: int, device: torch.device, name: str = "labels") -> Tensor:
     """Validate a 1-D integer label vector of length ``batch_size`` on ``device``."""
     if not isinstance(y, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of integer class ids, got {type(y).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor of integer class ids, got {type(y).__name__}"
+        )
     if y.dtype.is_floating_point or y.dtype.is_complex:
         raise TypeError(f"{name} must have an integer (or bool) dtype, got {y.dtype}")
     if y.ndim != 1:
@@ -48,26 +56,34 @@ def labels(y: object, batch_size: int, device: torch.device, name: str = "labels
 def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "embeddings") -> None:
     """``ref`` must live in the same space as ``x``: same width, dtype and device."""
     if ref.shape[1] != x.shape[1]:
-        raise ValueError(f"{ref_name} has embedding size {ref.shape[1]} but {name} has {x.shape[1]}")
+        raise ValueError(
+            f"{ref_name} has embedding size {ref.shape[1]} but {name} has {x.shape[1]}"
+        )
     if ref.dtype != x.dtype:
         raise TypeError(f"{ref_name} has dtype {ref.dtype} but {name} has {x.dtype}")
     if ref.device != x.device:
         raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {x.device}")
 
 
-def hyper(value: object, name: str, *, positive: bool = False, nonnegative: bool = False) -> float | Tensor:
+def hyper(
+    value: object, name: str, *, positive: bool = False, nonnegative: bool = False
+) -> float | Tensor:
     """Validate a hyper-parameter given as a Python number or a 0-d tensor.
 
     Sign constraints are checked for Python numbers only; a tensor is never read on the host.
     """
     if isinstance(value, Tensor):
         if value.ndim != 0:
-            raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}"
+            )
         if not (value.dtype.is_floating_point or value.dtype in (torch.int32, torch.int64)):
             raise TypeError(f"{name} must be a real number, got dtype {value.dtype}")
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}"
+        )
     value = float(value)
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")

@@ -61,7 +61,9 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
         idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
         # (B, k, D) differences: the static per-row budget (index_select: far faster than y[idx]).
-        diff = y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
+        diff = (
+            y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
+        )
         d2 = d2.scatter(-1, idx, diff.mul_(diff).sum(-1))  # out of place: vmap has a rule for it
     d2.clamp_min_(0.0)
     if self_mode:
@@ -69,7 +71,9 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     return d2
 
 
-def _euclid_backward(g: Tensor, d: Tensor, x: Tensor, y: Tensor, squared: bool) -> tuple[Tensor, Tensor]:
+def _euclid_backward(
+    g: Tensor, d: Tensor, x: Tensor, y: Tensor, squared: bool
+) -> tuple[Tensor, Tensor]:
     """Gradients of ``d_ij = ‖x_i − y_j‖`` (or its square) w.r.t. ``x`` and ``y``: two matmuls."""
     if squared:
         w = 2.0 * g
@@ -126,7 +130,9 @@ class _SafeEuclideanSelf(torch.autograd.Function):
         return grad_x + grad_y, None, None, None
 
 
-def safe_euclidean(x: Tensor, y: Tensor | None = None, *, squared: bool = False, exact_budget: int = 8) -> Tensor:
+def safe_euclidean(
+    x: Tensor, y: Tensor | None = None, *, squared: bool = False, exact_budget: int = 8
+) -> Tensor:
     """Pairwise Euclidean distances ``‖x_i − y_j‖₂`` (``squared=True``: ``‖x_i − y_j‖₂²``).
 
     The matmul expansion with the ``exact_budget`` most cancellation-prone entries of every row
@@ -207,7 +213,9 @@ class _Lp(Distance):
         return mat
 
 
-def lp(p: float = 2, power: float = 1, normalize: bool = True, *, exact_budget: int = 8) -> Distance:
+def lp(
+    p: float = 2, power: float = 1, normalize: bool = True, *, exact_budget: int = 8
+) -> Distance:
     """Minkowski distance ``‖x̂_i − ŷ_j‖_p ** power`` (PML ``LpDistance``).
 
     Args:
@@ -285,7 +293,9 @@ class _SNR(Distance):
         if y is None:
             sq = _SafeEuclideanSelf.apply(xc, True, self.exact_budget, False)
         else:
-            sq = _SafeEuclidean.apply(xc, y - y.mean(-1, keepdim=True), True, self.exact_budget, False)
+            sq = _SafeEuclidean.apply(
+                xc, y - y.mean(-1, keepdim=True), True, self.exact_budget, False
+            )
         var_x = (xc * xc).sum(-1, keepdim=True)  # (D − 1)·Var(x_i); the (D − 1) factors cancel
         return sq / var_x
 

@@ -26,7 +26,9 @@ class PairMasks(NamedTuple):
     neg: Tensor
 
 
-def label_masks(labels: Tensor, ref_labels: Tensor | None = None, *, dtype: torch.dtype = torch.float32) -> PairMasks:
+def label_masks(
+    labels: Tensor, ref_labels: Tensor | None = None, *, dtype: torch.dtype = torch.float32
+) -> PairMasks:
     """Positive and negative masks from labels, with the reference-set rule.
 
     ``pos[i, j] = [labels_i == ref_labels_j]`` (and ``i != j`` when ``ref_labels is None``),
@@ -47,7 +49,9 @@ def label_masks(labels: Tensor, ref_labels: Tensor | None = None, *, dtype: torc
     return PairMasks(same.to(dtype), neg.to(dtype))
 
 
-def _counts(rows: Tensor, cols: Tensor, shape: tuple[int, int], dtype: torch.dtype, device) -> Tensor:
+def _counts(
+    rows: Tensor, cols: Tensor, shape: tuple[int, int], dtype: torch.dtype, device
+) -> Tensor:
     flat = rows.reshape(-1).long() * shape[1] + cols.reshape(-1).long()
     out = torch.zeros(shape[0] * shape[1], dtype=dtype, device=device)
     out = out.index_add(0, flat, torch.ones(flat.shape, dtype=dtype, device=device))
@@ -56,7 +60,9 @@ def _counts(rows: Tensor, cols: Tensor, shape: tuple[int, int], dtype: torch.dty
 
 def _check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
     if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
-        raise ValueError("indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors")
+        raise ValueError(
+            "indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors"
+        )
     for i, t in enumerate(indices_tuple):
         if not isinstance(t, Tensor):
             raise TypeError(f"indices_tuple[{i}] must be a tensor, got {type(t).__name__}")
@@ -69,11 +75,15 @@ def _check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
     if n == 3 and len(set(lengths)) != 1:
         raise ValueError(f"indices_tuple (a, p, n) tensors must have equal lengths, got {lengths}")
     if n == 4 and (lengths[0] != lengths[1] or lengths[2] != lengths[3]):
-        raise ValueError(f"indices_tuple (a1, p, a2, n) needs len(a1) == len(p) and len(a2) == len(n), got {lengths}")
+        raise ValueError(
+            f"indices_tuple (a1, p, a2, n) needs len(a1) == len(p) and len(a2) == len(n), got {lengths}"
+        )
     return tuple(indices_tuple)
 
 
-def tuple_masks(indices_tuple, shape: tuple[int, int], *, dtype: torch.dtype = torch.float32, device=None) -> PairMasks:
+def tuple_masks(
+    indices_tuple, shape: tuple[int, int], *, dtype: torch.dtype = torch.float32, device=None
+) -> PairMasks:
     """Pair-count masks from a PML index tuple: pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
     (a triplet tuple contributes its ``(a, p)`` and ``(a, n)`` pairs, as PML's ``convert_to_pairs``).
 

@@ -129,7 +129,9 @@ class DenseTerms(Terms):
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
     """``num / den`` with 0 where ``den == 0`` (and a zero, not NaN, gradient there)."""
     nonzero = den > 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+    return torch.where(
+        nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num)
+    )
 
 
 class Reducer:
@@ -159,7 +161,9 @@ class _Sum(Reducer):
 class _Divisor(Reducer):
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         if terms.divisor is None:
-            raise ValueError("reducer=divisor() needs a loss that supplies a divisor; this loss does not (use sum() or mean())")
+            raise ValueError(
+                "reducer=divisor() needs a loss that supplies a divisor; this loss does not (use sum() or mean())"
+            )
         total = terms.totals()[0]
         d = torch.as_tensor(terms.divisor, dtype=total.dtype, device=total.device)
         return _ratio(total, d)
@@ -174,7 +178,9 @@ class _PerAnchor(Reducer):
             return self.inner(terms, labels)
         s, c = terms.stats()
         per = _ratio(s, c)
-        return self.inner(DenseTerms(per, torch.ones_like(per), "element", terms.num_anchors), labels)
+        return self.inner(
+            DenseTerms(per, torch.ones_like(per), "element", terms.num_anchors), labels
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,7 +212,7 @@ def avg_nonzero() -> Reducer:
     return _Window(low=0.0)
 
 
-def sum() -> Reducer:  # noqa: A001 - PML's name
+def sum() -> Reducer:
     """Sum of all terms (PML ``SumReducer``). Example: ``pf.losses.contrastive(e, y, reducer=sum())``."""
     return _Sum()
 
@@ -237,7 +243,9 @@ def per_anchor(reducer: Reducer | None = None) -> Reducer:
     if reducer is None:
         reducer = mean()
     if not isinstance(reducer, Reducer):
-        raise TypeError(f"per_anchor(reducer=...) must be a pmlfunc reducer, got {type(reducer).__name__}")
+        raise TypeError(
+            f"per_anchor(reducer=...) must be a pmlfunc reducer, got {type(reducer).__name__}"
+        )
     return _PerAnchor(reducer)
 
 
@@ -258,10 +266,14 @@ def none() -> Reducer:
     return _None()
 
 
-def reduce(reducer: Reducer, terms: dict[str, Terms], labels: Tensor | None, out_dtype: torch.dtype):
+def reduce(
+    reducer: Reducer, terms: dict[str, Terms], labels: Tensor | None, out_dtype: torch.dtype
+):
     """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``)."""
     if not isinstance(reducer, Reducer):
-        raise TypeError(f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}")
+        raise TypeError(
+            f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}"
+        )
     if isinstance(reducer, _None):
         return {name: t.dense() for name, t in terms.items()}
     total = None

@@ -69,7 +69,12 @@ def test_snr_equals_variance_definition():
 
 def test_self_distance_diagonal_is_exactly_zero():
     x = torch.randn(33, 16, generator=_gen(3)) * 100
-    for d in (pf.distances.lp(), pf.distances.lp(normalize=False), pf.distances.lp(power=2), pf.distances.snr()):
+    for d in (
+        pf.distances.lp(),
+        pf.distances.lp(normalize=False),
+        pf.distances.lp(power=2),
+        pf.distances.snr(),
+    ):
         assert torch.all(d(x).diagonal() == 0), d
 
 
@@ -95,7 +100,9 @@ def _case(kind: str, dtype: torch.dtype):
     if kind == "random":
         x = base
     elif kind == "nearby":  # pairs of rows 1e-3 apart (relative): the expansion cancels
-        x = torch.cat([base[: n // 2], base[: n // 2] + 1e-3 * torch.randn(n // 2, dim, generator=g)])
+        x = torch.cat(
+            [base[: n // 2], base[: n // 2] + 1e-3 * torch.randn(n // 2, dim, generator=g)]
+        )
     elif kind == "duplicate":  # every row twice
         x = torch.cat([base[: n // 2], base[: n // 2]])
     elif kind == "mixed":  # norms from 1e-2 to 1e2
@@ -183,12 +190,17 @@ def test_gradient_is_zero_not_nan_at_zero_distance():
     # Duplicates: each row's gradient is the sum over the distinct rows only.
     xd = x.detach().double()
     ref = sum(
-        (xd[i] - xd[j]) / (xd[i] - xd[j]).norm() for i in range(1) for j in range(8) if (xd[i] - xd[j]).norm() > 0
+        (xd[i] - xd[j]) / (xd[i] - xd[j]).norm()
+        for i in range(1)
+        for j in range(8)
+        if (xd[i] - xd[j]).norm() > 0
     )
     torch.testing.assert_close(g[0].double(), 2 * ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr)
+@pytest.mark.parametrize(
+    "d", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr
+)
 def test_vmap_and_grad_equal_eager(d):
     g = _gen(7)
     xs = torch.randn(3, 8, 5, generator=g)
@@ -208,7 +220,11 @@ def test_compile_fullgraph_equals_eager():
     y = torch.randn(9, 6, generator=g)
 
     def f(a, b):
-        return pf.distances.lp()(a).sum() + pf.distances.lp()(a, b).square().sum() + pf.distances.snr()(a, b).sum()
+        return (
+            pf.distances.lp()(a).sum()
+            + pf.distances.lp()(a, b).square().sum()
+            + pf.distances.snr()(a, b).sum()
+        )
 
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     a = torch.compile(f, fullgraph=True)(x1, y)
@@ -220,7 +236,9 @@ def test_compile_fullgraph_equals_eager():
 
 
 @pytest.mark.parametrize(
-    "d", [pf.distances.lp(), pf.distances.lp(power=2), pf.distances.cosine(), pf.distances.snr()], ids=repr
+    "d",
+    [pf.distances.lp(), pf.distances.lp(power=2), pf.distances.cosine(), pf.distances.snr()],
+    ids=repr,
 )
 def test_meta_device(d):
     x = torch.empty(16, 8, device="meta", requires_grad=True)

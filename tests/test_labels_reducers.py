@@ -56,7 +56,9 @@ def test_tuple_masks_reject_malformed_tuples(bad, err):
 def _terms():
     g = torch.Generator().manual_seed(0)
     losses = torch.relu(torch.randn(5, 6, generator=g, dtype=torch.float64))
-    weights = (torch.rand(5, 6, generator=g) < 0.6).double() * torch.randint(1, 3, (5, 6), generator=g).double()
+    weights = (torch.rand(5, 6, generator=g) < 0.6).double() * torch.randint(
+        1, 3, (5, 6), generator=g
+    ).double()
     return losses, weights
 
 
@@ -103,7 +105,9 @@ def test_reducer_errors():
         pf.losses.contrastive(emb, labels, reducer=pf.reducers.divisor())
     with pytest.raises(ValueError, match="class_weighted"):
         i = (torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))
-        pf.losses.contrastive(emb, None, indices_tuple=i, reducer=pf.reducers.class_weighted(torch.ones(3)))
+        pf.losses.contrastive(
+            emb, None, indices_tuple=i, reducer=pf.reducers.class_weighted(torch.ones(3))
+        )
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.5])
@@ -117,7 +121,9 @@ def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties):
         e = torch.randint(0, 4, (b, m), generator=g).double() / 2  # many exact ties
     else:
         e = torch.rand(b, m, generator=g, dtype=torch.float64)
-    pos = (torch.rand(b, m, generator=g) < 0.3).double() * torch.randint(1, 3, (b, m), generator=g).double()
+    pos = (torch.rand(b, m, generator=g) < 0.3).double() * torch.randint(
+        1, 3, (b, m), generator=g
+    ).double()
     neg = (torch.rand(b, m, generator=g) < 0.5).double() * (pos == 0).double()
     terms = AllTriplets(e.requires_grad_(), pos, neg, margin, False, None)
     s, c = terms.stats(low=0.0)
@@ -126,6 +132,7 @@ def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties):
     torch.testing.assert_close(s, (w * x.relu()).sum((1, 2)))
     torch.testing.assert_close(c, (w * (x > 0)).sum((1, 2)))
     s_all, c_all = terms.stats()
+    torch.testing.assert_close(s_all, s)  # every hinge term, zeros included
     torch.testing.assert_close(c_all, w.sum((1, 2)))
     # Gradients of the sort path equal those of the cube.
     (g1,) = torch.autograd.grad(s.sum(), e)

@@ -59,7 +59,9 @@ def prepare(
     if distance is None:
         distance = default_distance
     if not isinstance(distance, Distance):
-        raise TypeError(f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}")
+        raise TypeError(
+            f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}"
+        )
     if labels is not None:
         _checks.labels(labels, b, embeddings.device)
     elif indices_tuple is None:
@@ -68,7 +70,9 @@ def prepare(
         _checks.embeddings(ref_emb, "ref_emb")
         _checks.same_space(embeddings, ref_emb)
         if ref_labels is None and indices_tuple is None:
-            raise ValueError("ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)")
+            raise ValueError(
+                "ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)"
+            )
         if ref_labels is not None:
             if labels is None:
                 raise ValueError("ref_labels was given but labels is None")
@@ -81,7 +85,9 @@ def prepare(
         if not isinstance(mat, Tensor):
             raise TypeError(f"mat must be a tensor, got {type(mat).__name__}")
         if tuple(mat.shape) != (b, m):
-            raise ValueError(f"mat must have shape (batch_size, ref_size) = {(b, m)}, got {tuple(mat.shape)}")
+            raise ValueError(
+                f"mat must have shape (batch_size, ref_size) = {(b, m)}, got {tuple(mat.shape)}"
+            )
         if not mat.dtype.is_floating_point:
             raise TypeError(f"mat must be floating point, got {mat.dtype}")
         if mat.device != embeddings.device:
@@ -97,7 +103,16 @@ def prepare(
         dtype=cd,
         device=embeddings.device,
     )
-    return Batch(mat, masks, labels, indices_tuple is not None, distance, embeddings.dtype, embeddings, ref_emb)
+    return Batch(
+        mat,
+        masks,
+        labels,
+        indices_tuple is not None,
+        distance,
+        embeddings.dtype,
+        embeddings,
+        ref_emb,
+    )
 
 
 def default_reducer(reducer: Reducer | None, default: Reducer) -> Reducer:
@@ -109,7 +124,9 @@ def finish(batch: Batch, terms: dict[str, Terms], reducer: Reducer):
     return reduce(reducer, terms, batch.labels, batch.out_dtype)
 
 
-def masked_logsumexp(x: Tensor, keep: Tensor, weights: Tensor | None = None, dim: int = -1) -> Tensor:
+def masked_logsumexp(
+    x: Tensor, keep: Tensor, weights: Tensor | None = None, dim: int = -1
+) -> Tensor:
     """``log Σ_{j: keep_j} w_j exp(x_j)`` along ``dim`` (``w = 1`` when ``weights`` is None).
 
     Rows with nothing kept get ``finfo.min``, a finite stand-in for −∞ that keeps every gradient

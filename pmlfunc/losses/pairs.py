@@ -139,7 +139,9 @@ def multi_similarity(
     )
     d, s = batch.mat, batch.distance.sign()
     alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
-    shifted = signed(s, d - base)  # PML's margin(mat, base): positives pay for it, negatives for its opposite
+    shifted = signed(
+        s, d - base
+    )  # PML's margin(mat, base): positives pay for it, negatives for its opposite
     pos, neg = batch.bool_masks()  # PML's matrix-based losses count each listed pair once
     pos_lse = masked_logsumexp(alpha * shifted, pos)
     neg_lse = masked_logsumexp(-beta * shifted, neg)

@@ -77,7 +77,9 @@ def ntxent(
     neg_lse = masked_logsumexp(z, neg > 0, neg if batch.counts else None)
     # log(e^z / (e^z + e^lse)) = -log(1 + e^(lse - z)); PML adds ε inside the log.
     log_ratio = -torch.logaddexp(neg_lse.unsqueeze(-1) - z, z.new_zeros(()))
-    losses = -torch.logaddexp(log_ratio, log_ratio.new_full((), math.log(torch.finfo(z.dtype).tiny)))
+    losses = -torch.logaddexp(
+        log_ratio, log_ratio.new_full((), math.log(torch.finfo(z.dtype).tiny))
+    )
     terms = {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
     return finish(batch, terms, default_reducer(reducer, mean()))
 

@@ -47,7 +47,9 @@ def _ordered_int(x: Tensor) -> Tensor:
     return ordered & ~1
 
 
-def _sorted_hinge_stats(e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor) -> tuple[Tensor, Tensor]:
+def _sorted_hinge_stats(
+    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor
+) -> tuple[Tensor, Tensor]:
     """Per-anchor ``(Σ_{p,n} w_p w_n [t_ap − e_an]_+, #{w_p w_n : t_ap > e_an})`` by one merged sort.
 
     Each column of a row is a positive (key ``t_ap``), a negative (key ``e_an``) or neither (last).
@@ -57,7 +59,9 @@ def _sorted_hinge_stats(e: Tensor, pos: Tensor, neg: Tensor, margin: float | Ten
     t = e + margin
     is_pos, is_neg = pos > 0, neg > 0
     value = torch.where(is_pos, t, e)
-    keys = _ordered_int(value) | is_neg.to(torch.int32 if value.dtype != torch.float64 else torch.int64)
+    keys = _ordered_int(value) | is_neg.to(
+        torch.int32 if value.dtype != torch.float64 else torch.int64
+    )
     top = torch.iinfo(keys.dtype).max
     keys = torch.where(is_pos | is_neg, keys, torch.full_like(keys, top))
     order = keys.argsort(dim=-1)
@@ -106,7 +110,9 @@ class _CubeStats(torch.autograd.Function):
             e_pn = e
         sums, counts = [], []
         for start in range(0, e.shape[-2], chunk):
-            _, f, w, _ = _CubeStats._block(e, pos, neg, e_pn, margin, lo, hi, smooth, start, start + chunk)
+            _, f, w, _ = _CubeStats._block(
+                e, pos, neg, e_pn, margin, lo, hi, smooth, start, start + chunk
+            )
             sums.append((w * f).sum((-1, -2)))
             counts.append(w.sum((-1, -2)))
         return torch.cat(sums, -1), torch.cat(counts, -1)
@@ -128,7 +134,9 @@ class _CubeStats(torch.autograd.Function):
         rows = []
         for start in range(0, e.shape[-2], ctx.chunk):
             stop = start + ctx.chunk
-            x, _, w, pick_an = _CubeStats._block(e, pos, neg, e_pn, margin, lo, hi, ctx.smooth, start, stop)
+            x, _, w, pick_an = _CubeStats._block(
+                e, pos, neg, e_pn, margin, lo, hi, ctx.smooth, start, stop
+            )
             df = torch.sigmoid(x) if ctx.smooth else (x > 0).to(x.dtype)
             gx = g_sum[start:stop].unsqueeze(-1).unsqueeze(-1) * w * df
             row = gx.sum(-1)  # d/d e_ap
@@ -169,15 +177,32 @@ class AllTriplets(Terms):
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         if plain and low is None:
-            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)[0], self._total_count()
+            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)[
+                0
+            ], self._total_count()
         if plain and isinstance(low, float) and low == 0.0:
             return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)
         m = self.e.shape[-1]
         chunk = max(1, _CUBE_BLOCK // max(1, m * m))
         margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
         lo = None if low is None else torch.as_tensor(low, dtype=self.e.dtype, device=self.e.device)
-        hi = None if high is None else torch.as_tensor(high, dtype=self.e.dtype, device=self.e.device)
-        s, c = _CubeStats.apply(self.e, self.pos, self.neg, self.e_pn, margin, lo, hi, self.smooth, self.swap_self, chunk)
+        hi = (
+            None
+            if high is None
+            else torch.as_tensor(high, dtype=self.e.dtype, device=self.e.device)
+        )
+        s, c = _CubeStats.apply(
+            self.e,
+            self.pos,
+            self.neg,
+            self.e_pn,
+            margin,
+            lo,
+            hi,
+            self.smooth,
+            self.swap_self,
+            chunk,
+        )
         if low is None and high is None:
             c = self._total_count()
         return s, c
@@ -267,11 +292,15 @@ def triplet_margin(
             e_an = torch.minimum(e_an, e_pn)
         x = e[a, p] - e_an + margin
         losses = F.softplus(x) if smooth_loss else F.relu(x)
-        terms: Terms = DenseTerms(losses, torch.ones_like(losses), "triplet", batch.num_anchors, anchor_index=a)
+        terms: Terms = DenseTerms(
+            losses, torch.ones_like(losses), "triplet", batch.num_anchors, anchor_index=a
+        )
     else:
         e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
         swap_self = swap and batch.ref_emb is None
-        terms = AllTriplets(e, batch.masks.pos, batch.masks.neg, margin, smooth_loss, e_pn, swap_self)
+        terms = AllTriplets(
+            e, batch.masks.pos, batch.masks.neg, margin, smooth_loss, e_pn, swap_self
+        )
     return finish(batch, {"loss": terms}, reducer)
 
 
