@@ -56,7 +56,8 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     if k > 0:
         # Rank entries by d² / (‖a‖² + ‖b‖²): the relative size of the cancellation error.
         # Unit-norm rows have a constant denominator, so d² itself ranks them.
-        key = d2.clone() if normalized else d2 / scale.clamp_min(torch.finfo(d2.dtype).tiny)
+        # (For unit rows d2 itself is the key: its diagonal is set to +inf here and to 0 below.)
+        key = d2 if normalized else d2 / scale.clamp_min(torch.finfo(d2.dtype).tiny)
         if self_mode:
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
         idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)

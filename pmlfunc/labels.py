@@ -41,12 +41,11 @@ def label_masks(
                 [0., 0., 0.]])
     """
     ref = labels if ref_labels is None else ref_labels
-    same = labels.unsqueeze(-1) == ref.unsqueeze(-2)
-    neg = ~same
+    pos = (labels.unsqueeze(-1) == ref.unsqueeze(-2)).to(dtype)
+    neg = 1.0 - pos
     if ref_labels is None:
-        n = labels.shape[-1]
-        same = same & ~torch.eye(n, dtype=torch.bool, device=labels.device)
-    return PairMasks(same.to(dtype), neg.to(dtype))
+        pos.diagonal(dim1=-2, dim2=-1).zero_()  # a fresh mask: in place is safe
+    return PairMasks(pos, neg)
 
 
 def _counts(

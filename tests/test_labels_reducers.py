@@ -110,9 +110,10 @@ def test_reducer_errors():
         )
 
 
+@pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("margin", [0.0, 0.5])
 @pytest.mark.parametrize("ties", [False, True])
-def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties):
+def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties, binary):
     """The sort-based hinge sums and nonzero counts equal the enumerated triplet cube, including
     exact ties ``e_an == e_ap + m`` (a zero hinge that must not be counted)."""
     g = torch.Generator().manual_seed(1)

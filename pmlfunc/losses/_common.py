@@ -157,6 +157,11 @@ def shift(x: Tensor, value: float | Tensor) -> Tensor:
     return x - scalar_like(value, x)
 
 
+def rshift(value: float | Tensor, x: Tensor) -> Tensor:
+    """``value - x`` in one pass."""
+    return torch.rsub(x, scalar_like(value, x))
+
+
 def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
     """A hyper-parameter ready to combine with ``ref``: tensors are cast to its dtype/device."""
     if isinstance(value, Tensor):

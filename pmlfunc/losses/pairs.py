@@ -9,7 +9,16 @@ from torch import Tensor
 from .. import _checks
 from ..distances import Distance, cosine, lp
 from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
-from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like, shift, signed
+from ._common import (
+    default_reducer,
+    finish,
+    masked_logsumexp,
+    prepare,
+    rshift,
+    scalar_like,
+    shift,
+    signed,
+)
 
 __all__ = ["contrastive", "multi_similarity"]
 
@@ -71,9 +80,11 @@ def contrastive(
         distance=distance,
         default_distance=lp(),
     )
-    d, s = batch.mat, batch.distance.sign()
-    pos_loss = F.relu(signed(s, shift(d, pos_margin)))
-    neg_loss = F.relu(signed(-s, shift(d, neg_margin)))
+    d = batch.mat
+    if batch.distance.is_similarity:  # PML's margin(x, y) = y - x for similarities
+        pos_loss, neg_loss = F.relu(rshift(pos_margin, d)), F.relu(shift(d, neg_margin))
+    else:
+        pos_loss, neg_loss = F.relu(shift(d, pos_margin)), F.relu(rshift(neg_margin, d))
     b = batch.num_anchors
     terms = {
         "pos_loss": DenseTerms(pos_loss, batch.masks.pos, "pos_pair", b),

@@ -48,29 +48,41 @@ def _ordered_int(x: Tensor) -> Tensor:
 
 
 def _sorted_hinge_stats(
-    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor
+    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor, binary: bool
 ) -> tuple[Tensor, Tensor]:
     """Per-anchor ``(Σ_{p,n} w_p w_n [t_ap − e_an]_+, #{w_p w_n : t_ap > e_an})`` by one merged sort.
 
-    Each column of a row is a positive (key ``t_ap``), a negative (key ``e_an``) or neither (last).
-    Keys are ordered integers whose lowest bit puts a positive before a negative of equal value, so
-    a negative is counted for a positive exactly when ``e_an < t_ap`` (to one ulp).
+    Each column of a row is a positive (key ``t_ap = e_ap + m``), a negative (key ``e_an``) or
+    neither (sorted last). With ``C_p`` the negatives sorted before positive ``p`` and ``P_n`` the
+    positives sorted after negative ``n``,
+
+        Σ_{p,n} [t_ap − e_an]_+ = Σ_p (e_ap + m)·C_p − Σ_n e_an·P_n = Σ_j e_aj·c_aj + m·count_a,
+
+    a dot product of ``e`` with a constant coefficient matrix ``c``: the sort, the counts and ``c``
+    carry no gradient, and the backward is ``c`` itself. Keys are ordered integers whose lowest
+    bit puts a positive before a negative of equal value, so a negative counts for a positive
+    exactly when ``e_an < t_ap`` (to one ulp), as the hinge's ``> 0`` does.
     """
-    t = e + margin
     is_pos, is_neg = pos > 0, neg > 0
-    value = torch.where(is_pos, t, e)
-    keys = _ordered_int(value) | is_neg.to(
-        torch.int32 if value.dtype != torch.float64 else torch.int64
-    )
-    top = torch.iinfo(keys.dtype).max
-    keys = torch.where(is_pos | is_neg, keys, torch.full_like(keys, top))
-    order = keys.argsort(dim=-1)
-    v = value.gather(-1, order)
-    wp, wn = pos.gather(-1, order), neg.gather(-1, order)
-    count_below = wn.cumsum(-1) - wn  # negatives strictly before each position
-    sum_below = (wn * v).cumsum(-1) - wn * v
-    hinge = (wp * (v * count_below - sum_below)).sum(-1)
-    count = (wp * count_below).sum(-1)
+    margin_value = margin.detach() if isinstance(margin, Tensor) else margin
+    value = torch.where(is_pos, e.detach() + margin_value, e.detach())
+    keys = _ordered_int(value)
+    keys = keys | is_neg.to(keys.dtype)
+    top = torch.iinfo(keys.dtype).max  # odd: sorts last and reads as "not a positive"
+    keys = torch.where(is_pos | is_neg, keys, top)
+    order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
+    sorted_keys = keys.gather(-1, order)
+    if binary:  # 0/1 masks: the type bit of the sorted keys says which column is which
+        odd = (sorted_keys & 1).bool()
+        wp = (~odd).to(e.dtype)
+        wn = (odd & (sorted_keys != top)).to(e.dtype)
+    else:
+        wp, wn = pos.gather(-1, order), neg.gather(-1, order)
+    before = wn.cumsum(-1) - wn  # negatives strictly before each position
+    after = wp.sum(-1, keepdim=True) - wp.cumsum(-1)  # positives strictly after
+    count = (wp * before).sum(-1)
+    coef = torch.zeros_like(e).scatter(-1, order, wp * before - wn * after)
+    hinge = (e * coef).sum(-1) + count * margin
     return hinge, count
 
 
@@ -165,6 +177,7 @@ class AllTriplets(Terms):
     smooth: bool
     e_pn: Tensor | None  # (M, M) reference-to-reference, for swap with a reference set
     swap_self: bool = False  # swap in self mode: e_pn is e itself
+    binary: bool = False  # pos/neg are 0/1 masks (from labels), not multiplicities
     kind: str = "triplet"
 
     @property
@@ -177,11 +190,10 @@ class AllTriplets(Terms):
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         if plain and low is None:
-            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)[
-                0
-            ], self._total_count()
+            hinge, _ = _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin, self.binary)
+            return hinge, self._total_count()
         if plain and isinstance(low, float) and low == 0.0:
-            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin)
+            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin, self.binary)
         m = self.e.shape[-1]
         chunk = max(1, _CUBE_BLOCK // max(1, m * m))
         margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
@@ -299,7 +311,14 @@ def triplet_margin(
         e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
         swap_self = swap and batch.ref_emb is None
         terms = AllTriplets(
-            e, batch.masks.pos, batch.masks.neg, margin, smooth_loss, e_pn, swap_self
+            e,
+            batch.masks.pos,
+            batch.masks.neg,
+            margin,
+            smooth_loss,
+            e_pn,
+            swap_self,
+            not batch.counts,
         )
     return finish(batch, {"loss": terms}, reducer)
 
