@@ -17,7 +17,6 @@ from ._common import (
     rshift,
     scalar_like,
     shift,
-    signed,
 )
 
 __all__ = ["contrastive", "multi_similarity"]
@@ -150,12 +149,11 @@ def multi_similarity(
     )
     d, s = batch.mat, batch.distance.sign()
     alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
-    shifted = signed(
-        s, d - base
-    )  # PML's margin(mat, base): positives pay for it, negatives for its opposite
     pos, neg = batch.bool_masks()  # PML's matrix-based losses count each listed pair once
-    pos_lse = masked_logsumexp(alpha * shifted, pos)
-    neg_lse = masked_logsumexp(-beta * shifted, neg)
+    # PML's margin(mat, base) = s·(d − base): positives pay e^{α·s(d−base)}, negatives
+    # e^{−β·s(d−base)}. The constant ∓·base leaves the log-sum-exp: one scaled matrix per part.
+    pos_lse = masked_logsumexp(d * (alpha * s), pos) - alpha * s * base
+    neg_lse = masked_logsumexp(d * (-beta * s), neg) + beta * s * base
     # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = finfo.min, which gives 0.
     zero = pos_lse.new_zeros(())
     per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
