@@ -23,7 +23,7 @@ A reducer whose selection is empty returns 0 (with zero gradients), as PML does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -176,6 +176,9 @@ class _PerAnchor(Reducer):
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         if terms.kind == "element":
             return self.inner(terms, labels)
+        if isinstance(terms, DenseTerms) and terms.kind in ("pos_pair", "neg_pair"):
+            # PML writes each (anchor, other) pair into one cell: repeated pairs count once.
+            terms = replace(terms, weights=(terms.weights > 0).to(terms.weights.dtype))
         s, c = terms.stats()
         per = _ratio(s, c)
         return self.inner(
@@ -236,7 +239,8 @@ def threshold(low: float | Tensor | None = None, high: float | Tensor | None = N
 
 def per_anchor(reducer: Reducer | None = None) -> Reducer:
     """Average each anchor's terms, then reduce the per-anchor values with ``reducer``
-    (default ``mean()``) (PML ``PerAnchorReducer``). Anchors without terms count as 0.
+    (default ``mean()``) (PML ``PerAnchorReducer``). Anchors without terms count as 0; a pair
+    listed several times in an index tuple counts once, as in PML.
 
     Unlike PML, triplet terms are supported (each anchor's mean over its triplets).
     """

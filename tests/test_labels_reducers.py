@@ -73,7 +73,8 @@ def test_reducers_against_direct_formulas():
     torch.testing.assert_close(pf.reducers.avg_nonzero()(t), (nz * losses).sum() / nz.sum())
     win = w * ((losses > 0.2) & (losses < 1.0))
     torch.testing.assert_close(pf.reducers.threshold(0.2, 1.0)(t), (win * losses).sum() / win.sum())
-    per_row = (w * losses).sum(1) / w.sum(1).clamp_min(1)
+    distinct = (w > 0).double()  # per_anchor counts a repeated pair once, as PML does
+    per_row = (distinct * losses).sum(1) / distinct.sum(1).clamp_min(1)
     torch.testing.assert_close(pf.reducers.per_anchor()(t), per_row.mean())
     cw = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     torch.testing.assert_close(

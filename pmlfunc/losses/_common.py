@@ -45,7 +45,6 @@ class Batch:
 def prepare(
     embeddings: Tensor,
     labels: Tensor | None,
-    *,
     ref_emb: Tensor | None,
     ref_labels: Tensor | None,
     indices_tuple,

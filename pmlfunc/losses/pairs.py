@@ -69,16 +69,7 @@ def contrastive(
     """
     pos_margin = _checks.hyper(pos_margin, "pos_margin")
     neg_margin = _checks.hyper(neg_margin, "neg_margin")
-    batch = prepare(
-        embeddings,
-        labels,
-        ref_emb=ref_emb,
-        ref_labels=ref_labels,
-        indices_tuple=indices_tuple,
-        mat=mat,
-        distance=distance,
-        default_distance=lp(),
-    )
+    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
     d = batch.mat
     if batch.distance.is_similarity:  # PML's margin(x, y) = y - x for similarities
         pos_loss, neg_loss = F.relu(rshift(pos_margin, d)), F.relu(shift(d, neg_margin))
@@ -137,16 +128,7 @@ def multi_similarity(
     alpha = _checks.hyper(alpha, "alpha", positive=True)
     beta = _checks.hyper(beta, "beta", positive=True)
     base = _checks.hyper(base, "base")
-    batch = prepare(
-        embeddings,
-        labels,
-        ref_emb=ref_emb,
-        ref_labels=ref_labels,
-        indices_tuple=indices_tuple,
-        mat=mat,
-        distance=distance,
-        default_distance=cosine(),
-    )
+    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     d, s = batch.mat, batch.distance.sign()
     alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
     pos, neg = batch.bool_masks()  # PML's matrix-based losses count each listed pair once

@@ -62,16 +62,7 @@ def ntxent(
     Predictive Coding", 2018.
     """
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    batch = prepare(
-        embeddings,
-        labels,
-        ref_emb=ref_emb,
-        ref_labels=ref_labels,
-        indices_tuple=indices_tuple,
-        mat=mat,
-        distance=distance,
-        default_distance=cosine(),
-    )
+    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
     neg_lse = masked_logsumexp(z, neg > 0, neg if batch.counts else None)
@@ -125,16 +116,7 @@ def supcon(
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    batch = prepare(
-        embeddings,
-        labels,
-        ref_emb=ref_emb,
-        ref_labels=ref_labels,
-        indices_tuple=indices_tuple,
-        mat=mat,
-        distance=distance,
-        default_distance=cosine(),
-    )
+    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     pos, neg = batch.bool_masks()
     denom = masked_logsumexp(z, pos | neg)

@@ -282,16 +282,7 @@ def triplet_margin(
     """
     margin = _checks.hyper(margin, "margin")
     swap, smooth_loss = bool(swap), bool(smooth_loss)
-    batch = prepare(
-        embeddings,
-        labels,
-        ref_emb=ref_emb,
-        ref_labels=ref_labels,
-        indices_tuple=indices_tuple,
-        mat=mat,
-        distance=distance,
-        default_distance=lp(),
-    )
+    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
     sign = batch.distance.sign()
     e = sign * batch.mat
     margin = scalar_like(margin, e)
