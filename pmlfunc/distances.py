@@ -79,7 +79,8 @@ def _euclid_backward(
     if squared:
         w = 2.0 * g
     else:
-        w = torch.where(d > 0, g / d, 0.0)  # d = 0 (duplicates, the diagonal): zero, not NaN
+        # g / d, and 0 (not NaN) at d = 0 (duplicates, the diagonal), without a where.
+        w = g * d / (d * d).clamp_min(torch.finfo(d.dtype).tiny)
     grad_x = x * w.sum(-1, keepdim=True) - w @ y
     grad_y = y * w.sum(-2).unsqueeze(-1) - w.transpose(-1, -2) @ x
     return grad_x, grad_y

@@ -109,7 +109,8 @@ class DenseTerms(Terms):
 
     def _selected(self, low: Bound, high: Bound) -> Tensor:
         sel = _window(self.losses, low, high)
-        return self.weights if sel is None else torch.where(sel, self.weights, 0.0)
+        # A multiply, not torch.where: on CPU a where with a scattered mask is ~5x slower.
+        return self.weights if sel is None else self.weights * sel
 
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         w = self._selected(low, high)

@@ -131,7 +131,7 @@ def multi_similarity(
     batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     d, s = batch.mat, batch.distance.sign()
     alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
-    pos, neg = batch.bool_masks()  # PML's matrix-based losses count each listed pair once
+    pos, neg = batch.binary_masks()  # PML's matrix-based losses count each listed pair once
     # PML's margin(mat, base) = s·(d − base): positives pay e^{α·s(d−base)}, negatives
     # e^{−β·s(d−base)}. The constant ∓·base leaves the log-sum-exp: one scaled matrix per part.
     pos_lse = masked_logsumexp(d * (alpha * s), pos) - alpha * s * base

@@ -5,8 +5,6 @@ Both losses need per-row log-sum-exps only; no positive-pair × negative-pair ma
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -65,12 +63,10 @@ def ntxent(
     batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
-    neg_lse = masked_logsumexp(z, neg > 0, neg if batch.counts else None)
-    # log(e^z / (e^z + e^lse)) = -log(1 + e^(lse - z)); PML adds ε inside the log.
-    log_ratio = -torch.logaddexp(neg_lse.unsqueeze(-1) - z, z.new_zeros(()))
-    losses = -torch.logaddexp(
-        log_ratio, log_ratio.new_full((), math.log(torch.finfo(z.dtype).tiny))
-    )
+    neg_lse = masked_logsumexp(z, neg, (neg > 0).to(z.dtype) if batch.counts else None)
+    # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
+    ratio = torch.sigmoid(z - neg_lse.unsqueeze(-1))
+    losses = -torch.log(ratio + torch.finfo(z.dtype).tiny)
     terms = {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
     return finish(batch, terms, default_reducer(reducer, mean()))
 
@@ -118,12 +114,11 @@ def supcon(
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
-    pos, neg = batch.bool_masks()
-    denom = masked_logsumexp(z, pos | neg)
-    posf = pos.to(z.dtype)
-    n_pos = posf.sum(-1)
-    mean_log_prob = (posf * z).sum(-1) / n_pos.clamp_min(1.0) - torch.where(n_pos > 0, denom, 0.0)
-    active = pos.any() & neg.any()
+    pos, neg = batch.binary_masks()
+    denom = masked_logsumexp(z, pos + neg)
+    n_pos = pos.sum(-1)
+    mean_log_prob = (pos * z).sum(-1) / n_pos.clamp_min(1.0) - torch.where(n_pos > 0, denom, 0.0)
+    active = (n_pos.sum() > 0) & (neg.sum() > 0)
     losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
     terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", batch.num_anchors)}
     return finish(batch, terms, default_reducer(reducer, avg_nonzero()))

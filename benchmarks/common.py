@@ -1,0 +1,177 @@
+"""Shared input builders and step helpers for the pmlfunc benchmark suite.
+
+Settings follow the reference "Development measurements" protocol
+(shared/reference/000_*.txt): standard-normal embeddings from a seeded CPU
+generator, balanced contiguous labels (``arange(B) // samples_per_class``, four
+per class by default), contrastive ``neg_margin=1.4``, triplet ``margin=0.2``,
+NT-Xent ``temperature=0.07``. Every measured step builds a fresh autograd graph
+and returns fresh gradients (``torch.autograd.grad`` on a leaf tensor, so no
+``.grad`` accumulates between rounds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+SEED = 17
+DEFAULT_BATCH = 512
+DEFAULT_DIM = 128
+DEFAULT_SAMPLES_PER_CLASS = 4
+DEFAULT_DTYPE = torch.float32
+DEFAULT_THREADS = 1
+
+# Hyper-parameters shared by every implementation of a case.
+CONTRASTIVE_POS_MARGIN = 0.0
+CONTRASTIVE_NEG_MARGIN = 1.4
+TRIPLET_MARGIN = 0.2
+NTXENT_TEMPERATURE = 0.07
+SUPCON_TEMPERATURE = 0.1
+MS_ALPHA = 2.0
+MS_BETA = 50.0
+MS_BASE = 0.5
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def env_int(name: str, default: int) -> int:
+    """Read a positive integer from the environment (``default`` when unset or empty)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    value = int(raw)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
+def bench_batch() -> int:
+    """Batch size for timed runs: ``PMLFUNC_BENCH_BATCH`` (default 512)."""
+    return env_int("PMLFUNC_BENCH_BATCH", DEFAULT_BATCH)
+
+
+def make_labels(batch: int, samples_per_class: int = DEFAULT_SAMPLES_PER_CLASS) -> torch.Tensor:
+    """Balanced contiguous labels ``arange(batch) // samples_per_class`` (int64)."""
+    if batch < 2 * samples_per_class:
+        raise ValueError(
+            f"batch must hold at least two complete classes: batch={batch}, "
+            f"samples_per_class={samples_per_class}"
+        )
+    return torch.arange(batch, dtype=torch.int64) // samples_per_class
+
+
+def make_embeddings(
+    batch: int,
+    dim: int = DEFAULT_DIM,
+    *,
+    dtype: torch.dtype = DEFAULT_DTYPE,
+    device: str | torch.device = "cpu",
+    seed: int = SEED,
+) -> torch.Tensor:
+    """Standard-normal ``(batch, dim)`` embeddings drawn from a seeded CPU generator."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    emb = torch.randn(batch, dim, generator=gen, dtype=torch.float32)
+    return emb.to(device=device, dtype=dtype)
+
+
+def make_inputs(
+    batch: int,
+    dim: int = DEFAULT_DIM,
+    samples_per_class: int = DEFAULT_SAMPLES_PER_CLASS,
+    *,
+    dtype: torch.dtype = DEFAULT_DTYPE,
+    device: str | torch.device = "cpu",
+    seed: int = SEED,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings (a leaf with ``requires_grad``) and labels for one case."""
+    emb = make_embeddings(batch, dim, dtype=dtype, device=device, seed=seed).requires_grad_()
+    labels = make_labels(batch, samples_per_class).to(device)
+    return emb, labels
+
+
+@contextlib.contextmanager
+def set_threads(n: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(n)``; restore the previous count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def make_step(
+    loss_fn: Loss, embeddings: torch.Tensor, labels: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """A forward+backward step for ``loss_fn``.
+
+    Each call builds a fresh graph, takes the gradient with respect to the leaf
+    ``embeddings`` through ``torch.autograd.grad`` (nothing accumulates in
+    ``.grad``) and returns the detached loss.
+    """
+    if not embeddings.requires_grad or embeddings.grad_fn is not None:
+        raise ValueError("embeddings must be a leaf tensor with requires_grad=True")
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(embeddings, labels)
+        (grad,) = torch.autograd.grad(loss, embeddings)
+        step.last_grad = grad  # type: ignore[attr-defined]
+        return loss.detach()
+
+    return step
+
+
+def floor_loss(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cost floor: one B×B matmul and its backward, ``(E @ E.T).sum()``."""
+    del labels
+    return (embeddings @ embeddings.T).sum()
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak allocated tensor memory since the last reset, where cheaply available.
+
+    CUDA only for now; CPU returns ``None`` (a later issue adds a CPU method).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def fill_extra_info(
+    extra_info: dict[str, Any],
+    embeddings: torch.Tensor,
+    *,
+    threads: int,
+    samples_per_class: int,
+    impl: str,
+    case: str,
+    loss_value: torch.Tensor | None = None,
+) -> None:
+    """Record the configuration of a measurement in pytest-benchmark's ``extra_info``."""
+    extra_info.update(
+        case=case,
+        impl=impl,
+        dtype=str(embeddings.dtype).removeprefix("torch."),
+        shape=list(embeddings.shape),
+        samples_per_class=samples_per_class,
+        threads=threads,
+        device=str(embeddings.device),
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+    )
+    peak = peak_memory_bytes(embeddings.device)
+    if peak is not None:
+        extra_info["peak_memory_mib"] = round(peak / 2**20, 3)
+    if loss_value is not None:
+        extra_info["loss"] = float(loss_value)
