@@ -628,6 +628,26 @@ def test_vmap_over_independent_problems(name, gen):
     assert not torch.allclose(values[0], values[1])
 
 
+@pytest.mark.parametrize("name", LOSSES)
+def test_vmap_with_shared_labels_and_batched_cotangent(name, gen):
+    """Only the embeddings batched (labels shared), and vmap over the cotangent of a vjp: the
+    unbatched masks meet batched values inside the custom autograd functions."""
+    labels = lab(UNEVEN)
+    emb = randn(gen, 3, len(labels), 6)
+    fn = functools.partial(pf_loss(name), **HP[name])
+    values = torch.func.vmap(fn, in_dims=(0, None))(emb, labels)
+    grads = torch.func.vmap(torch.func.grad(fn), in_dims=(0, None))(emb, labels)
+    for k in range(3):
+        v, (g,) = value_and_grads(lambda e, k=k: fn(e, labels), emb[k])
+        torch.testing.assert_close(values[k], v, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grads[k], g, rtol=1e-12, atol=1e-14)
+    _, vjp = torch.func.vjp(lambda e: fn(e, labels), emb[0])
+    cot = torch.tensor([1.0, -2.0, 0.5], dtype=emb.dtype)
+    (batched,) = torch.func.vmap(vjp)(cot)
+    (_, (g0,)) = value_and_grads(lambda e: fn(e, labels), emb[0])
+    torch.testing.assert_close(batched, cot[:, None, None] * g0, rtol=1e-10, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. torch.compile
 # ----------------------------------------------------------------------------------------------

@@ -125,24 +125,27 @@ def finish(batch: Batch, terms: dict[str, Terms], reducer: Reducer):
     return reduce(reducer, terms, batch.labels, batch.out_dtype)
 
 
-def _masked_exp_(buf: Tensor, x: Tensor, keep: Tensor, shift: Tensor, weights: Tensor) -> Tensor:
-    """In place: ``buf = w · exp(clamp(x − shift, −80))`` on kept entries, 0 elsewhere.
+def _masked(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` on kept entries, ``−finfo.max`` elsewhere (a fresh buffer, by arithmetic)."""
+    return torch.addcmul((keep - 1.0) * torch.finfo(x.dtype).max, x, keep)
 
-    ``buf`` holds ``keep − 1`` on entry. Masked entries become ``−finfo.max`` before the shift,
-    so nothing overflows; exponents are clamped at −80 (e⁻⁸⁰ ≈ 2e-35 is far below any dtype's
-    precision relative to the row maximum's e⁰) because CPU ``exp`` of arguments that underflow
-    is ~35× slower than of ordinary ones.
+
+def _exp_shifted_(buf: Tensor, shift: Tensor, weights: Tensor) -> Tensor:
+    """In place on a :func:`_masked` buffer: ``w · exp(max(buf − shift, −80))``.
+
+    Masked entries (``−finfo.max``) give 0. Exponents are clamped at −80 (e⁻⁸⁰ ≈ 2e-35 is far
+    below any dtype's precision relative to the row maximum's e⁰) because CPU ``exp`` of
+    arguments that underflow is ~35× slower than of ordinary ones.
     """
-    buf.mul_(torch.finfo(buf.dtype).max).addcmul_(x, keep).sub_(shift)
-    return buf.clamp_min_(-80.0).exp_().mul_(weights)
+    return buf.sub_(shift).clamp_min_(-80.0).exp_().mul_(weights)
 
 
 class _MaskedLogSumExp(torch.autograd.Function):
     """Row-wise ``log Σ_j w_j e^{x_j}`` over kept entries, as one autograd node.
 
     The forward keeps only the per-row result (plus the inputs); the backward recomputes the
-    softmax weights. One ``B × M`` buffer in each direction instead of the half-dozen
-    temporaries of the composed ops (each one a fresh allocation, page faults included).
+    softmax weights. Two ``B × M`` buffers in each direction instead of the half-dozen
+    temporaries of the composed ops (each a fresh allocation, page faults included).
     """
 
     generate_vmap_rule = True
@@ -151,13 +154,13 @@ class _MaskedLogSumExp(torch.autograd.Function):
     def forward(x: Tensor, weights: Tensor, keep: Tensor | None) -> Tensor:
         if keep is None:  # 0/1 weights (a flag: compile rejects one tensor given twice)
             keep = weights
-        big = torch.finfo(x.dtype).max
-        buf = keep - 1.0
-        shift = torch.addcmul(buf * big, x, keep).amax(-1, keepdim=True)
-        has_any = shift > -big
+        low = -torch.finfo(x.dtype).max
+        buf = _masked(x, keep)
+        shift = buf.amax(-1, keepdim=True)
+        has_any = shift > low
         shift = torch.where(has_any, shift, 0.0)
-        s = _masked_exp_(buf, x, keep, shift, weights).sum(-1, keepdim=True)
-        lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, -big)
+        s = _exp_shifted_(buf, shift, weights).sum(-1, keepdim=True)
+        lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
         return lse.squeeze(-1)
 
     @staticmethod
@@ -171,8 +174,8 @@ class _MaskedLogSumExp(torch.autograd.Function):
         if keep is None:
             keep = weights
         # d lse_i / d x_ij = w_ij e^{x_ij − lse_i} (the masked softmax); empty rows give 0.
-        buf = _masked_exp_(keep - 1.0, x, keep, lse.unsqueeze(-1), weights)
-        return buf.mul_(g.unsqueeze(-1)), None, None
+        soft = _exp_shifted_(_masked(x, keep), lse.unsqueeze(-1), weights)
+        return soft * g.unsqueeze(-1), None, None
 
 
 def masked_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> Tensor:
