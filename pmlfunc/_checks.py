@@ -95,3 +95,24 @@ def hyper(
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype reductions accumulate in: float32 for float16/bfloat16 inputs, else the input's."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+try:  # private, but stable since functorch moved into torch (2.0)
+    from torch._C._functorch import maybe_current_level as _functorch_level
+except ImportError:  # pragma: no cover - a torch without it: always take the safe path
+
+    def _functorch_level() -> int | None:
+        return 0
+
+
+def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:
+    """``buf.scatter_(-1, index, src)`` in place when possible.
+
+    vmap has no batching rule for in-place ``scatter_`` (it falls back to a slow loop and warns),
+    so inside any ``torch.func`` transform the out-of-place ``scatter`` is used; in plain eager
+    mode and under ``torch.compile``, in place saves a copy of ``buf`` (on CPU, a fresh buffer's
+    page faults cost more than the scatter itself).
+    """
+    if torch.compiler.is_compiling() or _functorch_level() is None:
+        return buf.scatter_(-1, index, src)
+    return buf.scatter(-1, index, src)

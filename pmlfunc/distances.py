@@ -47,17 +47,17 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     """Squared distances by the matmul expansion, with the ``budget`` most cancellation-prone
     entries of each row recomputed exactly from the differences. Runs inside a Function's forward
     (no autograd), so it works in place on its own buffers."""
-    sq_x = (x * x).sum(-1)
-    sq_y = (y * y).sum(-1)
-    scale = sq_x.unsqueeze(-1) + sq_y.unsqueeze(-2)
-    d2 = torch.addmm(scale, x, y.transpose(-1, -2), beta=1.0, alpha=-2.0)
+    sq_x = (x * x).sum(-1).unsqueeze(-1)
+    sq_y = (y * y).sum(-1).unsqueeze(-2)
+    # One B × M buffer, updated in place (every fresh CPU buffer costs page faults).
+    d2 = torch.mm(x, y.transpose(-1, -2)).mul_(-2.0).add_(sq_x).add_(sq_y)
     n_cols = d2.shape[-1]
     k = min(budget, n_cols - 1 if self_mode else n_cols)
     if k > 0:
         # Rank entries by d² / (‖a‖² + ‖b‖²): the relative size of the cancellation error.
-        # Unit-norm rows have a constant denominator, so d² itself ranks them.
-        # (For unit rows d2 itself is the key: its diagonal is set to +inf here and to 0 below.)
-        key = d2 if normalized else d2 / scale.clamp_min(torch.finfo(d2.dtype).tiny)
+        # Unit-norm rows have a constant denominator, so d² itself ranks them (its diagonal is
+        # set to +inf here and to 0 below).
+        key = d2 if normalized else d2 / (sq_x + sq_y).clamp_min_(torch.finfo(d2.dtype).tiny)
         if self_mode:
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
         idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
@@ -65,7 +65,7 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
         diff = (
             y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
         )
-        d2 = d2.scatter(-1, idx, diff.mul_(diff).sum(-1))  # out of place: vmap has a rule for it
+        d2 = _checks.scatter_(d2, idx, diff.mul_(diff).sum(-1))
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
@@ -80,7 +80,8 @@ def _euclid_backward(
         w = 2.0 * g
     else:
         # g / d, and 0 (not NaN) at d = 0 (duplicates, the diagonal), without a where.
-        w = g * d / (d * d).clamp_min(torch.finfo(d.dtype).tiny)
+        dd = (d * d).clamp_min_(torch.finfo(d.dtype).tiny)
+        w = (g * d).div_(dd)
     grad_x = x * w.sum(-1, keepdim=True) - w @ y
     grad_y = y * w.sum(-2).unsqueeze(-1) - w.transpose(-1, -2) @ x
     return grad_x, grad_y

@@ -123,11 +123,17 @@ def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties, binary
         e = torch.randint(0, 4, (b, m), generator=g).double() / 2  # many exact ties
     else:
         e = torch.rand(b, m, generator=g, dtype=torch.float64)
-    pos = (torch.rand(b, m, generator=g) < 0.3).double() * torch.randint(
-        1, 3, (b, m), generator=g
-    ).double()
-    neg = (torch.rand(b, m, generator=g) < 0.5).double() * (pos == 0).double()
-    terms = AllTriplets(e.requires_grad_(), pos, neg, margin, False, None)
+    if binary:  # label masks: a reference set of m rows, every column a positive or a negative
+        labels, ref_labels = (
+            torch.randint(0, 3, (b,), generator=g),
+            torch.randint(0, 3, (m,), generator=g),
+        )
+        pos, neg = label_masks(labels, ref_labels, dtype=torch.float64)
+    else:  # pair multiplicities, as from an index tuple, with columns that are neither
+        pos = (torch.rand(b, m, generator=g) < 0.3).double()
+        pos = pos * torch.randint(1, 3, (b, m), generator=g).double()
+        neg = (torch.rand(b, m, generator=g) < 0.5).double() * (pos == 0).double()
+    terms = AllTriplets(e.requires_grad_(), pos, neg, margin, False, None, binary=binary)
     s, c = terms.stats(low=0.0)
     x = e[:, :, None] - e[:, None, :] + margin
     w = pos[:, :, None] * neg[:, None, :]
@@ -140,8 +146,28 @@ def test_sorted_triplet_counting_equals_the_enumerated_cube(margin, ties, binary
     (g1,) = torch.autograd.grad(s.sum(), e)
     (g2,) = torch.autograd.grad((w * x.relu()).sum(), e)
     torch.testing.assert_close(g1, g2)
+    assert torch.count_nonzero(c) > 0 and torch.count_nonzero(w.sum((1, 2)) - c) > 0
     # The chunked cube path (used for windows) agrees too.
     s_w, c_w = terms.stats(low=0.1, high=0.9)
     sel = w * ((x.relu() > 0.1) & (x.relu() < 0.9))
     torch.testing.assert_close(s_w, (sel * x.relu()).sum((1, 2)))
     torch.testing.assert_close(c_w, sel.sum((1, 2)))
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.3])
+def test_sorted_triplet_counting_self_mode_label_masks(margin):
+    """Self mode with label masks: the diagonal is neither positive nor negative."""
+    g = torch.Generator().manual_seed(2)
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4])
+    e = torch.randint(0, 4, (11, 11), generator=g).double() / 2
+    e = (e + e.T).requires_grad_()
+    pos, neg = label_masks(labels, dtype=torch.float64)
+    terms = AllTriplets(e, pos, neg, margin, False, None, binary=True, self_mode=True)
+    s, c = terms.stats(low=0.0)
+    x = e[:, :, None] - e[:, None, :] + margin
+    w = pos[:, :, None] * neg[:, None, :]
+    torch.testing.assert_close(s, (w * x.relu()).sum((1, 2)))
+    torch.testing.assert_close(c, (w * (x > 0)).sum((1, 2)))
+    (g1,) = torch.autograd.grad(s.sum(), e)
+    (g2,) = torch.autograd.grad((w * x.relu()).sum(), e)
+    torch.testing.assert_close(g1, g2)

@@ -37,18 +37,20 @@ _CUBE_BLOCK = 1 << 22
 
 
 def _ordered_int(x: Tensor) -> Tensor:
-    """Integers ordered like the floats ``x`` (IEEE bit trick), with the lowest bit cleared."""
+    """Integers ordered like the floats ``x`` (IEEE bit trick), with the lowest bit cleared.
+
+    Runs on constants (no gradient), in place on one fresh buffer.
+    """
     if x.dtype == torch.float64:
-        bits = (x + 0.0).view(torch.int64)
-        ordered = bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+        bits, sign_mask = (x + 0.0).view(torch.int64), 0x7FFFFFFFFFFFFFFF  # + 0.0: no -0.0
     else:
-        bits = (x.float() + 0.0).view(torch.int32)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return ordered & ~1
+        bits, sign_mask = (x.float() + 0.0).view(torch.int32), 0x7FFFFFFF
+    flip = (bits >> (bits.element_size() * 8 - 1)).bitwise_and_(sign_mask)
+    return bits.bitwise_xor_(flip).bitwise_and_(~1)
 
 
 def _sorted_hinge_stats(
-    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor, binary: bool
+    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor, binary: bool, self_mode: bool
 ) -> tuple[Tensor, Tensor]:
     """Per-anchor ``(Σ_{p,n} w_p w_n [t_ap − e_an]_+, #{w_p w_n : t_ap > e_an})`` by one merged sort.
 
@@ -62,26 +64,38 @@ def _sorted_hinge_stats(
     carry no gradient, and the backward is ``c`` itself. Keys are ordered integers whose lowest
     bit puts a positive before a negative of equal value, so a negative counts for a positive
     exactly when ``e_an < t_ap`` (to one ulp), as the hinge's ``> 0`` does.
+
+    ``binary``: 0/1 masks from labels, where every column is a positive or a negative except the
+    diagonal in ``self_mode``; the masks are then read back from the sorted keys' type bit.
     """
-    is_pos, is_neg = pos > 0, neg > 0
-    margin_value = margin.detach() if isinstance(margin, Tensor) else margin
-    value = torch.where(is_pos, e.detach() + margin_value, e.detach())
-    keys = _ordered_int(value)
-    keys = keys | is_neg.to(keys.dtype)
-    top = torch.iinfo(keys.dtype).max  # odd: sorts last and reads as "not a positive"
-    keys = torch.where(is_pos | is_neg, keys, top)
+    ed = e.detach()
+    m = margin.detach() if isinstance(margin, Tensor) else margin
+    is_pos = pos if binary else (pos > 0).to(e.dtype)
+    is_neg = neg if binary else (neg > 0).to(e.dtype)
+    keys = _ordered_int(
+        torch.addcmul(ed, is_pos, torch.as_tensor(m, dtype=e.dtype, device=e.device))
+    )
+    keys = keys.bitwise_or_(is_neg.to(keys.dtype))
+    top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
+    if binary and self_mode:
+        keys.diagonal(dim1=-2, dim2=-1).fill_(top)
+    elif not binary:
+        keys = torch.where((is_pos + is_neg) > 0, keys, top)
     order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
-    sorted_keys = keys.gather(-1, order)
-    if binary:  # 0/1 masks: the type bit of the sorted keys says which column is which
-        odd = (sorted_keys & 1).bool()
-        wp = (~odd).to(e.dtype)
-        wn = (odd & (sorted_keys != top)).to(e.dtype)
+    if binary:  # the type bit of the sorted keys says which column is which
+        wn = keys.gather(-1, order).bitwise_and_(1).to(e.dtype)
+        wp = torch.rsub(wn, 1.0)
+        if self_mode:  # the diagonal (top) sorts last in every row: neither
+            wn[..., -1] = 0.0
+            wp[..., -1] = 0.0
     else:
         wp, wn = pos.gather(-1, order), neg.gather(-1, order)
-    before = wn.cumsum(-1) - wn  # negatives strictly before each position
-    after = wp.sum(-1, keepdim=True) - wp.cumsum(-1)  # positives strictly after
-    count = (wp * before).sum(-1)
-    coef = torch.zeros_like(e).scatter(-1, order, wp * before - wn * after)
+    before = wn.cumsum(-1).sub_(wn)  # negatives strictly before each position
+    after = wp.cumsum(-1).neg_().add_(wp.sum(-1, keepdim=True))  # positives strictly after
+    coef = wp.mul_(before)
+    count = coef.sum(-1)
+    coef = coef.sub_(wn.mul_(after))
+    coef = _checks.scatter_(torch.zeros_like(ed), order, coef)  # back to column order
     hinge = (e * coef).sum(-1) + count * margin
     return hinge, count
 
@@ -178,6 +192,7 @@ class AllTriplets(Terms):
     e_pn: Tensor | None  # (M, M) reference-to-reference, for swap with a reference set
     swap_self: bool = False  # swap in self mode: e_pn is e itself
     binary: bool = False  # pos/neg are 0/1 masks (from labels), not multiplicities
+    self_mode: bool = False  # the batch against itself: the diagonal is neither pos nor neg
     kind: str = "triplet"
 
     @property
@@ -190,10 +205,14 @@ class AllTriplets(Terms):
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         if plain and low is None:
-            hinge, _ = _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin, self.binary)
+            hinge, _ = _sorted_hinge_stats(
+                self.e, self.pos, self.neg, self.margin, self.binary, self.self_mode
+            )
             return hinge, self._total_count()
         if plain and isinstance(low, float) and low == 0.0:
-            return _sorted_hinge_stats(self.e, self.pos, self.neg, self.margin, self.binary)
+            return _sorted_hinge_stats(
+                self.e, self.pos, self.neg, self.margin, self.binary, self.self_mode
+            )
         m = self.e.shape[-1]
         chunk = max(1, _CUBE_BLOCK // max(1, m * m))
         margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
@@ -309,7 +328,8 @@ def triplet_margin(
             smooth_loss,
             e_pn,
             swap_self,
-            not batch.counts,
+            binary=not batch.counts,
+            self_mode=batch.ref_emb is None,
         )
     return finish(batch, {"loss": terms}, reducer)
 
