@@ -34,7 +34,6 @@ import torch
 from pytorch_metric_learning import losses as pml_losses
 
 import pmlfunc as pf
-import pmlfunc.losses  # loads pf.losses even if the package face does not
 
 from . import common as C
 

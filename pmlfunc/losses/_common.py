@@ -127,7 +127,7 @@ def finish(batch: Batch, terms: dict[str, Terms], reducer: Reducer):
 
 def _masked(x: Tensor, keep: Tensor) -> Tensor:
     """``x`` on kept entries, ``−finfo.max`` elsewhere (a fresh buffer, by arithmetic)."""
-    return torch.addcmul((keep - 1.0) * torch.finfo(x.dtype).max, x, keep)
+    return torch.addcmul((keep - 1.0).mul_(torch.finfo(x.dtype).max), x, keep)
 
 
 def _exp_shifted_(buf: Tensor, shift: Tensor, weights: Tensor) -> Tensor:
