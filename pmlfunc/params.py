@@ -102,10 +102,13 @@ def init_normal(
     device=None,
     std: float = 1.0,
 ) -> Tensor:
-    """``N(0, std²)`` entries (PML's default ``torch.nn.init.normal_``)."""
+    """``N(0, std²)`` entries (PML's default ``torch.nn.init.normal_``).
+
+    Sampled in float32 and cast, so one generator state gives the same values in every dtype.
+    """
     _check_shape(shape)
-    out = torch.empty(shape, dtype=dtype, device=_generator_device(generator, device))
-    return out.normal_(0.0, std, generator=generator)
+    out = torch.empty(shape, dtype=torch.float32, device=_generator_device(generator, device))
+    return out.normal_(0.0, std, generator=generator).to(dtype)
 
 
 def init_kaiming_uniform(
@@ -118,11 +121,12 @@ def init_kaiming_uniform(
     device=None,
 ) -> Tensor:
     """``U(−b, b)`` with ``b = gain·√(3 / fan_in)``, ``gain = √(2 / (1 + a²))``: PML's
-    ``kaiming_uniform_(a=√5)`` computed with PML's fan (pass the fan of PML's layout)."""
+    ``kaiming_uniform_(a=√5)`` computed with PML's fan (pass the fan of PML's layout).
+    Sampled in float32 and cast, like :func:`init_normal`."""
     _check_shape(shape)
     bound = math.sqrt(2.0 / (1 + a * a)) * math.sqrt(3.0 / fan_in)
-    out = torch.empty(shape, dtype=dtype, device=_generator_device(generator, device))
-    return out.uniform_(-bound, bound, generator=generator)
+    out = torch.empty(shape, dtype=torch.float32, device=_generator_device(generator, device))
+    return out.uniform_(-bound, bound, generator=generator).to(dtype)
 
 
 def _check_shape(shape: tuple[int, ...]) -> None:
