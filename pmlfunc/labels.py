@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["PairMasks", "label_masks", "pair_masks", "tuple_masks"]
+__all__ = ["PairMasks", "check_tuple", "label_masks", "pair_masks", "tuple_masks"]
 
 
 class PairMasks(NamedTuple):
@@ -57,7 +57,8 @@ def _counts(
     return out.view(shape)
 
 
-def _check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
+def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
+    """Validate a PML index tuple (3 or 4 1-D integer tensors of matching lengths)."""
     if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
         raise ValueError(
             "indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors"
@@ -96,7 +97,7 @@ def tuple_masks(
                 [0., 0., 0.],
                 [0., 0., 0.]])
     """
-    t = _check_tuple(indices_tuple)
+    t = check_tuple(indices_tuple)
     if device is None:
         device = t[0].device
     a1, p, a2, n = (t[0], t[1], t[0], t[2]) if len(t) == 3 else t

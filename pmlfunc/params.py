@@ -21,6 +21,7 @@ __all__ = [
     "check",
     "class_labels",
     "count",
+    "generator_device",
     "init_kaiming_uniform",
     "init_normal",
     "tree_cast",
@@ -88,7 +89,8 @@ def class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None
         )
 
 
-def _generator_device(generator: torch.Generator | None, device) -> torch.device:
+def generator_device(generator: torch.Generator | None, device) -> torch.device:
+    """Where an init draws: ``device`` if given, else the generator's device, else CPU."""
     if device is not None:
         return torch.device(device)
     return torch.device("cpu") if generator is None else generator.device
@@ -107,7 +109,7 @@ def init_normal(
     Sampled in float32 and cast, so one generator state gives the same values in every dtype.
     """
     _check_shape(shape)
-    out = torch.empty(shape, dtype=torch.float32, device=_generator_device(generator, device))
+    out = torch.empty(shape, dtype=torch.float32, device=generator_device(generator, device))
     return out.normal_(0.0, std, generator=generator).to(dtype)
 
 
@@ -125,7 +127,7 @@ def init_kaiming_uniform(
     Sampled in float32 and cast, like :func:`init_normal`."""
     _check_shape(shape)
     bound = math.sqrt(2.0 / (1 + a * a)) * math.sqrt(3.0 / fan_in)
-    out = torch.empty(shape, dtype=torch.float32, device=_generator_device(generator, device))
+    out = torch.empty(shape, dtype=torch.float32, device=generator_device(generator, device))
     return out.uniform_(-bound, bound, generator=generator).to(dtype)
 
 

@@ -1,10 +1,67 @@
-"""Embedding losses as pure functions: ``loss(embeddings, labels, *, ...) -> 0-d tensor``.
+"""Embedding losses as pure functions: ``loss(embeddings, labels[, params], *, ...) -> 0-d tensor``.
 
-One module per family; every loss is re-exported here by its PML name in snake_case.
+One module per family; every loss is re-exported here by its PML name in snake_case. Learnable
+losses take a ``params`` dict created by their ``<loss>_init``.
 """
 
+from .margin_softmax import (
+    arcface,
+    arcface_init,
+    cosface,
+    cosface_init,
+    dynamic_arcface,
+    dynamic_arcface_init,
+    dynamic_arcface_margins,
+    large_margin_softmax,
+    large_margin_softmax_init,
+    sphereface,
+    sphereface_init,
+    subcenter_arcface,
+    subcenter_arcface_init,
+)
 from .pairs import contrastive, multi_similarity
+from .proxies import (
+    normalized_softmax,
+    normalized_softmax_init,
+    p2s_grad,
+    p2s_grad_init,
+    proxy_anchor,
+    proxy_anchor_init,
+    proxy_nca,
+    proxy_nca_init,
+    soft_triple,
+    soft_triple_init,
+)
 from .softmax import ntxent, supcon
 from .triplets import triplet_margin
 
-__all__ = ["contrastive", "multi_similarity", "ntxent", "supcon", "triplet_margin"]
+__all__ = [
+    "arcface",
+    "arcface_init",
+    "contrastive",
+    "cosface",
+    "cosface_init",
+    "dynamic_arcface",
+    "dynamic_arcface_init",
+    "dynamic_arcface_margins",
+    "large_margin_softmax",
+    "large_margin_softmax_init",
+    "multi_similarity",
+    "normalized_softmax",
+    "normalized_softmax_init",
+    "ntxent",
+    "p2s_grad",
+    "p2s_grad_init",
+    "proxy_anchor",
+    "proxy_anchor_init",
+    "proxy_nca",
+    "proxy_nca_init",
+    "soft_triple",
+    "soft_triple_init",
+    "sphereface",
+    "sphereface_init",
+    "subcenter_arcface",
+    "subcenter_arcface_init",
+    "supcon",
+    "triplet_margin",
+]

@@ -9,10 +9,10 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance
-from ..labels import PairMasks, pair_masks
+from ..labels import PairMasks, check_tuple, pair_masks
 from ..reducers import Reducer, Terms, reduce
 
-__all__ = ["Batch", "finish", "masked_logsumexp", "prepare"]
+__all__ = ["Batch", "cross_entropy", "finish", "masked_logsumexp", "miner_weights", "prepare"]
 
 
 @dataclass
@@ -211,3 +211,28 @@ def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
     if isinstance(value, Tensor):
         return value.to(dtype=ref.dtype, device=ref.device)
     return value
+
+
+def miner_weights(
+    indices_tuple, batch_size: int, dtype: torch.dtype, device, *, anchors_only: bool = False
+) -> Tensor | None:
+    """PML's ``lmu.convert_to_weights`` without ``unique``: each sample's count in the tuple over
+    the largest count (0 for samples not listed). ``None`` means all ones (no tuple, or a tuple of
+    empty index tensors: a static decision on shapes). ``anchors_only`` counts only the anchors
+    (PML's ``using_ref=True``). Counted with ``index_add``: no host sync."""
+    if indices_tuple is None:
+        return None
+    t = check_tuple(indices_tuple)
+    if all(x.shape[0] == 0 for x in t):
+        return None
+    if anchors_only:
+        t = (t[0],) if len(t) == 3 else (t[0], t[2])
+    idx = torch.cat([x.reshape(-1).to(device=device, dtype=torch.long) for x in t])
+    counts = torch.zeros(batch_size, dtype=dtype, device=device)
+    counts = counts.index_add(0, idx, torch.ones(idx.shape, dtype=dtype, device=device))
+    return counts / counts.amax().clamp_min(1.0)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-row ``logsumexp(logits) − logits[label]`` (``CrossEntropyLoss(reduction="none")``)."""
+    return torch.logsumexp(logits, -1) - logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)

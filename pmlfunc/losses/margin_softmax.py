@@ -1,0 +1,709 @@
+r"""Margin-softmax (classifier-head) losses: a softmax cross entropy over class weights whose
+target logit carries a margin.
+
+Every loss here is one computation with a different target-logit function ``ψ``:
+
+.. math::
+    \cos_{ij} = \hat x_i \cdot \hat w_j, \qquad
+    z_{ij} = s\,\rho_{ij} \cdot \begin{cases} ψ(\cos_{ij}) & j = y_i \\ \cos_{ij} & j \ne y_i
+    \end{cases}, \qquad
+    \ell_i = \log \sum_j e^{z_{ij}} - z_{i y_i}
+
+with ``x̂``, ``ŵ`` the L2-normalised embedding and class weight, ``s`` the scale and ``ρ`` the
+magnitude factor (``‖x_i‖·‖w_j‖`` for large-margin softmax, ``‖x_i‖`` for SphereFace, ``1``
+otherwise). The per-sample terms ``ℓ_i`` (PML's ``CrossEntropyLoss(reduction="none")``, times
+the miner weights of an ``indices_tuple``) go through the reducer, ``mean()`` by default.
+
+Parameters are ``{"weight": (num_classes, D)}``, or ``(num_classes, sub_centers, D)`` for the
+sub-centre losses, whose class cosine is the largest over the class's sub-centres. PML 2.9.0
+stores the transpose: ``W = weight.T`` of shape ``(D, num_classes)``, and for sub-centres
+``W = weight.reshape(num_classes * sub_centers, D).T``, so PML's column ``c·K + k`` is our
+``weight[c, k]`` (PML views its ``(B, C·K)`` cosines as ``(B, C, K)``).
+
+ArcFace-family margins are in **radians** (PML 2.9.0 takes degrees: ``margin=28.6`` there is
+``≈ 0.4992`` here; our default ``0.5`` is PML 3's).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .. import params as _params
+from ..reducers import DenseTerms, Reducer, mean, reduce
+from ._common import cross_entropy, default_reducer, miner_weights, scalar_like
+
+__all__ = [
+    "arcface",
+    "arcface_init",
+    "cosface",
+    "cosface_init",
+    "dynamic_arcface",
+    "dynamic_arcface_init",
+    "dynamic_arcface_margins",
+    "large_margin_softmax",
+    "large_margin_softmax_init",
+    "sphereface",
+    "sphereface_init",
+    "subcenter_arcface",
+    "subcenter_arcface_init",
+]
+
+# A target function maps the target cosines (B,) and the labels to the target logits ψ (B,).
+_Target = Callable[[Tensor, Tensor], Tensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# shared machinery
+# ----------------------------------------------------------------------------------------------
+def _margin_softmax(
+    embeddings: Tensor,
+    labels: Tensor,
+    params,
+    *,
+    target: _Target,
+    ndim: int,
+    magnitude: str,
+    scale: float | Tensor,
+    reducer: Reducer | None,
+    indices_tuple,
+) -> Tensor:
+    """The one computation behind every loss of this module (see the module docstring).
+
+    ``magnitude``: ``"both"`` (``‖x_i‖·‖w_j‖``), ``"embedding"`` (``‖x_i‖``) or ``"none"``.
+    ``ndim`` 3 takes the largest cosine over each class's sub-centres.
+    """
+    _checks.embeddings(embeddings)
+    batch_size = embeddings.shape[0]
+    _checks.labels(labels, batch_size, embeddings.device)
+    weight = _params.check(params, "weight", embeddings, ndim=ndim)
+    num_classes = weight.shape[0]
+    _params.class_labels(labels, num_classes)
+    cd = _checks.compute_dtype(embeddings.dtype)
+    x = embeddings.to(cd)
+    w = weight.to(cd)  # a new tensor when the dtype differs; the caller's is never touched
+
+    x_hat = F.normalize(x, p=2, dim=1)
+    w_hat = F.normalize(w.reshape(-1, w.shape[-1]), p=2, dim=1)
+    cosine = x_hat @ w_hat.t()  # (B, C) or (B, C·K)
+    if ndim == 3:  # PML: view (B, C, K), max over the sub-centres (gradient to the argmax)
+        cosine = cosine.view(batch_size, num_classes, w.shape[1]).max(dim=2).values
+
+    idx = labels.long().unsqueeze(1)
+    target_cos = cosine.gather(1, idx).squeeze(1)
+    factor = scalar_like(scale, cosine)  # s·ρ, one multiplication over the (B, C) logits
+    if magnitude == "both":
+        factor = (w.norm(p=2, dim=1).unsqueeze(0) * x.norm(p=2, dim=1).unsqueeze(1)) * factor
+    elif magnitude == "embedding":
+        factor = x.norm(p=2, dim=1, keepdim=True) * factor
+    logits = cosine.scatter(1, idx, target(target_cos, labels).unsqueeze(1)) * factor
+
+    losses = cross_entropy(logits, labels)
+    miner = miner_weights(indices_tuple, batch_size, cd, embeddings.device)
+    if miner is not None:
+        losses = losses * miner
+    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", batch_size)}
+    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+
+
+def _cos_sin(margin: float | Tensor, ref: Tensor) -> tuple[float | Tensor, float | Tensor]:
+    if isinstance(margin, Tensor):
+        margin = margin.to(dtype=ref.dtype, device=ref.device)
+        return torch.cos(margin), torch.sin(margin)
+    return math.cos(margin), math.sin(margin)
+
+
+def _arc_target(c: Tensor, margin: float | Tensor) -> Tensor:
+    r"""ArcFace's ``cos(θ + m)`` for ``θ ≤ π − m``, else ``cos θ − m·sin m`` (PML's monotone
+    extension), from ``c = cos θ`` without ``arccos``.
+
+    ``cos(θ + m) = c·cos m − sin θ·sin m`` with ``sin θ = √((1 − c)(1 + c))``. Where
+    ``(1 − c)(1 + c) ≤ 0`` (``|c| = 1``, or beyond by rounding) ``sin θ`` is 0 with a zero
+    gradient, so the gradient is finite everywhere (PML's ``arccos`` gives NaN at ``|c| = 1``);
+    elsewhere it equals PML's. ``θ ≤ π − m`` is ``c ≥ −cos m``.
+    """
+    cos_m, sin_m = _cos_sin(margin, c)
+    margin = scalar_like(margin, c)
+    sin2 = (1.0 - c) * (1.0 + c)
+    inside = sin2 > 0
+    sin_theta = torch.where(inside, torch.sqrt(torch.where(inside, sin2, 1.0)), 0.0)
+    plus = c * cos_m - sin_theta * sin_m
+    return torch.where(c >= -cos_m, plus, c - margin * sin_m)
+
+
+def _multiplicative_target(margin: int) -> _Target:
+    r"""L-Softmax's ``ψ(θ) = (−1)^k cos(mθ) − 2k``, ``k = ⌊θm/π⌋``.
+
+    ``cos(mθ)`` is the Chebyshev polynomial ``T_m(cos θ)`` (recurrence
+    ``T_{n+1} = 2c·T_n − T_{n−1}``; the same polynomial as PML's binomial sum, Eq. 7 of the
+    paper), so its gradient is finite at ``|c| = 1``; ``k`` is piecewise constant (no gradient),
+    computed as PML does from ``arccos`` of the clamped cosine.
+    """
+
+    def target(c: Tensor, labels: Tensor) -> Tensor:
+        t_prev, t = torch.ones_like(c), c
+        for _ in range(margin - 1):
+            t_prev, t = t, 2.0 * c * t - t_prev
+        with torch.no_grad():
+            angles = torch.acos(torch.clamp(c.detach(), -1.0, 1.0))
+            k = torch.floor(angles / (math.pi / margin))
+            sign = 1.0 - 2.0 * torch.remainder(k, 2.0)
+        return sign * t - 2.0 * k
+
+    return target
+
+
+def _int_margin(margin: object) -> int:
+    if isinstance(margin, Tensor):
+        raise TypeError(
+            "margin must be a Python int for this loss (it is the degree of cos(m·θ)), got a tensor"
+        )
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+        raise TypeError(f"margin must be a positive integer, got {type(margin).__name__}")
+    if margin != int(margin) or margin < 1:
+        raise ValueError(f"margin must be a positive integer, got {margin}")
+    return int(margin)
+
+
+def _init(
+    num_classes: int,
+    embedding_size: int,
+    sub_centers: int | None,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device,
+) -> dict[str, Tensor]:
+    """PML's ``torch.nn.init.normal_`` of its ``(D, C)`` (or ``(D, C·K)``) ``W``, transposed.
+
+    The values are drawn in PML's layout, so a generator seeded like PML's global RNG gives
+    PML's exact initial weights.
+    """
+    cols = num_classes if sub_centers is None else num_classes * sub_centers
+    w = _params.init_normal((embedding_size, cols), generator=generator, dtype=dtype, device=device)
+    w = w.t().contiguous()
+    if sub_centers is not None:
+        w = w.view(num_classes, sub_centers, embedding_size)
+    return {"weight": w}
+
+
+def _check_sub_centers(sub_centers: object) -> int:
+    if isinstance(sub_centers, bool) or not isinstance(sub_centers, numbers.Integral):
+        raise TypeError(f"sub_centers must be a positive int, got {type(sub_centers).__name__}")
+    if sub_centers < 1:
+        raise ValueError(f"sub_centers must be >= 1, got {sub_centers}")
+    return int(sub_centers)
+
+
+# ----------------------------------------------------------------------------------------------
+# losses
+# ----------------------------------------------------------------------------------------------
+def large_margin_softmax(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: int = 4,
+    scale: float | Tensor = 1.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""Large-margin softmax (L-Softmax): a multiplicative angular margin ``cos(mθ)``.
+
+    With ``θ_{ij}`` the angle between ``x_i`` and ``w_j`` and ``k = ⌊θ m / π⌋``:
+
+    .. math::
+        ψ(θ) = (-1)^k \cos(mθ) - 2k, \qquad
+        z_{ij} = s\,‖x_i‖\,‖w_j‖ \cdot \begin{cases} ψ(θ_{ij}) & j = y_i \\ \cos θ_{ij} & j \ne y_i
+        \end{cases}, \qquad
+        \ell_i = \log \sum_j e^{z_{ij}} - z_{i y_i}
+
+    ``cos(mθ)`` is evaluated as the Chebyshev polynomial ``T_m(cos θ)``.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, D)}`` from :func:`large_margin_softmax_init`.
+        margin: integer ``m ≥ 1`` (default ``4``); a Python int (it sets the polynomial degree).
+        scale: ``s`` (default ``1``).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional PML-style miner output; each sample's loss is weighted by its
+            count in the tuple over the largest count (PML's ``convert_to_weights``).
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = large_margin_softmax_init(10, 16, generator=torch.Generator().manual_seed(0))
+        >>> loss = large_margin_softmax(torch.randn(8, 16), torch.randint(0, 10, (8,)), params)
+
+    Reference: Liu, Wen, Yu, Yang, "Large-Margin Softmax Loss for Convolutional Neural
+    Networks", ICML 2016.
+    """
+    m = _int_margin(margin)
+    scale = _checks.hyper(scale, "scale", positive=True)
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=_multiplicative_target(m),
+        ndim=2,
+        magnitude="both",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def sphereface(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: int = 4,
+    scale: float | Tensor = 1.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""SphereFace (A-Softmax): L-Softmax with normalised class weights.
+
+    As :func:`large_margin_softmax` with ``‖w_j‖`` replaced by 1:
+
+    .. math::
+        z_{ij} = s\,‖x_i‖ \cdot \begin{cases} (-1)^k \cos(mθ_{ij}) - 2k & j = y_i \\
+        \cos θ_{ij} & j \ne y_i \end{cases}, \qquad
+        \ell_i = \log \sum_j e^{z_{ij}} - z_{i y_i}
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, D)}`` from :func:`sphereface_init`.
+        margin: integer ``m ≥ 1`` (default ``4``, PML's).
+        scale: ``s`` (default ``1``, PML's).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = sphereface_init(10, 16, generator=torch.Generator().manual_seed(0))
+        >>> loss = sphereface(torch.randn(8, 16), torch.randint(0, 10, (8,)), params)
+
+    Reference: Liu, Wen, Yu, Li, Raj, Song, "SphereFace: Deep Hypersphere Embedding for Face
+    Recognition", CVPR 2017.
+    """
+    m = _int_margin(margin)
+    scale = _checks.hyper(scale, "scale", positive=True)
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=_multiplicative_target(m),
+        ndim=2,
+        magnitude="embedding",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def cosface(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: float | Tensor = 0.35,
+    scale: float | Tensor = 64.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""CosFace (large-margin cosine loss, AM-Softmax): an additive cosine margin.
+
+    .. math::
+        z_{ij} = s \cdot \begin{cases} \cos θ_{ij} - m & j = y_i \\ \cos θ_{ij} & j \ne y_i
+        \end{cases}, \qquad
+        \ell_i = \log \sum_j e^{z_{ij}} - z_{i y_i}
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, D)}`` from :func:`cosface_init`.
+        margin: ``m`` (default ``0.35``); a 0-d tensor may change without recompiling.
+        scale: ``s`` (default ``64``).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = cosface_init(10, 16, generator=torch.Generator().manual_seed(0))
+        >>> loss = cosface(torch.randn(8, 16), torch.randint(0, 10, (8,)), params, margin=0.2)
+
+    Reference: Wang et al., "CosFace: Large Margin Cosine Loss for Deep Face Recognition",
+    CVPR 2018.
+    """
+    margin = _checks.hyper(margin, "margin")
+    scale = _checks.hyper(scale, "scale", positive=True)
+
+    def target(c: Tensor, labels: Tensor) -> Tensor:
+        return c - scalar_like(margin, c)
+
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=target,
+        ndim=2,
+        magnitude="none",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def arcface(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: float | Tensor = 0.5,
+    scale: float | Tensor = 64.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""ArcFace (additive angular margin loss): ``cos(θ + m)`` on the target class.
+
+    .. math::
+        ψ(θ) = \begin{cases} \cos(θ + m) & θ \le π - m \\ \cos θ - m \sin m & \text{otherwise}
+        \end{cases}, \qquad
+        z_{ij} = s \cdot \begin{cases} ψ(θ_{ij}) & j = y_i \\ \cos θ_{ij} & j \ne y_i
+        \end{cases}, \qquad
+        \ell_i = \log \sum_j e^{z_{ij}} - z_{i y_i}
+
+    (the second case keeps ``ψ`` decreasing, as in PML). Computed from ``cos θ`` without
+    ``arccos``: the gradient is finite at ``|cos θ| = 1`` (an embedding on its class weight),
+    where PML's is NaN.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, D)}`` from :func:`arcface_init`.
+        margin: ``m`` in **radians** (default ``0.5``; PML 2.9.0 takes degrees, default
+            ``28.6°`` ≈ ``0.4992``); a 0-d tensor may change without recompiling.
+        scale: ``s`` (default ``64``).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = arcface_init(10, 16, generator=torch.Generator().manual_seed(0))
+        >>> loss = arcface(torch.randn(8, 16), torch.randint(0, 10, (8,)), params)
+
+    Reference: Deng, Guo, Xue, Zafeiriou, "ArcFace: Additive Angular Margin Loss for Deep Face
+    Recognition", CVPR 2019.
+    """
+    margin = _checks.hyper(margin, "margin")
+    scale = _checks.hyper(scale, "scale", positive=True)
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=lambda c, labels: _arc_target(c, margin),
+        ndim=2,
+        magnitude="none",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def subcenter_arcface(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: float | Tensor = 0.5,
+    scale: float | Tensor = 64.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""Sub-center ArcFace: ArcFace against the nearest of ``K`` sub-centres per class.
+
+    .. math::
+        \cos θ_{ij} = \max_{k} \hat x_i \cdot \hat w_{jk}
+
+    then :func:`arcface` on these cosines. The number of sub-centres is
+    ``params["weight"].shape[1]`` (set by :func:`subcenter_arcface_init`'s ``sub_centers``,
+    default ``3``). PML's ``W`` is ``weight.reshape(C·K, D).T``: its column ``c·K + k`` is
+    ``weight[c, k]``. (PML's outlier-detection helper ``get_outliers`` is not provided.)
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, sub_centers, D)}`` from
+            :func:`subcenter_arcface_init`.
+        margin: ``m`` in **radians** (default ``0.5``).
+        scale: ``s`` (default ``64``).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = subcenter_arcface_init(10, 16, sub_centers=3)
+        >>> loss = subcenter_arcface(torch.randn(8, 16), torch.randint(0, 10, (8,)), params)
+
+    Reference: Deng, Guo, Liu, Gong, Zafeiriou, "Sub-center ArcFace: Boosting Face Recognition
+    by Large-Scale Noisy Web Faces", ECCV 2020.
+    """
+    margin = _checks.hyper(margin, "margin")
+    scale = _checks.hyper(scale, "scale", positive=True)
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=lambda c, labels: _arc_target(c, margin),
+        ndim=3,
+        magnitude="none",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def dynamic_arcface(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margins: Tensor,
+    scale: float | Tensor = 64.0,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""Sub-center ArcFace with a margin per class (dynamic margins).
+
+    :func:`subcenter_arcface` where sample ``i`` uses its class's margin ``m_{y_i}``:
+
+    .. math::
+        ψ_i(θ) = \begin{cases} \cos(θ + m_{y_i}) & θ \le π - m_{y_i} \\
+        \cos θ - m_{y_i} \sin m_{y_i} & \text{otherwise} \end{cases}
+
+    The paper sets ``m_c = a·n_c^{−λ} + b`` from the class frequencies ``n_c``
+    (:func:`dynamic_arcface_margins`), so rare classes get larger margins. ``sub_centers = 1``
+    (``weight`` of shape ``(C, 1, D)``) is plain ArcFace with per-class margins. PML 3's
+    ``DynamicArcFaceLoss`` (not in PML 2.9.0).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, sub_centers, D)}`` from :func:`dynamic_arcface_init`.
+        margins: ``(num_classes,)`` float tensor of margins in radians (gradients flow to it).
+        scale: ``s`` (default ``64``).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> counts = torch.tensor([500, 20, 3, 80, 7, 1000, 40, 9, 60, 2])
+        >>> margins = dynamic_arcface_margins(counts)
+        >>> params = dynamic_arcface_init(10, 16)
+        >>> loss = dynamic_arcface(torch.randn(8, 16), torch.randint(0, 10, (8,)), params,
+        ...                        margins=margins)
+
+    Reference: Ha, Tran, Dzung, Nguyen, "Google Landmark Recognition 2020 Competition Third
+    Place Solution" (dynamic margins for sub-center ArcFace), arXiv:2010.05350, 2020.
+    """
+    _checks.embeddings(embeddings)
+    num_classes = _params.check(params, "weight", embeddings, ndim=3).shape[0]
+    if not isinstance(margins, Tensor):
+        raise TypeError(
+            f"margins must be a (num_classes,) float tensor, got {type(margins).__name__}"
+        )
+    if not margins.dtype.is_floating_point:
+        raise TypeError(f"margins must be floating point, got {margins.dtype}")
+    if tuple(margins.shape) != (num_classes,):
+        raise ValueError(
+            f"margins must have shape (num_classes,) = ({num_classes},), got {tuple(margins.shape)}"
+        )
+    if margins.device != embeddings.device:
+        raise ValueError(
+            f"margins is on {margins.device} but embeddings are on {embeddings.device}"
+        )
+    scale = _checks.hyper(scale, "scale", positive=True)
+
+    def target(c: Tensor, labels: Tensor) -> Tensor:
+        return _arc_target(c, margins.to(c.dtype)[labels.long()])
+
+    return _margin_softmax(
+        embeddings,
+        labels,
+        params,
+        target=target,
+        ndim=3,
+        magnitude="none",
+        scale=scale,
+        reducer=reducer,
+        indices_tuple=indices_tuple,
+    )
+
+
+def dynamic_arcface_margins(
+    class_counts: Tensor,
+    *,
+    a: float | Tensor = 0.5,
+    b: float | Tensor = 0.05,
+    lambda_: float | Tensor = 0.25,
+) -> Tensor:
+    r"""Per-class margins ``m_c = a·n_c^{−λ} + b`` (radians) from class frequencies ``n_c``.
+
+    .. math::
+        m_c = a \cdot \max(n_c, 1)^{-λ} + b
+
+    A class with no samples is counted as one (the formula is undefined at 0; such a class
+    never appears as a label, so its margin is never used).
+
+    Args:
+        class_counts: ``(num_classes,)`` tensor of training-set counts (integer or float).
+        a: scale of the frequency term (default ``0.5``).
+        b: the margin floor (default ``0.05``).
+        lambda_: the exponent ``λ`` (default ``0.25``).
+
+    Returns:
+        ``(num_classes,)`` tensor: ``class_counts``' dtype if floating, else the default float
+        dtype.
+
+    Example:
+        >>> dynamic_arcface_margins(torch.tensor([1, 16, 10000]))
+        tensor([0.5500, 0.3000, 0.1000])
+
+    Reference: Ha, Tran, Dzung, Nguyen, "Google Landmark Recognition 2020 Competition Third
+    Place Solution", arXiv:2010.05350, 2020.
+    """
+    if not isinstance(class_counts, Tensor):
+        raise TypeError(
+            f"class_counts must be a (num_classes,) tensor, got {type(class_counts).__name__}"
+        )
+    if class_counts.ndim != 1:
+        raise ValueError(
+            f"class_counts must be 1-D of shape (num_classes,), got {tuple(class_counts.shape)}"
+        )
+    if class_counts.dtype == torch.bool or class_counts.dtype.is_complex:
+        raise TypeError(f"class_counts must be real numbers, got {class_counts.dtype}")
+    a = _checks.hyper(a, "a")
+    b = _checks.hyper(b, "b")
+    lambda_ = _checks.hyper(lambda_, "lambda_")
+    dtype = (
+        class_counts.dtype if class_counts.dtype.is_floating_point else torch.get_default_dtype()
+    )
+    n = class_counts.to(dtype).clamp_min(1.0)
+    return scalar_like(a, n) * n.pow(-scalar_like(lambda_, n)) + scalar_like(b, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# initialisers
+# ----------------------------------------------------------------------------------------------
+def large_margin_softmax_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, embedding_size)}`` drawn ``N(0, 1)`` (PML's ``normal_``).
+
+    Drawn in PML's ``(embedding_size, num_classes)`` order then transposed: a generator seeded
+    like PML's global RNG reproduces PML's initial ``W`` exactly (``weight == W.T``).
+
+    Example:
+        >>> params = large_margin_softmax_init(10, 16, generator=torch.Generator().manual_seed(0))
+    """
+    return _init(num_classes, embedding_size, None, generator, dtype, device)
+
+
+def sphereface_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
+    return _init(num_classes, embedding_size, None, generator, dtype, device)
+
+
+def cosface_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
+    return _init(num_classes, embedding_size, None, generator, dtype, device)
+
+
+def arcface_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
+    return _init(num_classes, embedding_size, None, generator, dtype, device)
+
+
+def subcenter_arcface_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    sub_centers: int = 3,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, sub_centers, embedding_size)}`` drawn ``N(0, 1)``.
+
+    Drawn in PML's ``(embedding_size, num_classes·sub_centers)`` order, then
+    ``weight[c, k] = W[:, c·sub_centers + k]``: a generator seeded like PML's global RNG
+    reproduces PML's initial ``W`` exactly.
+
+    Example:
+        >>> params = subcenter_arcface_init(10, 16, sub_centers=3)
+        >>> params["weight"].shape
+        torch.Size([10, 3, 16])
+    """
+    k = _check_sub_centers(sub_centers)
+    return _init(num_classes, embedding_size, k, generator, dtype, device)
+
+
+def dynamic_arcface_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    sub_centers: int = 3,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """``{"weight": (num_classes, sub_centers, embedding_size)}`` as
+    :func:`subcenter_arcface_init` (PML 3's ``DynamicArcFaceLoss`` wraps a sub-centre ArcFace)."""
+    k = _check_sub_centers(sub_centers)
+    return _init(num_classes, embedding_size, k, generator, dtype, device)

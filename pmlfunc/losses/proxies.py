@@ -1,0 +1,577 @@
+"""Proxy and classifier losses: embeddings scored against learnable per-class vectors.
+
+Every loss here takes its learnable parameters as a plain dict (the third positional argument),
+created by the matching ``*_init`` function with PML 2.9.0's initialisation scheme:
+
+| loss | params | shape | PML class (PML layout) |
+|---|---|---|---|
+| :func:`proxy_anchor` | ``"proxies"`` | ``(C, D)`` | ``ProxyAnchorLoss.proxies`` ``(C, D)`` |
+| :func:`proxy_nca` | ``"proxies"`` | ``(C, D)`` | ``ProxyNCALoss.proxies`` ``(C, D)`` |
+| :func:`normalized_softmax` | ``"weight"`` | ``(C, D)`` | ``NormalizedSoftmaxLoss.W`` ``(D, C)`` |
+| :func:`soft_triple` | ``"weight"`` | ``(C, K, D)`` | ``SoftTripleLoss.fc`` ``(D, C·K)`` |
+| :func:`p2s_grad` | ``"weight"`` | ``(C, D)`` | ``P2SGradLoss.weight`` ``(D, C)`` |
+
+Converting to PML's layout: ``W = weight.t()``; SoftTriple's ``fc = weight.reshape(C*K, D).t()``
+(PML's column ``c·K + k`` is class ``c``'s centre ``k``: class-major). Each ``*_init`` draws in PML's
+layout and transposes, so with the same seed it reproduces PML's own initial values exactly.
+
+Parameters are never modified or cast in place (PML casts its parameters to the input dtype in
+place, and P2SGrad renormalises its weight in place): float16/bfloat16 embeddings are computed in
+float32 against float32 copies made by autograd-tracked casts, and the loss is returned in the
+embeddings' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .. import params as _params
+from ..distances import Distance, cosine, lp
+from ..reducers import DenseTerms, Reducer, divisor, mean, reduce
+from ._common import cross_entropy, masked_logsumexp, miner_weights, scalar_like
+
+__all__ = [
+    "normalized_softmax",
+    "normalized_softmax_init",
+    "p2s_grad",
+    "p2s_grad_init",
+    "proxy_anchor",
+    "proxy_anchor_init",
+    "proxy_nca",
+    "proxy_nca_init",
+    "soft_triple",
+    "soft_triple_init",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# shared set-up
+# ---------------------------------------------------------------------------------------------
+def _prepare(
+    embeddings: Tensor, labels: Tensor, params: object, key: str, ndim: int = 2
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate, then return ``(embeddings, param, labels)`` with both floats in the compute dtype
+    (out-of-place, autograd-tracked casts) and the labels as int64."""
+    _checks.embeddings(embeddings)
+    p = _params.check(params, key, embeddings, ndim=ndim)
+    _checks.labels(labels, embeddings.shape[0], embeddings.device)
+    _params.class_labels(labels, p.shape[0])
+    cd = _checks.compute_dtype(embeddings.dtype)
+    return embeddings.to(cd), p.to(cd), labels.long()
+
+
+def _distance(distance: object, default: Distance) -> Distance:
+    if distance is None:
+        return default
+    if not isinstance(distance, Distance):
+        raise TypeError(
+            f"distance must be a pmlfunc distance (pmlfunc.distances.cosine(), ...), got {type(distance).__name__}"
+        )
+    return distance
+
+
+def _reducer(reducer: object, default: Reducer) -> Reducer:
+    return default if reducer is None else reducer  # type-checked by reducers.reduce
+
+
+def _one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
+    """``(B, C)`` 0/1 float matrix ``[labels_i == c]`` (a comparison: no value check, runs on meta)."""
+    classes = torch.arange(num_classes, device=labels.device)
+    return (labels.unsqueeze(-1) == classes).to(dtype)
+
+
+def _weighted(losses: Tensor, weights: Tensor | None) -> Tensor:
+    return losses if weights is None else losses * weights
+
+
+def _int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _sizes(num_classes: object, embedding_size: object) -> tuple[int, int]:
+    return _int(num_classes, "num_classes"), _int(embedding_size, "embedding_size")
+
+
+# ---------------------------------------------------------------------------------------------
+# Proxy-Anchor
+# ---------------------------------------------------------------------------------------------
+def proxy_anchor(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    margin: float | Tensor = 0.1,
+    alpha: float | Tensor = 32.0,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""Proxy-Anchor loss: each proxy is an anchor pulling its class's samples and pushing the rest.
+
+    With similarity ``s(x, p_c)`` (cosine by default; a distance ``d`` enters as ``-d``), margin
+    ``δ``, scale ``α``, the batch's samples ``X_c^+`` of class ``c`` and the others ``X_c^-``:
+
+    .. math::
+        L = \frac{1}{|P^+|} \sum_{c \in P^+} \log\Big(1 + \sum_{x \in X_c^+} e^{-α(s(x, p_c) - δ)}\Big)
+          + \frac{1}{C} \sum_{c=1}^{C} \log\Big(1 + \sum_{x \in X_c^-} e^{α(s(x, p_c) + δ)}\Big)
+
+    where ``P^+`` is the set of proxies with at least one positive in the batch (counted with a
+    tensor sum: no host sync). The log-sum-exps run over the batch, one per proxy. With an
+    ``indices_tuple``, each sample's exponent gets ``w_x − 1`` added, ``w_x`` its count in the
+    tuple over the largest count (PML's ``convert_to_weights``), so unlisted samples are damped,
+    not removed, exactly as PML does.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, C)``.
+        params: ``{"proxies": (C, D)}`` from :func:`proxy_anchor_init`.
+        margin: ``δ`` (default ``0.1``).
+        alpha: ``α`` (default ``32``).
+        distance: default ``cosine()``.
+        reducer: default ``divisor()`` (the divisors above). Any reducer is applied to the two
+            per-proxy sub-losses ``pos_loss`` and ``neg_loss`` (``C`` terms each) and the results
+            are summed; ``class_weighted`` weights each proxy's term by its class.
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = proxy_anchor_init(4, 8, generator=torch.Generator().manual_seed(0))
+        >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
+        >>> loss = proxy_anchor(emb, labels, params, margin=0.1, alpha=32.0)
+
+    Reference: Kim et al., "Proxy Anchor Loss for Deep Metric Learning", CVPR 2020.
+    """
+    margin = _checks.hyper(margin, "margin")
+    alpha = _checks.hyper(alpha, "alpha")
+    distance = _distance(distance, cosine())
+    x, proxies, labels = _prepare(embeddings, labels, params, "proxies")
+    num_classes = proxies.shape[0]
+    mat = distance.matrix(x, proxies)  # (B, C)
+    m, a = scalar_like(margin, mat), scalar_like(alpha, mat)
+    sign = distance.sign()  # PML's distance.margin(u, v) = sign * (u - v)
+    pos_logits = (sign * a) * (mat - m)  # α · margin(s, δ)
+    neg_logits = (-sign * a) * (mat + m)  # α · margin(−δ, s)
+    mw = miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device)
+    if mw is not None:
+        shift_ = (mw - 1.0).unsqueeze(-1)
+        pos_logits, neg_logits = pos_logits + shift_, neg_logits + shift_
+    pos_mask = _one_hot(labels, num_classes, mat.dtype)  # (B, C)
+    zero = torch.zeros((), dtype=mat.dtype, device=mat.device)
+    # log(1 + Σ_x e^z) per proxy (over the batch: transpose); a proxy without terms gives 0.
+    pos_term = torch.logaddexp(zero, masked_logsumexp(pos_logits.t(), pos_mask.t()))
+    neg_term = torch.logaddexp(zero, masked_logsumexp(neg_logits.t(), 1.0 - pos_mask.t()))
+    with_pos = (pos_mask.sum(0) > 0).to(mat.dtype).sum()
+    ones = torch.ones_like(pos_term)
+    terms = {
+        "pos_loss": DenseTerms(pos_term, ones, "element", num_classes, divisor=with_pos),
+        "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
+    }
+    proxy_labels = torch.arange(num_classes, device=labels.device)
+    return reduce(_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
+
+
+def proxy_anchor_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`proxy_anchor`: ``{"proxies": (C, D)}``.
+
+    PML's scheme, ``kaiming_normal_(mode="fan_out")`` on ``(C, D)``: ``N(0, 2 / C)`` entries
+    (fan_out = C, gain √2). Same seed, same values as PML.
+
+    Example:
+        >>> proxy_anchor_init(10, 4)["proxies"].shape
+        torch.Size([10, 4])
+    """
+    c, d = _sizes(num_classes, embedding_size)
+    std = math.sqrt(2.0) / math.sqrt(c)
+    proxies = _params.init_normal((c, d), generator=generator, dtype=dtype, device=device, std=std)
+    return {"proxies": proxies}
+
+
+# ---------------------------------------------------------------------------------------------
+# ProxyNCA
+# ---------------------------------------------------------------------------------------------
+def proxy_nca(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    softmax_scale: float | Tensor = 1,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""ProxyNCA loss: neighbourhood component analysis of each sample against the class proxies.
+
+    With distance ``d`` (squared normalised Euclidean by default; a similarity ``s`` enters as
+    ``-s`` would, i.e. ``z = σ·s``) and scale ``σ``, per sample ``i``:
+
+    .. math::
+        \ell_i = -\log \frac{e^{-σ\, d(x_i, p_{y_i})}}{\sum_{c=1}^{C} e^{-σ\, d(x_i, p_c)}}
+
+    As in PML, a sample whose probability underflows to exactly 0 is left out (weight 0) instead
+    of contributing ``inf``. With an ``indices_tuple`` each term is multiplied by the sample's
+    count among the tuple's anchors over the largest count (PML's ``convert_to_weights`` with
+    ``using_ref``).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, C)``.
+        params: ``{"proxies": (C, D)}`` from :func:`proxy_nca_init`.
+        softmax_scale: ``σ`` (default ``1``).
+        distance: default ``lp(power=2)`` (squared Euclidean between normalised rows).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = proxy_nca_init(4, 8, generator=torch.Generator().manual_seed(0))
+        >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
+        >>> loss = proxy_nca(emb, labels, params, softmax_scale=10.0)
+
+    Reference: Movshovitz-Attias et al., "No Fuss Distance Metric Learning using Proxies",
+    ICCV 2017.
+    """
+    softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
+    distance = _distance(distance, lp(power=2))
+    x, proxies, labels = _prepare(embeddings, labels, params, "proxies")
+    mat = distance.matrix(x, proxies)  # (B, C)
+    z = scalar_like(softmax_scale, mat) * (mat if distance.is_similarity else -mat)
+    log_p = -cross_entropy(z, labels)
+    keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops samples whose p is exactly 0
+    losses = _weighted(
+        -log_p,
+        miner_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
+    )
+    terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
+    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+
+
+def proxy_nca_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`proxy_nca`: ``{"proxies": (C, D)}`` with ``N(0, 1)`` entries (PML's
+    default ``normal_``). Same seed, same values as PML.
+
+    Example:
+        >>> proxy_nca_init(10, 4)["proxies"].shape
+        torch.Size([10, 4])
+    """
+    c, d = _sizes(num_classes, embedding_size)
+    return {"proxies": _params.init_normal((c, d), generator=generator, dtype=dtype, device=device)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalized softmax
+# ---------------------------------------------------------------------------------------------
+def normalized_softmax(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    temperature: float | Tensor = 0.05,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""Normalized softmax loss: cross entropy over cosine logits against unit-norm class weights.
+
+    With unit-norm class weights ``ŵ_c`` (the rows of ``params["weight"]``, normalised),
+    similarity ``s`` (cosine by default; a distance ``d`` enters as ``-d``) and temperature ``τ``:
+
+    .. math::
+        \ell_i = -\log \frac{e^{s(x_i, ŵ_{y_i})/τ}}{\sum_{c=1}^{C} e^{s(x_i, ŵ_c)/τ}}
+
+    With an ``indices_tuple`` each term is multiplied by the sample's count in the tuple over the
+    largest count (PML's ``convert_to_weights``).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, C)``.
+        params: ``{"weight": (C, D)}`` from :func:`normalized_softmax_init` (PML's ``W`` is its
+            transpose, ``(D, C)``).
+        temperature: ``τ > 0`` (default ``0.05``).
+        distance: default ``cosine()``: PML 2.9.0's default ``DotProductSimilarity()``
+            normalises both sides, which is the cosine. The weights are L_p-normalised whatever
+            the distance (as PML does), so ``dot()`` (PML's
+            ``DotProductSimilarity(normalize_embeddings=False)``) scores the raw embeddings
+            against unit-norm weights.
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = normalized_softmax_init(4, 8, generator=torch.Generator().manual_seed(0))
+        >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
+        >>> loss = normalized_softmax(emb, labels, params, temperature=0.05)
+
+    Reference: Zhai & Wu, "Classification is a Strong Baseline for Deep Metric Learning",
+    BMVC 2019.
+    """
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    distance = _distance(distance, cosine())
+    x, weight, labels = _prepare(embeddings, labels, params, "weight")
+    # PML always normalises the weights (``distance.normalize``, with the distance's p), whatever
+    # the distance's own normalisation; e.g. ``dot()`` scores raw embeddings against unit weights.
+    weight = F.normalize(weight, p=getattr(distance, "p", 2.0), dim=-1)
+    mat = distance.matrix(x, weight)  # (B, C)
+    logits = (mat if distance.is_similarity else -mat) / scalar_like(temperature, mat)
+    losses = _weighted(
+        cross_entropy(logits, labels),
+        miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
+    )
+    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
+    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+
+
+def normalized_softmax_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`normalized_softmax`: ``{"weight": (C, D)}`` with ``N(0, 1)`` entries
+    (PML's default ``normal_`` on its ``(D, C)`` matrix; drawn in that layout and transposed, so
+    the same seed gives PML's values).
+
+    Example:
+        >>> normalized_softmax_init(10, 4)["weight"].shape
+        torch.Size([10, 4])
+    """
+    c, d = _sizes(num_classes, embedding_size)
+    w = _params.init_normal((d, c), generator=generator, dtype=dtype, device=device)
+    return {"weight": w.t().contiguous()}
+
+
+# ---------------------------------------------------------------------------------------------
+# SoftTriple
+# ---------------------------------------------------------------------------------------------
+def soft_triple(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    centers_per_class: int | None = None,
+    la: float | Tensor = 20,
+    gamma: float | Tensor = 0.1,
+    margin: float | Tensor = 0.01,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    indices_tuple=None,
+) -> Tensor:
+    r"""SoftTriple loss: a softmax over classes, each class a soft maximum over ``K`` centres.
+
+    With centres ``w_{ck}`` (``params["weight"][c, k]``), cosine similarity ``s``, scale ``λ``
+    (``la``), entropy scale ``γ`` and margin ``δ``:
+
+    .. math::
+        S_{ic} = \sum_{k=1}^{K} \frac{e^{s(x_i, w_{ck})/γ}}{\sum_{k'} e^{s(x_i, w_{ck'})/γ}}\,
+                 s(x_i, w_{ck}), \qquad
+        \ell_i = -\log \frac{e^{λ(S_{i y_i} - δ)}}
+                             {e^{λ(S_{i y_i} - δ)} + \sum_{c \ne y_i} e^{λ S_{ic}}}
+
+    As in PML 2.9.0, the paper's centre regulariser is not part of the loss (PML offers it only
+    as an optional ``weight_regularizer``; add it yourself if wanted). With an ``indices_tuple``
+    each term is multiplied by the sample's count in the tuple over the largest count (PML's
+    ``convert_to_weights``).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, C)``.
+        params: ``{"weight": (C, K, D)}`` from :func:`soft_triple_init`. PML's ``fc`` is
+            ``weight.reshape(C * K, D).t()`` (its column ``c·K + k`` is centre ``k`` of class
+            ``c``).
+        centers_per_class: ``K``; read from ``params`` when ``None`` (default), checked against
+            them when given (PML's name; its default, 10, is :func:`soft_triple_init`'s).
+        la: ``λ`` (default ``20``).
+        gamma: ``γ > 0`` (default ``0.1``; PML stores ``1/γ``).
+        margin: ``δ`` (default ``0.01``).
+        distance: a similarity; default ``cosine()`` (PML asserts an inverted distance too).
+        reducer: default ``mean()`` over the samples.
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = soft_triple_init(4, 8, centers_per_class=3)
+        >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
+        >>> loss = soft_triple(emb, labels, params, la=20, gamma=0.1, margin=0.01)
+
+    Reference: Qian et al., "SoftTriple Loss: Deep Metric Learning Without Triplet Sampling",
+    ICCV 2019.
+    """
+    la = _checks.hyper(la, "la")
+    gamma = _checks.hyper(gamma, "gamma", positive=True)
+    margin = _checks.hyper(margin, "margin")
+    distance = _distance(distance, cosine())
+    if not distance.is_similarity:
+        raise ValueError(
+            f"soft_triple needs a similarity (cosine(), dot()), got the distance {distance!r}"
+        )
+    x, weight, labels = _prepare(embeddings, labels, params, "weight", ndim=3)
+    num_classes, k, d = weight.shape
+    if centers_per_class is not None and _int(centers_per_class, "centers_per_class") != k:
+        raise ValueError(
+            f"centers_per_class={centers_per_class} but params['weight'] has {k} centres per class"
+        )
+    sim = distance.matrix(x, weight.reshape(num_classes * k, d)).view(-1, num_classes, k)
+    # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor.
+    scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
+    sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
+    own = _one_hot(labels, num_classes, sim.dtype)
+    logits = scalar_like(la, sim) * (sim_to_classes - scalar_like(margin, sim) * own)
+    losses = _weighted(
+        cross_entropy(logits, labels),
+        miner_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
+    )
+    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
+    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+
+
+def soft_triple_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    centers_per_class: int = 10,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`soft_triple`: ``{"weight": (C, K, D)}``.
+
+    PML's scheme, ``kaiming_uniform_(a=√5)`` on its ``(D, C·K)`` matrix, whose fan_in is ``C·K``:
+    ``U(−b, b)`` with ``b = 1/√(C·K)``. Drawn in PML's layout and rearranged, so the same seed
+    gives PML's values.
+
+    Example:
+        >>> soft_triple_init(10, 4, centers_per_class=3)["weight"].shape
+        torch.Size([10, 3, 4])
+    """
+    c, d = _sizes(num_classes, embedding_size)
+    k = _int(centers_per_class, "centers_per_class")
+    fc = _params.init_kaiming_uniform(
+        (d, c * k), fan_in=c * k, generator=generator, dtype=dtype, device=device
+    )
+    return {"weight": fc.t().reshape(c, k, d).contiguous()}
+
+
+# ---------------------------------------------------------------------------------------------
+# P2SGrad
+# ---------------------------------------------------------------------------------------------
+_RENORM_MAX = 1e-5  # PML: weight.renorm(2, 1, 1e-5).mul(1e5)
+
+
+def _renorm(w: Tensor, dim: int) -> Tensor:
+    """``w.renorm(2, dim, 1e-5).mul(1e5)``, PML's projection onto unit vectors along ``dim``,
+    written with plain ops (``renorm`` has no vmap batching rule)."""
+    n = torch.linalg.vector_norm(w, dim=1 - dim, keepdim=True)
+    factor = torch.where(n > _RENORM_MAX, _RENORM_MAX / (n + 1e-7), 1.0)
+    return (w * factor) * (1.0 / _RENORM_MAX)
+
+
+def p2s_grad(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    reducer: Reducer | None = None,
+) -> Tensor:
+    r"""P2SGrad loss: squared error between cosines and one-hot targets.
+
+    With ``ŵ_c`` the unit-norm class weights and ``x̂_i`` the normalised embeddings:
+
+    .. math::
+        L = \frac{1}{B\,C} \sum_{i=1}^{B} \sum_{c=1}^{C}
+            \big(\mathrm{clamp}(x̂_i \cdot ŵ_c, -1, 1) - [c = y_i]\big)^2
+
+    PML renormalises its weight to unit rows in place before every call (``renorm(2, 1, 1e-5)``,
+    then ×1e5) and differentiates with respect to the renormalised weight. A pure function cannot
+    modify ``params``; instead it uses ``ŵ = renorm(w)`` in the forward and passes the gradient
+    with respect to ``ŵ`` straight through to ``w`` (P2SGrad defines its weight gradient this
+    way; it is not the derivative through the normalisation). Value and gradients equal PML's for
+    any ``w``. To follow PML's trajectory exactly, renormalise the rows after each optimiser step
+    (``w / (‖w‖ + 1e-7)``); without it, only ``‖w‖`` drifts, which the forward ignores.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids in ``[0, C)``.
+        params: ``{"weight": (C, D)}`` from :func:`p2s_grad_init` (PML's ``weight`` is its
+            transpose, ``(D, C)``).
+        reducer: default ``mean()``: the per-sample terms are ``mean_c(·)²``, so the default is
+            PML's MSE over all ``B·C`` entries. PML returns that value for any reducer
+            ("already reduced"); here another reducer sees the ``B`` per-sample terms.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = p2s_grad_init(4, 8, generator=torch.Generator().manual_seed(0))
+        >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
+        >>> loss = p2s_grad(emb, labels, params)
+
+    Reference: Zhang et al., "P2SGrad: Refined Gradients for Optimizing Deep Face Models",
+    CVPR 2019.
+    """
+    x, w, labels = _prepare(embeddings, labels, params, "weight")
+    num_classes = w.shape[0]
+    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)  # forward: ŵ; backward: identity
+    # PML divides by ‖x‖; the floor (F.normalize's eps) keeps a zero embedding's gradient finite.
+    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
+    cos = ((x @ w_hat.t()) / x_norm).clamp(-1.0, 1.0)
+    err = cos - _one_hot(labels, num_classes, cos.dtype)
+    losses = (err * err).mean(-1)
+    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
+    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+
+
+def p2s_grad_init(
+    num_classes: int,
+    embedding_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`p2s_grad`: ``{"weight": (C, D)}`` with unit-norm rows.
+
+    PML's own scheme: ``U(−1, 1)`` entries on its ``(D, C)`` matrix, each column renormalised to
+    unit length (``renorm_(2, 1, 1e-5).mul_(1e5)``); drawn in that layout and transposed, so the
+    same seed gives PML's values. Note the argument order: PML's ``P2SGradLoss`` takes
+    ``(descriptors_dim, num_classes)``; this takes ``(num_classes, embedding_size)`` like every
+    other ``*_init``.
+
+    Example:
+        >>> p2s_grad_init(10, 4)["weight"].norm(dim=1).round(decimals=4)
+        tensor([1., 1., 1., 1., 1., 1., 1., 1., 1., 1.])
+    """
+    c, d = _sizes(num_classes, embedding_size)
+    w = torch.empty((d, c), dtype=dtype, device=_params.generator_device(generator, device))
+    w = w.uniform_(-1.0, 1.0, generator=generator).renorm(2, 1, _RENORM_MAX).mul(1.0 / _RENORM_MAX)
+    return {"weight": w.t().contiguous()}
