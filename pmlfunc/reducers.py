@@ -38,6 +38,7 @@ __all__ = [
     "avg_nonzero",
     "class_weighted",
     "divisor",
+    "elements",
     "mean",
     "none",
     "per_anchor",
@@ -135,6 +136,11 @@ class DenseTerms(Terms):
         if self.anchor_index is not None:
             out["anchor_index"] = self.anchor_index
         return out
+
+
+def elements(losses: Tensor, **kwargs: Any) -> DenseTerms:
+    """Element terms: one loss per row of ``losses`` (anchors, samples or classes), weight 1."""
+    return DenseTerms(losses, torch.ones_like(losses), "element", losses.shape[-1], **kwargs)
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:

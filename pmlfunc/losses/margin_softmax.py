@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from ..reducers import DenseTerms, Reducer, mean, reduce
+from ..reducers import Reducer, elements, mean, reduce
 from ._common import cross_entropy, default_reducer, miner_weights, scalar_like
 
 __all__ = [
@@ -108,7 +108,7 @@ def _margin_softmax(
     miner = miner_weights(indices_tuple, batch_size, cd, embeddings.device)
     if miner is not None:
         losses = losses * miner
-    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", batch_size)}
+    terms = {"loss": elements(losses)}
     return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
 
 
@@ -634,40 +634,8 @@ def large_margin_softmax_init(
     return _init(num_classes, embedding_size, None, generator, dtype, device)
 
 
-def sphereface_init(
-    num_classes: int,
-    embedding_size: int,
-    *,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> dict[str, Tensor]:
-    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
-    return _init(num_classes, embedding_size, None, generator, dtype, device)
-
-
-def cosface_init(
-    num_classes: int,
-    embedding_size: int,
-    *,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> dict[str, Tensor]:
-    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
-    return _init(num_classes, embedding_size, None, generator, dtype, device)
-
-
-def arcface_init(
-    num_classes: int,
-    embedding_size: int,
-    *,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> dict[str, Tensor]:
-    """``{"weight": (num_classes, embedding_size)}`` as :func:`large_margin_softmax_init`."""
-    return _init(num_classes, embedding_size, None, generator, dtype, device)
+# One scheme for every single-centre head: the same function under each loss's name.
+sphereface_init = cosface_init = arcface_init = large_margin_softmax_init
 
 
 def subcenter_arcface_init(
@@ -694,16 +662,5 @@ def subcenter_arcface_init(
     return _init(num_classes, embedding_size, k, generator, dtype, device)
 
 
-def dynamic_arcface_init(
-    num_classes: int,
-    embedding_size: int,
-    *,
-    sub_centers: int = 3,
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> dict[str, Tensor]:
-    """``{"weight": (num_classes, sub_centers, embedding_size)}`` as
-    :func:`subcenter_arcface_init` (PML 3's ``DynamicArcFaceLoss`` wraps a sub-centre ArcFace)."""
-    k = _check_sub_centers(sub_centers)
-    return _init(num_classes, embedding_size, k, generator, dtype, device)
+# PML 3's DynamicArcFaceLoss wraps a sub-centre ArcFace: the same parameters.
+dynamic_arcface_init = subcenter_arcface_init

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine, lp
-from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
+from ..reducers import DenseTerms, Reducer, avg_nonzero, elements, mean
 from ._common import (
     default_reducer,
     finish,
@@ -139,9 +139,5 @@ def multi_similarity(
     # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = finfo.min, which gives 0.
     zero = pos_lse.new_zeros(())
     per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
-    terms = {"loss": DenseTerms(per_anchor, _ones(per_anchor), "element", batch.num_anchors)}
+    terms = {"loss": elements(per_anchor)}
     return finish(batch, terms, default_reducer(reducer, mean()))
-
-
-def _ones(x: Tensor) -> Tensor:
-    return x.new_ones(x.shape)

@@ -33,8 +33,14 @@ from torch import Tensor
 from .. import _checks
 from .. import params as _params
 from ..distances import Distance, cosine, lp
-from ..reducers import DenseTerms, Reducer, divisor, mean, reduce
-from ._common import cross_entropy, masked_logsumexp, miner_weights, scalar_like
+from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
+from ._common import (
+    cross_entropy,
+    default_reducer,
+    masked_logsumexp,
+    miner_weights,
+    scalar_like,
+)
 
 __all__ = [
     "normalized_softmax",
@@ -74,10 +80,6 @@ def _distance(distance: object, default: Distance) -> Distance:
             f"distance must be a pmlfunc distance (pmlfunc.distances.cosine(), ...), got {type(distance).__name__}"
         )
     return distance
-
-
-def _reducer(reducer: object, default: Reducer) -> Reducer:
-    return default if reducer is None else reducer  # type-checked by reducers.reduce
 
 
 def _one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
@@ -177,7 +179,7 @@ def proxy_anchor(
         "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
-    return reduce(_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
+    return reduce(default_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
 
 
 def proxy_anchor_init(
@@ -261,7 +263,7 @@ def proxy_nca(
         miner_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
-    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
 
 
 def proxy_nca_init(
@@ -344,8 +346,8 @@ def normalized_softmax(
         cross_entropy(logits, labels),
         miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
     )
-    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
-    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    terms = {"loss": elements(losses)}
+    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
 
 
 def normalized_softmax_init(
@@ -451,8 +453,8 @@ def soft_triple(
         cross_entropy(logits, labels),
         miner_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
     )
-    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
-    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    terms = {"loss": elements(losses)}
+    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
 
 
 def soft_triple_init(
@@ -547,8 +549,8 @@ def p2s_grad(
     cos = ((x @ w_hat.t()) / x_norm).clamp(-1.0, 1.0)
     err = cos - _one_hot(labels, num_classes, cos.dtype)
     losses = (err * err).mean(-1)
-    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", x.shape[0])}
-    return reduce(_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    terms = {"loss": elements(losses)}
+    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
 
 
 def p2s_grad_init(

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine
-from ..reducers import DenseTerms, Reducer, avg_nonzero, mean
+from ..reducers import DenseTerms, Reducer, avg_nonzero, elements, mean
 from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like
 
 __all__ = ["ntxent", "supcon"]
@@ -120,5 +120,5 @@ def supcon(
     mean_log_prob = (pos * z).sum(-1) / n_pos.clamp_min(1.0) - torch.where(n_pos > 0, denom, 0.0)
     active = (n_pos.sum() > 0) & (neg.sum() > 0)
     losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
-    terms = {"loss": DenseTerms(losses, torch.ones_like(losses), "element", batch.num_anchors)}
+    terms = {"loss": elements(losses)}
     return finish(batch, terms, default_reducer(reducer, avg_nonzero()))
