@@ -26,7 +26,7 @@ relative).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -182,8 +182,17 @@ class Distance:
         cd = _checks.compute_dtype(x.dtype)
         return self._compute(x.to(cd), None if y is None else y.to(cd))
 
+    def rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of the self-distance matrix ``self.matrix(x)``: a chunk of anchors
+        against the whole batch (:mod:`pmlfunc.chunked`), in the compute dtype."""
+        _checks.embeddings(x, "x")
+        return self._compute_rows(x.to(_checks.compute_dtype(x.dtype)), start, stop)
+
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         raise NotImplementedError
+
+    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        return self._compute(x[start:stop], x)
 
     def sign(self) -> float:
         """``+1`` for distances, ``-1`` for similarities: ``sign * (a - b)`` is PML's ``margin(a, b)``."""
@@ -196,6 +205,11 @@ class _Lp(Distance):
     power: float = 1.0
     normalize: bool = True
     exact_budget: int = 8
+
+    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
+        # keeps the other entries' treatment identical to the self path.
+        return replace(self, exact_budget=self.exact_budget + 1)._compute(x[start:stop], x)
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if self.normalize:
@@ -284,6 +298,11 @@ def cosine() -> Distance:
 class _SNR(Distance):
     normalize: bool = True
     exact_budget: int = 8
+
+    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
+        # keeps the other entries' treatment identical to the self path.
+        return replace(self, exact_budget=self.exact_budget + 1)._compute(x[start:stop], x)
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if x.shape[-1] < 2:

@@ -15,7 +15,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["PairMasks", "check_tuple", "label_masks", "pair_masks", "tuple_masks"]
+__all__ = [
+    "PairMasks",
+    "any_pairs",
+    "check_tuple",
+    "label_masks",
+    "pair_masks",
+    "tuple_masks",
+]
 
 
 class PairMasks(NamedTuple):
@@ -27,12 +34,17 @@ class PairMasks(NamedTuple):
 
 
 def label_masks(
-    labels: Tensor, ref_labels: Tensor | None = None, *, dtype: torch.dtype = torch.float32
+    labels: Tensor,
+    ref_labels: Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    rows: tuple[int, int] | None = None,
 ) -> PairMasks:
     """Positive and negative masks from labels, with the reference-set rule.
 
     ``pos[i, j] = [labels_i == ref_labels_j]`` (and ``i != j`` when ``ref_labels is None``),
-    ``neg[i, j] = [labels_i != ref_labels_j]``.
+    ``neg[i, j] = [labels_i != ref_labels_j]``. ``rows = (r0, r1)``: only anchors ``r0 ≤ i < r1``
+    (a chunk), still against every reference.
 
     Example:
         >>> label_masks(torch.tensor([0, 0, 1])).pos
@@ -41,20 +53,36 @@ def label_masks(
                 [0., 0., 0.]])
     """
     ref = labels if ref_labels is None else ref_labels
-    pos = (labels.unsqueeze(-1) == ref.unsqueeze(-2)).to(dtype)
+    r0, r1 = (0, labels.shape[-1]) if rows is None else rows
+    pos = (labels[..., r0:r1].unsqueeze(-1) == ref.unsqueeze(-2)).to(dtype)
     neg = 1.0 - pos
-    if ref_labels is None:
-        pos.diagonal(dim1=-2, dim2=-1).zero_()  # a fresh mask: in place is safe
+    if ref_labels is None:  # a fresh mask: in place is safe
+        pos.diagonal(offset=r0, dim1=-2, dim2=-1).zero_()
     return PairMasks(pos, neg)
 
 
 def _counts(
-    rows: Tensor, cols: Tensor, shape: tuple[int, int], dtype: torch.dtype, device
+    anchors: Tensor,
+    cols: Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    device,
+    rows: tuple[int, int] | None,
 ) -> Tensor:
-    flat = rows.reshape(-1).long() * shape[1] + cols.reshape(-1).long()
-    out = torch.zeros(shape[0] * shape[1], dtype=dtype, device=device)
-    out = out.index_add(0, flat, torch.ones(flat.shape, dtype=dtype, device=device))
-    return out.view(shape)
+    """Pair multiplicities over the grid; with ``rows``, only pairs whose anchor is in the chunk
+    (the others are counted into one spare cell that is dropped: shapes stay static)."""
+    anchors, cols = anchors.reshape(-1).long(), cols.reshape(-1).long()
+    n_rows, n_cols = shape
+    ones = torch.ones(anchors.shape, dtype=dtype, device=device)
+    if rows is None:
+        out = torch.zeros(n_rows * n_cols, dtype=dtype, device=device)
+        return out.index_add(0, anchors * n_cols + cols, ones).view(shape)
+    r0, r1 = rows
+    inside = (anchors >= r0) & (anchors < r1)
+    spare = (r1 - r0) * n_cols
+    flat = torch.where(inside, (anchors - r0) * n_cols + cols, spare)
+    out = torch.zeros(spare + 1, dtype=dtype, device=device).index_add(0, flat, ones)
+    return out[:spare].view(r1 - r0, n_cols)
 
 
 def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
@@ -82,7 +110,12 @@ def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
 
 
 def tuple_masks(
-    indices_tuple, shape: tuple[int, int], *, dtype: torch.dtype = torch.float32, device=None
+    indices_tuple,
+    shape: tuple[int, int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    rows: tuple[int, int] | None = None,
 ) -> PairMasks:
     """Pair-count masks from a PML index tuple: pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
     (a triplet tuple contributes its ``(a, p)`` and ``(a, n)`` pairs, as PML's ``convert_to_pairs``).
@@ -101,7 +134,9 @@ def tuple_masks(
     if device is None:
         device = t[0].device
     a1, p, a2, n = (t[0], t[1], t[0], t[2]) if len(t) == 3 else t
-    return PairMasks(_counts(a1, p, shape, dtype, device), _counts(a2, n, shape, dtype, device))
+    return PairMasks(
+        _counts(a1, p, shape, dtype, device, rows), _counts(a2, n, shape, dtype, device, rows)
+    )
 
 
 def pair_masks(
@@ -112,10 +147,33 @@ def pair_masks(
     *,
     dtype: torch.dtype,
     device,
+    rows: tuple[int, int] | None = None,
 ) -> PairMasks:
-    """The masks a loss uses: from ``indices_tuple`` when given, else from the labels."""
+    """The masks a loss uses: from ``indices_tuple`` when given, else from the labels (for the
+    anchor ``rows`` of a chunk only, when given)."""
     if indices_tuple is not None:
-        return tuple_masks(indices_tuple, shape, dtype=dtype, device=device)
+        return tuple_masks(indices_tuple, shape, dtype=dtype, device=device, rows=rows)
     if labels is None:
         raise ValueError("labels and indices_tuple cannot both be None")
-    return label_masks(labels, ref_labels, dtype=dtype)
+    return label_masks(labels, ref_labels, dtype=dtype, rows=rows)
+
+
+def any_pairs(
+    labels: Tensor | None, ref_labels: Tensor | None, indices_tuple, device
+) -> tuple[Tensor, Tensor]:
+    """``(has_pos, has_neg)``: whether the batch has any positive / negative pair, as 0-d bool
+    tensors, without building the ``B × M`` masks (so a chunk can ask about the whole batch)."""
+    if indices_tuple is not None:  # the tuple's lengths are shapes: a static answer
+        t = check_tuple(indices_tuple)
+        n_pos, n_neg = (
+            (t[0].shape[0], t[0].shape[0]) if len(t) == 3 else (t[0].shape[0], t[2].shape[0])
+        )
+        return torch.tensor(n_pos > 0, device=device), torch.tensor(n_neg > 0, device=device)
+    lo, hi = labels.amin(), labels.amax()
+    if ref_labels is None:
+        ordered = labels.sort().values
+        has_pos = (ordered[1:] == ordered[:-1]).any()
+        return has_pos, lo != hi
+    has_pos = torch.isin(labels, ref_labels).any()
+    has_neg = (lo != hi) | (ref_labels.amin() != ref_labels.amax()) | (lo != ref_labels.amin())
+    return has_pos, has_neg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,28 +10,55 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance
-from ..labels import PairMasks, check_tuple, pair_masks
+from ..labels import PairMasks, any_pairs, check_tuple, pair_masks
 from ..reducers import Reducer, Terms, reduce
 
-__all__ = ["Batch", "cross_entropy", "finish", "masked_logsumexp", "miner_weights", "prepare"]
+__all__ = [
+    "Batch",
+    "LossSpec",
+    "cross_entropy",
+    "finish",
+    "masked_logsumexp",
+    "miner_weights",
+    "prepare",
+    "register",
+    "run",
+    "validate",
+]
 
 
 @dataclass
 class Batch:
-    """What a loss needs about its inputs, all in the compute dtype (float32 for fp16/bf16)."""
+    """What a loss needs about its inputs, all in the compute dtype (float32 for fp16/bf16).
+
+    A batch may be a *chunk*: the anchor rows ``rows = (r0, r1)`` of the full batch against the
+    whole reference set (:mod:`pmlfunc.chunked`). ``labels`` are then the chunk's anchors' labels,
+    ``diagonal`` the column offset of the anchors' own entries in self mode.
+    """
 
     mat: Tensor  # (B, M) distance or similarity matrix
     masks: PairMasks  # (B, M) positive / negative pair counts
-    labels: Tensor | None
+    labels: Tensor | None  # the anchors' labels
     counts: bool  # masks hold pair multiplicities (from an index tuple), not just 0/1
     distance: Distance
     out_dtype: torch.dtype
     embeddings: Tensor
     ref_emb: Tensor | None  # None in self mode
+    all_labels: Tensor | None = None  # every query row's labels (the chunk's batch)
+    ref_labels: Tensor | None = None
+    indices_tuple: tuple | None = None
+    rows: tuple[int, int] | None = None
 
     @property
     def num_anchors(self) -> int:
         return self.mat.shape[-2]
+
+    @property
+    def diagonal(self) -> int | None:
+        """Column offset of each anchor's own entry (self mode), else ``None``."""
+        if self.ref_emb is not None:
+            return None
+        return 0 if self.rows is None else self.rows[0]
 
     def binary_masks(self) -> PairMasks:
         """0/1 masks (PML's matrix-based losses set ``mask[a, p] = 1`` once per listed pair)."""
@@ -43,8 +71,36 @@ class Batch:
         """The matrix oriented so that larger means closer (negated for distances)."""
         return self.mat if self.distance.is_similarity else -self.mat
 
+    def any_pairs(self) -> tuple[Tensor, Tensor]:
+        """Whether the whole batch (not just this chunk) has a positive / a negative pair."""
+        return any_pairs(self.all_labels, self.ref_labels, self.indices_tuple, self.mat.device)
 
-def prepare(
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss as :mod:`pmlfunc.chunked` sees it: its terms from a (possibly chunked) batch.
+
+    ``terms(batch, **hyper)`` validates the hyper-parameters and returns the sub-losses' terms;
+    ``unchunkable(**hyper)`` returns why a setting cannot be split over anchors (or ``None``).
+    """
+
+    name: str
+    terms: Callable[..., dict[str, Terms]]
+    default_distance: Distance
+    default_reducer: Reducer
+    unchunkable: Callable[..., str | None] = lambda **hyper: None
+
+
+SPECS: dict[Callable, LossSpec] = {}
+
+
+def register(fn: Callable, spec: LossSpec) -> None:
+    """Record a public loss function's :class:`LossSpec` (looked up by :mod:`pmlfunc.chunked`)."""
+    SPECS[fn] = spec
+
+
+def run(
+    spec: LossSpec,
     embeddings: Tensor,
     labels: Tensor | None,
     ref_emb: Tensor | None,
@@ -52,9 +108,26 @@ def prepare(
     indices_tuple,
     mat: Tensor | None,
     distance: Distance | None,
+    reducer: Reducer | None,
+    **hyper,
+):
+    """A whole-batch loss: validate, build the matrix and masks, reduce the terms."""
+    batch = prepare(
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, spec.default_distance
+    )
+    return finish(batch, spec.terms(batch, **hyper), default_reducer(reducer, spec.default_reducer))
+
+
+def validate(
+    embeddings: Tensor,
+    labels: Tensor | None,
+    ref_emb: Tensor | None,
+    ref_labels: Tensor | None,
+    indices_tuple,
+    distance: Distance | None,
     default_distance: Distance,
-) -> Batch:
-    """Validate a loss's inputs (shapes, dtypes, devices only) and build its matrix and masks."""
+) -> Distance:
+    """Check a loss's inputs (shapes, dtypes, devices only); returns the distance to use."""
     _checks.embeddings(embeddings)
     b = embeddings.shape[0]
     if distance is None:
@@ -67,6 +140,8 @@ def prepare(
         _checks.labels(labels, b, embeddings.device)
     elif indices_tuple is None:
         raise ValueError("labels and indices_tuple cannot both be None")
+    if indices_tuple is not None:
+        check_tuple(indices_tuple)
     if ref_emb is not None:
         _checks.embeddings(ref_emb, "ref_emb")
         _checks.same_space(embeddings, ref_emb)
@@ -80,9 +155,34 @@ def prepare(
             _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
     elif ref_labels is not None:
         raise ValueError("ref_labels was given without ref_emb")
+    return distance
+
+
+def prepare(
+    embeddings: Tensor,
+    labels: Tensor | None,
+    ref_emb: Tensor | None,
+    ref_labels: Tensor | None,
+    indices_tuple,
+    mat: Tensor | None,
+    distance: Distance | None,
+    default_distance: Distance,
+    rows: tuple[int, int] | None = None,
+) -> Batch:
+    """Validate a loss's inputs and build its matrix and masks (for anchor ``rows`` only, when
+    given: the chunk's rows against the whole reference set)."""
+    distance = validate(
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, distance, default_distance
+    )
+    b = embeddings.shape[0]
     m = b if ref_emb is None else ref_emb.shape[0]
+    r0, r1 = (0, b) if rows is None else rows
     cd = _checks.compute_dtype(embeddings.dtype)
     if mat is not None:
+        if rows is not None:
+            raise ValueError(
+                "mat cannot be combined with chunking: each chunk computes its own rows"
+            )
         if not isinstance(mat, Tensor):
             raise TypeError(f"mat must be a tensor, got {type(mat).__name__}")
         if tuple(mat.shape) != (b, m):
@@ -94,8 +194,12 @@ def prepare(
         if mat.device != embeddings.device:
             raise ValueError(f"mat is on {mat.device} but embeddings are on {embeddings.device}")
         mat = mat.to(cd)
-    else:
+    elif rows is None:
         mat = distance.matrix(embeddings, ref_emb)
+    elif ref_emb is None:
+        mat = distance.rows(embeddings, r0, r1)
+    else:
+        mat = distance.matrix(embeddings[r0:r1], ref_emb)
     masks = pair_masks(
         labels,
         None if ref_emb is None else ref_labels,
@@ -103,16 +207,21 @@ def prepare(
         (b, m),
         dtype=cd,
         device=embeddings.device,
+        rows=rows,
     )
     return Batch(
         mat,
         masks,
-        labels,
+        None if labels is None else labels[r0:r1],
         indices_tuple is not None,
         distance,
         embeddings.dtype,
         embeddings,
         ref_emb,
+        all_labels=labels,
+        ref_labels=ref_labels,
+        indices_tuple=indices_tuple,
+        rows=rows,
     )
 
 

@@ -8,16 +8,8 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine, lp
-from ..reducers import DenseTerms, Reducer, avg_nonzero, elements, mean
-from ._common import (
-    default_reducer,
-    finish,
-    masked_logsumexp,
-    prepare,
-    rshift,
-    scalar_like,
-    shift,
-)
+from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
+from ._common import Batch, LossSpec, masked_logsumexp, register, rshift, run, scalar_like, shift
 
 __all__ = ["contrastive", "multi_similarity"]
 
@@ -67,9 +59,24 @@ def contrastive(
     Reference: Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an Invariant
     Mapping", CVPR 2006.
     """
+    return run(
+        CONTRASTIVE,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        pos_margin=pos_margin,
+        neg_margin=neg_margin,
+    )
+
+
+def _contrastive_terms(batch: Batch, *, pos_margin, neg_margin) -> dict[str, Terms]:
     pos_margin = _checks.hyper(pos_margin, "pos_margin")
     neg_margin = _checks.hyper(neg_margin, "neg_margin")
-    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
     d = batch.mat
     if batch.distance.is_similarity:  # PML's margin(x, y) = y - x for similarities
         pos_loss, neg_loss = F.relu(rshift(pos_margin, d)), F.relu(shift(d, neg_margin))
@@ -80,7 +87,11 @@ def contrastive(
         "pos_loss": DenseTerms(pos_loss, batch.masks.pos, "pos_pair", b),
         "neg_loss": DenseTerms(neg_loss, batch.masks.neg, "neg_pair", b),
     }
-    return finish(batch, terms, default_reducer(reducer, avg_nonzero()))
+    return terms
+
+
+CONTRASTIVE = LossSpec("contrastive", _contrastive_terms, lp(), avg_nonzero())
+register(contrastive, CONTRASTIVE)
 
 
 def multi_similarity(
@@ -125,10 +136,26 @@ def multi_similarity(
     Reference: Wang et al., "Multi-Similarity Loss with General Pair Weighting for Deep Metric
     Learning", CVPR 2019.
     """
+    return run(
+        MULTI_SIMILARITY,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        alpha=alpha,
+        beta=beta,
+        base=base,
+    )
+
+
+def _multi_similarity_terms(batch: Batch, *, alpha, beta, base) -> dict[str, Terms]:
     alpha = _checks.hyper(alpha, "alpha", positive=True)
     beta = _checks.hyper(beta, "beta", positive=True)
     base = _checks.hyper(base, "base")
-    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     d, s = batch.mat, batch.distance.sign()
     alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
     pos, neg = batch.binary_masks()  # PML's matrix-based losses count each listed pair once
@@ -139,5 +166,8 @@ def multi_similarity(
     # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = finfo.min, which gives 0.
     zero = pos_lse.new_zeros(())
     per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
-    terms = {"loss": elements(per_anchor)}
-    return finish(batch, terms, default_reducer(reducer, mean()))
+    return {"loss": elements(per_anchor)}
+
+
+MULTI_SIMILARITY = LossSpec("multi_similarity", _multi_similarity_terms, cosine(), mean())
+register(multi_similarity, MULTI_SIMILARITY)

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine
-from ..reducers import DenseTerms, Reducer, avg_nonzero, elements, mean
-from ._common import default_reducer, finish, masked_logsumexp, prepare, scalar_like
+from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
+from ._common import Batch, LossSpec, masked_logsumexp, register, run, scalar_like
 
 __all__ = ["ntxent", "supcon"]
 
@@ -59,16 +59,33 @@ def ntxent(
     Loss Objective", NeurIPS 2016; van den Oord et al., "Representation Learning with Contrastive
     Predictive Coding", 2018.
     """
+    return run(
+        NTXENT,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        temperature=temperature,
+    )
+
+
+def _ntxent_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
     neg_lse = masked_logsumexp(z, neg, (neg > 0).to(z.dtype) if batch.counts else None)
     # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
     ratio = torch.sigmoid(z - neg_lse.unsqueeze(-1))
     losses = -torch.log(ratio + torch.finfo(z.dtype).tiny)
-    terms = {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
-    return finish(batch, terms, default_reducer(reducer, mean()))
+    return {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
+
+
+NTXENT = LossSpec("ntxent", _ntxent_terms, cosine(), mean())
+register(ntxent, NTXENT)
 
 
 def supcon(
@@ -111,14 +128,31 @@ def supcon(
 
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
+    return run(
+        SUPCON,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        temperature=temperature,
+    )
+
+
+def _supcon_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, cosine())
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     pos, neg = batch.binary_masks()
     denom = masked_logsumexp(z, pos + neg)
     n_pos = pos.sum(-1)
     mean_log_prob = (pos * z).sum(-1) / n_pos.clamp_min(1.0) - torch.where(n_pos > 0, denom, 0.0)
-    active = (n_pos.sum() > 0) & (neg.sum() > 0)
-    losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
-    terms = {"loss": elements(losses)}
-    return finish(batch, terms, default_reducer(reducer, avg_nonzero()))
+    has_pos, has_neg = batch.any_pairs()  # of the whole batch, also when this is a chunk
+    losses = torch.where(has_pos & has_neg, -mean_log_prob, torch.zeros_like(mean_log_prob))
+    return {"loss": elements(losses)}
+
+
+SUPCON = LossSpec("supcon", _supcon_terms, cosine(), avg_nonzero())
+register(supcon, SUPCON)

@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import _checks
 from ..distances import Distance, lp
 from ..reducers import Bound, DenseTerms, Reducer, Terms, avg_nonzero
-from ._common import default_reducer, finish, prepare, scalar_like
+from ._common import Batch, LossSpec, register, run, scalar_like
 
 __all__ = ["triplet_margin"]
 
@@ -50,7 +50,7 @@ def _ordered_int(x: Tensor) -> Tensor:
 
 
 def _sorted_hinge_stats(
-    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor, binary: bool, self_mode: bool
+    e: Tensor, pos: Tensor, neg: Tensor, margin: float | Tensor, binary: bool, diagonal: int | None
 ) -> tuple[Tensor, Tensor]:
     """Per-anchor ``(Σ_{p,n} w_p w_n [t_ap − e_an]_+, #{w_p w_n : t_ap > e_an})`` by one merged sort.
 
@@ -66,7 +66,8 @@ def _sorted_hinge_stats(
     exactly when ``e_an < t_ap`` (to one ulp), as the hinge's ``> 0`` does.
 
     ``binary``: 0/1 masks from labels, where every column is a positive or a negative except the
-    diagonal in ``self_mode``; the masks are then read back from the sorted keys' type bit.
+    anchors' own entries in self mode (at column offset ``diagonal``); the masks are then read
+    back from the sorted keys' type bit.
     """
     ed = e.detach()
     m = margin.detach() if isinstance(margin, Tensor) else margin
@@ -77,15 +78,15 @@ def _sorted_hinge_stats(
     )
     keys = keys.bitwise_or_(is_neg.to(keys.dtype))
     top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
-    if binary and self_mode:
-        keys.diagonal(dim1=-2, dim2=-1).fill_(top)
+    if binary and diagonal is not None:
+        keys.diagonal(offset=diagonal, dim1=-2, dim2=-1).fill_(top)
     elif not binary:
         keys = torch.where((is_pos + is_neg) > 0, keys, top)
     order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
     if binary:  # the type bit of the sorted keys says which column is which
         wn = keys.gather(-1, order).bitwise_and_(1).to(e.dtype)
         wp = torch.rsub(wn, 1.0)
-        if self_mode:  # the diagonal (top) sorts last in every row: neither
+        if diagonal is not None:  # the anchor's own entry (top) sorts last in every row
             wn[..., -1] = 0.0
             wp[..., -1] = 0.0
     else:
@@ -192,7 +193,7 @@ class AllTriplets(Terms):
     e_pn: Tensor | None  # (M, M) reference-to-reference, for swap with a reference set
     swap_self: bool = False  # swap in self mode: e_pn is e itself
     binary: bool = False  # pos/neg are 0/1 masks (from labels), not multiplicities
-    self_mode: bool = False  # the batch against itself: the diagonal is neither pos nor neg
+    diagonal: int | None = None  # self mode: column offset of each anchor's own entry (neither)
     kind: str = "triplet"
 
     @property
@@ -206,12 +207,12 @@ class AllTriplets(Terms):
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         if plain and low is None:
             hinge, _ = _sorted_hinge_stats(
-                self.e, self.pos, self.neg, self.margin, self.binary, self.self_mode
+                self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
             return hinge, self._total_count()
         if plain and isinstance(low, float) and low == 0.0:
             return _sorted_hinge_stats(
-                self.e, self.pos, self.neg, self.margin, self.binary, self.self_mode
+                self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
         m = self.e.shape[-1]
         chunk = max(1, _CUBE_BLOCK // max(1, m * m))
@@ -299,24 +300,44 @@ def triplet_margin(
     "Learning local feature descriptors with triplets and shallow convolutional neural networks",
     BMVC 2016).
     """
+    return run(
+        TRIPLET_MARGIN,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        margin=margin,
+        swap=swap,
+        smooth_loss=smooth_loss,
+    )
+
+
+def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[str, Terms]:
     margin = _checks.hyper(margin, "margin")
     swap, smooth_loss = bool(swap), bool(smooth_loss)
-    batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
     sign = batch.distance.sign()
     e = sign * batch.mat
     margin = scalar_like(margin, e)
-    reducer = default_reducer(reducer, avg_nonzero())
+    indices_tuple = batch.indices_tuple
     if indices_tuple is not None and len(indices_tuple) == 3:
         a, p, n = (t.long() for t in indices_tuple)
+        weights = None
+        if batch.rows is not None:  # a chunk: the triplets of its own anchors
+            r0, r1 = batch.rows
+            weights = ((a >= r0) & (a < r1)).to(e.dtype)
+            a = (a - r0).clamp(0, r1 - r0 - 1)
         e_an = e[a, n]
         if swap:
             e_pn = _ref_self(batch, sign)[p, n] if batch.ref_emb is not None else e[p, n]
             e_an = torch.minimum(e_an, e_pn)
         x = e[a, p] - e_an + margin
         losses = F.softplus(x) if smooth_loss else F.relu(x)
-        terms: Terms = DenseTerms(
-            losses, torch.ones_like(losses), "triplet", batch.num_anchors, anchor_index=a
-        )
+        weights = torch.ones_like(losses) if weights is None else weights
+        terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
     else:
         e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
         swap_self = swap and batch.ref_emb is None
@@ -329,9 +350,21 @@ def triplet_margin(
             e_pn,
             swap_self,
             binary=not batch.counts,
-            self_mode=batch.ref_emb is None,
+            diagonal=batch.diagonal,
         )
-    return finish(batch, {"loss": terms}, reducer)
+    return {"loss": terms}
+
+
+def _triplet_unchunkable(*, swap, **_) -> str | None:
+    if swap:
+        return "swap=True compares each positive with each negative (rows of other anchors)"
+    return None
+
+
+TRIPLET_MARGIN = LossSpec(
+    "triplet_margin", _triplet_margin_terms, lp(), avg_nonzero(), _triplet_unchunkable
+)
+register(triplet_margin, TRIPLET_MARGIN)
 
 
 def _ref_self(batch, sign: float) -> Tensor:

@@ -1,0 +1,471 @@
+"""Bounded-memory NT-Xent and SupCon: a plain ``loss.backward()`` in O(chunk × M) memory.
+
+:func:`ntxent_streaming` and :func:`supcon_streaming` return what :func:`pmlfunc.losses.ntxent`
+and :func:`pmlfunc.losses.supcon` return (value and gradients, to rounding) for label-defined
+pairs and a matmul similarity (``cosine()`` or ``dot()``), without ever building the ``(B, M)``
+similarity matrix. Each loss is one :class:`torch.autograd.Function`:
+
+* the forward loops over static row chunks of the anchors, builds the ``(chunk, M)`` tile
+  ``z = x[rows] @ yᵀ / τ`` and its label masks, and keeps only per-row statistics (the log-sum-exp
+  over the row's negatives for NT-Xent; over its candidates for SupCon, with the positive count)
+  and the scalar result;
+* the backward loops over the chunks again, recomputes each tile, forms ``∂L/∂z`` for it and
+  accumulates ``∂L/∂x[rows] = ∂L/∂S @ y`` and ``∂L/∂y += ∂L/∂Sᵀ @ x[rows]`` (both into one tensor
+  in self mode), plus ``∂L/∂τ = −Σ ∂L/∂z · z / τ``.
+
+The row normalisation of ``cosine()`` and the float32 cast of float16/bfloat16 inputs happen
+outside the Function with ordinary autograd ops on ``(B, D)`` tensors. Rows are whole in every
+tile, so each row's log-sum-exp is computed exactly as the dense loss computes it (no online
+rescaling). Peak memory: a few ``chunk × M`` tiles plus the ``(B, D)`` / ``(M, D)`` inputs and
+their gradients. Shapes are static and every global count is a tensor (no host sync), so the
+functions run under ``torch.compile(fullgraph=True)``, ``torch.func`` transforms (the Functions
+have ``generate_vmap_rule = True``) and on the meta device. Double backward (``create_graph=True``)
+is not supported: the backward raises.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from ..distances import Distance, _Dot, cosine
+from ..reducers import Reducer, _PerAnchor, _Sum, _Window
+from ._common import _exp_shifted_, _masked
+
+__all__ = ["ntxent_streaming", "supcon_streaming"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def _tile(x: Tensor, y: Tensor, start: int, stop: int, t: float | Tensor) -> Tensor:
+    """``z = (x[rows] @ yᵀ) / τ``, the ``(chunk, M)`` tile (``/`` as the dense loss divides)."""
+    return torch.mm(x[start:stop], y.transpose(-1, -2)) / t
+
+
+def _tile_masks(
+    labels: Tensor, ref_labels: Tensor | None, start: int, stop: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """0/1 positive and negative masks of the tile (self mode: ``ref_labels is None``, the
+    diagonal is neither)."""
+    ref = labels if ref_labels is None else ref_labels
+    eq = (labels[start:stop].unsqueeze(-1) == ref.unsqueeze(-2)).to(dtype)
+    neg = 1.0 - eq
+    if ref_labels is None:
+        rows = torch.arange(start, stop, device=labels.device)
+        cols = torch.arange(ref.shape[-1], device=labels.device)
+        eq = eq - (rows.unsqueeze(-1) == cols.unsqueeze(-2)).to(dtype)  # eq is 1 on the diagonal
+    return eq, neg
+
+
+def _row_lse(z: Tensor, keep: Tensor) -> Tensor:
+    """Row-wise ``log Σ_j keep_j e^{z_j}``, computed as ``masked_logsumexp`` computes it
+    (rows with nothing kept give ``−finfo.max``)."""
+    low = -torch.finfo(z.dtype).max
+    buf = _masked(z, keep)
+    shift = buf.amax(-1, keepdim=True)
+    has_any = shift > low
+    shift = torch.where(has_any, shift, 0.0)
+    s = _exp_shifted_(buf, shift, keep).sum(-1, keepdim=True)
+    lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
+    return lse.squeeze(-1)
+
+
+def _row_softmax(z: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
+    """``keep · e^{z − lse}``: the gradient of :func:`_row_lse` (0 on rows with nothing kept)."""
+    return _exp_shifted_(_masked(z, keep), lse.unsqueeze(-1), keep)
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``, 0 where ``den == 0``."""
+    nz = den > 0
+    return torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def _check_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the streaming (chunk_size=...) NT-Xent/SupCon backward is not differentiable "
+            "(create_graph=True / double backward); use the dense loss (chunk_size=None)"
+        )
+
+
+def _backward_tiles(ctx, dz_of_tile):
+    """The shared backward loop over the saved ``(x, y, labels, ref_labels, t, ...)``.
+    ``dz_of_tile(z, pos, neg, start, stop)`` returns ``∂L/∂z`` for a tile. Returns the gradients
+    of the Function's first five inputs."""
+    x, y, labels, ref_labels, t = ctx.saved_tensors[:5]
+    if t is None:
+        t = ctx.t_float
+    need_x, need_y, need_t = (ctx.needs_input_grad[i] for i in (0, 1, 4))
+    self_mode = y is None
+    yy = x if self_mode else y
+    need_y = need_y or (self_mode and need_x)
+    gx_parts, gy, zdz = [], None, None
+    for start, stop in _chunks(x.shape[-2], ctx.chunk):
+        z = _tile(x, yy, start, stop, t)
+        pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
+        dz = dz_of_tile(z, pos, neg, start, stop)
+        if need_t:
+            part = (dz * z).sum()
+            zdz = part if zdz is None else zdz + part
+        ds = dz / t
+        if need_x:
+            gx_parts.append(torch.mm(ds, yy))
+        if need_y:
+            part = torch.mm(ds.transpose(-1, -2), x[start:stop])
+            gy = part if gy is None else gy + part
+    grad_x = torch.cat(gx_parts, dim=-2) if need_x else None
+    grad_t = -zdz / t if need_t else None
+    if self_mode:  # x is both sides of the tile
+        return (grad_x + gy if need_x else None), None, None, None, grad_t
+    return grad_x, gy, None, None, grad_t
+
+
+def _setup(ctx, inputs, stats):
+    """Save ``(x, y, labels, ref_labels, t)`` and the per-row statistics (``None`` allowed)."""
+    x, y, labels, ref_labels, t, chunk, _ = inputs
+    ctx.mark_non_differentiable(*stats)
+    ctx.chunk = chunk
+    is_tensor = isinstance(t, Tensor)
+    ctx.t_float = None if is_tensor else t
+    ctx.save_for_backward(x, y, labels, ref_labels, t if is_tensor else None, *stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# NT-Xent
+# ---------------------------------------------------------------------------------------------
+
+
+class _NTXentStreaming(torch.autograd.Function):
+    """NT-Xent over row chunks. Inputs ``(x, y, labels, ref_labels, t, chunk, use_mean)``
+    (``y = ref_labels = None`` in self mode); outputs ``(loss, neg_lse, count)``, the last two
+    saved for the backward (non-differentiable)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, labels, ref_labels, t, chunk, use_mean):
+        yy = x if y is None else y
+        tiny = torch.finfo(x.dtype).tiny
+        lses, total, count = [], None, None
+        for start, stop in _chunks(x.shape[-2], chunk):
+            z = _tile(x, yy, start, stop, t)
+            pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
+            lse = _row_lse(z, neg)
+            # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
+            losses = -torch.log(torch.sigmoid(z - lse.unsqueeze(-1)) + tiny)
+            part, n = (pos * losses).sum(), pos.sum()
+            total = part if total is None else total + part
+            count = n if count is None else count + n
+            lses.append(lse)
+        loss = _ratio(total, count) if use_mean else total
+        return loss, torch.cat(lses, dim=-1), count
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup(ctx, inputs, output[1:])
+        ctx.use_mean = inputs[-1]
+
+    @staticmethod
+    def backward(ctx, g, _g_lse, _g_count):
+        _check_double_backward()
+        lse, count = ctx.saved_tensors[5:]
+        tiny = torch.finfo(lse.dtype).tiny
+        coef = _ratio(g, count) if ctx.use_mean else g
+
+        def dz_of_tile(z, pos, neg, start, stop):
+            lse_c = lse[..., start:stop]
+            r = torch.sigmoid(z - lse_c.unsqueeze(-1))
+            # d/dx −log(σ(x) + ε) = −σ(x)(1 − σ(x)) / (σ(x) + ε): the dense loss's autograd chain
+            direct = (r * (1.0 - r)).div_(r + tiny).mul_(pos) * -coef
+            soft = _row_softmax(z, neg, lse_c)
+            return direct - direct.sum(-1, keepdim=True) * soft
+
+        return (*_backward_tiles(ctx, dz_of_tile), None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# SupCon
+# ---------------------------------------------------------------------------------------------
+
+
+class _SupConStreaming(torch.autograd.Function):
+    """SupCon over row chunks. Inputs ``(x, y, labels, ref_labels, t, chunk, kind)`` with
+    ``kind`` in ``"avg_nonzero"``, ``"mean"``, ``"sum"``; outputs ``(loss, lse, n_pos, coef)``:
+    the candidates' log-sum-exp, the positive counts and ``∂loss/∂ℓ_a`` per anchor (saved for the
+    backward, non-differentiable)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, labels, ref_labels, t, chunk, kind):
+        yy = x if y is None else y
+        lses, n_pos, pos_z, n_neg = [], [], [], None
+        for start, stop in _chunks(x.shape[-2], chunk):
+            z = _tile(x, yy, start, stop, t)
+            pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
+            lses.append(_row_lse(z, pos + neg))
+            n_pos.append(pos.sum(-1))
+            pos_z.append((pos * z).sum(-1))
+            part = neg.sum()
+            n_neg = part if n_neg is None else n_neg + part
+        lse, n_pos, pos_z = (torch.cat(v, dim=-1) for v in (lses, n_pos, pos_z))
+        has_pos = n_pos > 0
+        mean_log_prob = pos_z / n_pos.clamp_min(1.0) - torch.where(has_pos, lse, 0.0)
+        active = (n_pos.sum() > 0) & (n_neg > 0)
+        losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
+        if kind == "avg_nonzero":  # the reducers' window: loss > 0, by sign
+            sel = losses.sign().clamp_min(0.0)
+            count = sel.sum()
+            loss = _ratio(sel @ losses, count)
+            coef = _ratio(sel, count.expand_as(sel))
+        elif kind == "mean":
+            loss = losses.sum() / losses.shape[-1]
+            coef = torch.ones_like(losses) / losses.shape[-1]
+        else:
+            loss = losses.sum()
+            coef = torch.ones_like(losses)
+        coef = torch.where(active, coef, torch.zeros_like(coef))
+        return loss, lse, n_pos, coef
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup(ctx, inputs, output[1:])
+
+    @staticmethod
+    def backward(ctx, g, _g_lse, _g_n_pos, _g_coef):
+        _check_double_backward()
+        lse, n_pos, coef = ctx.saved_tensors[5:]
+        d = coef * g  # ∂L/∂ℓ_a
+        # ∂ℓ_a/∂z_aj = −pos_aj / max(|P(a)|, 1) + [|P(a)| > 0] · softmax over the candidates
+        w_pos = -d / n_pos.clamp_min(1.0)
+        w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d))
+
+        def dz_of_tile(z, pos, neg, start, stop):
+            soft = _row_softmax(z, pos + neg, lse[..., start:stop])
+            return pos * w_pos[..., start:stop].unsqueeze(-1) + soft * w_soft[
+                ..., start:stop
+            ].unsqueeze(-1)
+
+        return (*_backward_tiles(ctx, dz_of_tile), None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _reducer_name(reducer: Reducer) -> str:
+    if isinstance(reducer, _Window):
+        if reducer.low is None and reducer.high is None:
+            return "mean()"
+        if reducer.high is None and isinstance(reducer.low, float) and reducer.low == 0.0:
+            return "avg_nonzero()"
+        return f"threshold(low={reducer.low!r}, high={reducer.high!r})"
+    if isinstance(reducer, _Sum):
+        return "sum()"
+    if isinstance(reducer, _PerAnchor):
+        return "per_anchor(...)"
+    name = type(reducer).__name__.lstrip("_")
+    return {"ClassWeighted": "class_weighted(...)", "None": "none()", "Divisor": "divisor()"}.get(
+        name, name
+    )
+
+
+def _reducer_kind(reducer: Reducer | None, default: str, allowed: tuple[str, ...], loss: str):
+    if reducer is None:
+        return default
+    if not isinstance(reducer, Reducer):
+        raise TypeError(
+            f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}"
+        )
+    name = _reducer_name(reducer)
+    kind = name[:-2]
+    if not (name.endswith("()") and kind in allowed):
+        supported = ", ".join(f"{k}()" for k in allowed)
+        raise ValueError(
+            f"the streaming {loss} (chunk_size=...) supports reducer {supported}; got reducer={name}"
+        )
+    return kind
+
+
+def _prepare(
+    loss: str,
+    embeddings: Tensor,
+    labels: Tensor | None,
+    temperature: float | Tensor,
+    distance: Distance | None,
+    ref_emb: Tensor | None,
+    ref_labels: Tensor | None,
+    chunk_size: object,
+    indices_tuple: object,
+    mat: object,
+):
+    """Validate (shapes, dtypes, devices only) and return the Function's tensor inputs."""
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    if isinstance(chunk_size, bool) or not hasattr(chunk_size, "__index__"):
+        raise ValueError(f"chunk_size must be a Python int >= 1, got {chunk_size!r}")
+    chunk = operator.index(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be a Python int >= 1, got {chunk}")
+    if indices_tuple is not None:
+        raise ValueError(
+            f"the streaming {loss} (chunk_size=...) needs labels; indices_tuple is not supported"
+        )
+    if mat is not None:
+        raise ValueError(
+            f"the streaming {loss} (chunk_size=...) computes its similarity tile by tile; mat is not supported"
+        )
+    _checks.embeddings(embeddings)
+    if labels is None:
+        raise ValueError(f"the streaming {loss} (chunk_size=...) needs labels, got None")
+    _checks.labels(labels, embeddings.shape[0], embeddings.device)
+    if ref_emb is not None:
+        _checks.embeddings(ref_emb, "ref_emb")
+        _checks.same_space(embeddings, ref_emb)
+        if ref_labels is None:
+            raise ValueError(
+                "ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)"
+            )
+        _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
+    elif ref_labels is not None:
+        raise ValueError("ref_labels was given without ref_emb")
+    if distance is None:
+        distance = cosine()
+    if not isinstance(distance, Distance):
+        raise TypeError(
+            f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}"
+        )
+    if not isinstance(distance, _Dot):
+        raise ValueError(
+            f"the streaming {loss} (chunk_size=...) needs a similarity computed by a matmul "
+            f"(distance=cosine() or dot()); got distance={distance!r}"
+        )
+    cd = _checks.compute_dtype(embeddings.dtype)
+    x = embeddings.to(cd)
+    y = None if ref_emb is None else ref_emb.to(cd)
+    if distance.normalize:
+        x = F.normalize(x, p=2, dim=-1)
+        y = None if y is None else F.normalize(y, p=2, dim=-1)
+    t = (
+        temperature.to(dtype=cd, device=x.device)
+        if isinstance(temperature, Tensor)
+        else temperature
+    )
+    return x, y, t, chunk
+
+
+def ntxent_streaming(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.07,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    chunk_size: int,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""NT-Xent in O(chunk_size × M) memory, forward and backward.
+
+    The same loss as :func:`pmlfunc.losses.ntxent` (one term per positive pair against the
+    log-sum-exp of the anchor's negatives, averaged over positive pairs), computed over static
+    chunks of ``chunk_size`` anchor rows: the forward keeps one log-sum-exp per row, the backward
+    recomputes each ``(chunk_size, M)`` similarity tile.
+
+    Args:
+        embeddings, labels, temperature, ref_emb, ref_labels: as in :func:`pmlfunc.losses.ntxent`.
+        distance: ``cosine()`` (default) or ``dot()``; other distances raise ``ValueError``.
+        reducer: ``mean()`` (default) or ``sum()``; others raise ``ValueError``.
+        chunk_size: anchor rows per tile, a Python int ``>= 1`` (need not divide the batch).
+        indices_tuple, mat: not supported (``ValueError`` when given).
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = ntxent_streaming(emb, labels, temperature=0.1, chunk_size=3)
+    """
+    kind = _reducer_kind(reducer, "mean", ("mean", "sum"), "ntxent")
+    x, y, t, chunk = _prepare(
+        "ntxent",
+        embeddings,
+        labels,
+        temperature,
+        distance,
+        ref_emb,
+        ref_labels,
+        chunk_size,
+        indices_tuple,
+        mat,
+    )
+    loss = _NTXentStreaming.apply(x, y, labels, ref_labels, t, chunk, kind == "mean")[0]
+    return loss.to(embeddings.dtype)
+
+
+def supcon_streaming(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.1,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    chunk_size: int,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+) -> Tensor:
+    r"""Supervised contrastive loss in O(chunk_size × M) memory, forward and backward.
+
+    The same loss as :func:`pmlfunc.losses.supcon` (per anchor, minus the mean over its
+    positives of ``z_ap − log Σ_{k ∈ A(a)} e^{z_ak}``; 0 for anchors without positives and for
+    batches without a positive or a negative pair), computed over static chunks of
+    ``chunk_size`` anchor rows: the forward keeps per-row log-sum-exps, positive counts and
+    ``Σ_p z_ap``, the backward recomputes each ``(chunk_size, M)`` similarity tile.
+
+    Args:
+        embeddings, labels, temperature, ref_emb, ref_labels: as in :func:`pmlfunc.losses.supcon`.
+        distance: ``cosine()`` (default) or ``dot()``; other distances raise ``ValueError``.
+        reducer: ``avg_nonzero()`` (default), ``mean()`` or ``sum()``; others raise ``ValueError``.
+        chunk_size: anchor rows per tile, a Python int ``>= 1`` (need not divide the batch).
+        indices_tuple, mat: not supported (``ValueError`` when given).
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = supcon_streaming(emb, labels, chunk_size=3)
+
+    Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
+    """
+    kind = _reducer_kind(reducer, "avg_nonzero", ("avg_nonzero", "mean", "sum"), "supcon")
+    x, y, t, chunk = _prepare(
+        "supcon",
+        embeddings,
+        labels,
+        temperature,
+        distance,
+        ref_emb,
+        ref_labels,
+        chunk_size,
+        indices_tuple,
+        mat,
+    )
+    loss = _SupConStreaming.apply(x, y, labels, ref_labels, t, chunk, kind)[0]
+    return loss.to(embeddings.dtype)
