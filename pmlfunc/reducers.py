@@ -67,6 +67,10 @@ class Terms:
         each of shape ``(num_anchors,)``; counts include pair multiplicities."""
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
     def totals(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         """``(Σ selected losses, # selected terms)`` over all anchors, as 0-d tensors."""
         s, c = self.stats(low, high)
@@ -113,6 +117,10 @@ class DenseTerms(Terms):
     anchor_index: Tensor | None = None
     divisor: float | Tensor | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.losses.device
+
     def _per_anchor(self, x: Tensor) -> Tensor:
         if self.anchor_index is not None:
             out = torch.zeros(self.num_anchors, dtype=x.dtype, device=x.device)
@@ -152,10 +160,26 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
 
 
 class Reducer:
-    """Base class of the reducers. ``reducer(terms, labels)`` returns a 0-d tensor."""
+    """Base class of the reducers. ``reducer(terms, labels)`` returns a 0-d tensor.
+
+    Every reducer but :func:`none` and :func:`divisor` splits over anchor chunks: its value is
+    ``Σ_chunks partial(chunk, N)`` where the normaliser ``N = Σ_chunks normalizer(chunk)`` is a
+    sum over the chunks too (a first pass). :mod:`pmlfunc.chunked` relies on this; the plain
+    call is the one-chunk case, so both paths share the same code.
+    """
+
+    chunkable: bool = True
+
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        """This chunk's share of the normaliser (summed over chunks)."""
+        raise NotImplementedError
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
+        """This chunk's share of the value, given the whole batch's normaliser."""
+        raise NotImplementedError
 
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
-        raise NotImplementedError
+        return self.partial(terms, labels, self.normalizer(terms, labels))
 
 
 @dataclass(frozen=True)
@@ -163,60 +187,85 @@ class _Window(Reducer):
     low: Bound = None
     high: Bound = None
 
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        return terms.totals(self.low, self.high)[1]
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
+        return _ratio(terms.totals(self.low, self.high)[0], normalizer)
+
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
-        s, c = terms.totals(self.low, self.high)
+        s, c = terms.totals(self.low, self.high)  # one pass for both
         return _ratio(s, c)
 
 
 @dataclass(frozen=True)
 class _Sum(Reducer):
-    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        return torch.zeros((), device=terms.device)
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         return terms.totals()[0]
 
 
 @dataclass(frozen=True)
 class _Divisor(Reducer):
-    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+    chunkable = False  # the divisor is the loss's own global count, not a sum over anchors
+
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         if terms.divisor is None:
             raise ValueError(
                 "reducer=divisor() needs a loss that supplies a divisor; this loss does not (use sum() or mean())"
             )
+        return torch.as_tensor(terms.divisor, device=terms.device)
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         total = terms.totals()[0]
-        d = torch.as_tensor(terms.divisor, dtype=total.dtype, device=total.device)
-        return _ratio(total, d)
+        return _ratio(total, normalizer.to(total.dtype))
 
 
 @dataclass(frozen=True)
 class _PerAnchor(Reducer):
     inner: Reducer = field(default_factory=lambda: _Window())
 
-    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+    def _per_anchor(self, terms: Terms) -> Terms:
         if terms.kind == "element":
-            return self.inner(terms, labels)
+            return terms
         if isinstance(terms, DenseTerms) and terms.kind in ("pos_pair", "neg_pair"):
             # PML writes each (anchor, other) pair into one cell: repeated pairs count once.
             terms = replace(terms, weights=(terms.weights > 0).to(terms.weights.dtype))
         s, c = terms.stats()
-        per = _ratio(s, c)
-        return self.inner(
-            DenseTerms(per, torch.ones_like(per), "element", terms.num_anchors), labels
-        )
+        return elements(_ratio(s, c))
+
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        return self.inner.normalizer(self._per_anchor(terms), labels)
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
+        return self.inner.partial(self._per_anchor(terms), labels, normalizer)
+
+    @property
+    def chunkable(self) -> bool:  # type: ignore[override]
+        return self.inner.chunkable
 
 
 @dataclass(frozen=True, eq=False)
 class _ClassWeighted(Reducer):
     weights: Tensor
 
-    def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+    def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
+        return terms.totals()[1]
+
+    def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         if labels is None:
             raise ValueError("reducer=class_weighted(...) needs labels (the anchors' classes)")
-        s, c = terms.stats()
+        s, _ = terms.stats()
         w = self.weights.to(device=s.device, dtype=s.dtype)[labels.long()]
-        return _ratio((w * s).sum(), c.sum())
+        return _ratio((w * s).sum(), normalizer)
 
 
 @dataclass(frozen=True)
 class _None(Reducer):
+    chunkable = False  # it returns the terms themselves
+
     def __call__(self, terms: Terms, labels: Tensor | None = None):
         return terms.dense()
 

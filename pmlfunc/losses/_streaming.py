@@ -92,54 +92,112 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def _check_double_backward() -> None:
-    if torch.is_grad_enabled():
+def _tile_dz(kind, z, pos, neg, start, stop, g, s0, s1, s2):
+    """``∂L/∂z`` for one tile, from the cotangent ``g`` and the forward's per-row statistics:
+    NT-Xent ``(neg_lse, #positive pairs, _)``; SupCon ``(candidate lse, |P(a)|, ∂loss/∂ℓ_a)``."""
+    if kind == "supcon":
+        lse, n_pos, coef = s0[..., start:stop], s1[..., start:stop], s2[..., start:stop]
+        d = coef * g  # ∂L/∂ℓ_a
+        # ∂ℓ_a/∂z_aj = −pos_aj / max(|P(a)|, 1) + [|P(a)| > 0] · softmax over the candidates
+        w_pos = (-d / n_pos.clamp_min(1.0)).unsqueeze(-1)
+        w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d)).unsqueeze(-1)
+        return pos * w_pos + _row_softmax(z, pos + neg, lse) * w_soft
+    lse = s0[..., start:stop]
+    coef = _ratio(g, s1) if kind == "ntxent_mean" else g
+    r = torch.sigmoid(z - lse.unsqueeze(-1))
+    # d/dx −log(σ(x) + ε) = −σ(x)(1 − σ(x)) / (σ(x) + ε): the dense loss's autograd chain
+    direct = (r * (1.0 - r)).div_(r + torch.finfo(z.dtype).tiny).mul_(pos) * -coef
+    # the negatives' log-sum-exp carries −Σ_p direct_ap, spread by the negatives' softmax
+    return direct - direct.sum(-1, keepdim=True) * _row_softmax(z, neg, lse)
+
+
+class _TileGrads(torch.autograd.Function):
+    """The streaming backward as a Function of its own: its forward loops over the chunks,
+    recomputes each tile and accumulates the requested gradients ``[∂x][∂y][∂τ]`` (``needs``);
+    its backward raises (double backward is not supported). As a Function, the first-order
+    backward records no graph under ``create_graph=True`` or ``torch.func.grad`` (whose
+    backward runs with grad mode on), so memory stays bounded, and a second differentiation
+    fails loudly instead of silently missing terms."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, labels, ref_labels, t, s0, s1, s2, g, chunk, kind, needs):
+        need_x, need_y, need_t = needs
+        self_mode = y is None
+        yy = x if self_mode else y
+        need_gy = need_y or (self_mode and need_x)
+        gx_parts, gy, zdz = [], None, None
+        for start, stop in _chunks(x.shape[-2], chunk):
+            z = _tile(x, yy, start, stop, t)
+            pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
+            dz = _tile_dz(kind, z, pos, neg, start, stop, g, s0, s1, s2)
+            if need_t:
+                part = (dz * z).sum()
+                zdz = part if zdz is None else zdz + part
+            ds = dz / t
+            if need_x:
+                gx_parts.append(torch.mm(ds, yy))
+            if need_gy:
+                part = torch.mm(ds.transpose(-1, -2), x[start:stop])
+                gy = part if gy is None else gy + part
+        out = []
+        if need_x:
+            grad_x = torch.cat(gx_parts, dim=-2)
+            out.append(grad_x + gy if self_mode else grad_x)  # self mode: x is both sides
+        if need_y:
+            out.append(gy)
+        if need_t:
+            out.append(-zdz / t)  # z = s / τ: ∂z/∂τ = −z / τ
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
         raise RuntimeError(
-            "the streaming (chunk_size=...) NT-Xent/SupCon backward is not differentiable "
-            "(create_graph=True / double backward); use the dense loss (chunk_size=None)"
+            "the streaming (chunk_size=...) NT-Xent/SupCon gradient is not differentiable "
+            "(double backward, torch.func.hessian); use the dense loss (chunk_size=None)"
         )
 
 
-def _backward_tiles(ctx, dz_of_tile):
-    """The shared backward loop over the saved ``(x, y, labels, ref_labels, t, ...)``.
-    ``dz_of_tile(z, pos, neg, start, stop)`` returns ``∂L/∂z`` for a tile. Returns the gradients
-    of the Function's first five inputs."""
-    x, y, labels, ref_labels, t = ctx.saved_tensors[:5]
-    if t is None:
-        t = ctx.t_float
-    need_x, need_y, need_t = (ctx.needs_input_grad[i] for i in (0, 1, 4))
-    self_mode = y is None
-    yy = x if self_mode else y
-    need_y = need_y or (self_mode and need_x)
-    gx_parts, gy, zdz = [], None, None
-    for start, stop in _chunks(x.shape[-2], ctx.chunk):
-        z = _tile(x, yy, start, stop, t)
-        pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
-        dz = dz_of_tile(z, pos, neg, start, stop)
-        if need_t:
-            part = (dz * z).sum()
-            zdz = part if zdz is None else zdz + part
-        ds = dz / t
-        if need_x:
-            gx_parts.append(torch.mm(ds, yy))
-        if need_y:
-            part = torch.mm(ds.transpose(-1, -2), x[start:stop])
-            gy = part if gy is None else gy + part
-    grad_x = torch.cat(gx_parts, dim=-2) if need_x else None
-    grad_t = -zdz / t if need_t else None
-    if self_mode:  # x is both sides of the tile
-        return (grad_x + gy if need_x else None), None, None, None, grad_t
-    return grad_x, gy, None, None, grad_t
-
-
 def _setup(ctx, inputs, stats):
-    """Save ``(x, y, labels, ref_labels, t)`` and the per-row statistics (``None`` allowed)."""
+    """Save ``(x, y, labels, ref_labels, t)`` and the per-row statistics."""
     x, y, labels, ref_labels, t, chunk, _ = inputs
     ctx.mark_non_differentiable(*stats)
     ctx.chunk = chunk
     is_tensor = isinstance(t, Tensor)
     ctx.t_float = None if is_tensor else t
     ctx.save_for_backward(x, y, labels, ref_labels, t if is_tensor else None, *stats)
+
+
+def _backward(ctx, kind, g):
+    """The gradients of the loss Functions' seven inputs, by :class:`_TileGrads`."""
+    x, y, labels, ref_labels, t, *stats = ctx.saved_tensors
+    stats += [None] * (3 - len(stats))
+    need_x, need_y, need_t = (ctx.needs_input_grad[i] for i in (0, 1, 4))
+    if not (need_x or need_y or need_t):
+        return (None,) * 7
+    grads = iter(
+        _TileGrads.apply(
+            x,
+            y,
+            labels,
+            ref_labels,
+            ctx.t_float if t is None else t,
+            *stats,
+            g,
+            ctx.chunk,
+            kind,
+            (need_x, need_y, need_t),
+        )
+    )
+    grad_x = next(grads) if need_x else None
+    grad_y = next(grads) if need_y else None
+    grad_t = next(grads) if need_t else None
+    return grad_x, grad_y, None, None, grad_t, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,24 +233,11 @@ class _NTXentStreaming(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup(ctx, inputs, output[1:])
-        ctx.use_mean = inputs[-1]
+        ctx.kind = "ntxent_mean" if inputs[-1] else "ntxent_sum"
 
     @staticmethod
     def backward(ctx, g, _g_lse, _g_count):
-        _check_double_backward()
-        lse, count = ctx.saved_tensors[5:]
-        tiny = torch.finfo(lse.dtype).tiny
-        coef = _ratio(g, count) if ctx.use_mean else g
-
-        def dz_of_tile(z, pos, neg, start, stop):
-            lse_c = lse[..., start:stop]
-            r = torch.sigmoid(z - lse_c.unsqueeze(-1))
-            # d/dx −log(σ(x) + ε) = −σ(x)(1 − σ(x)) / (σ(x) + ε): the dense loss's autograd chain
-            direct = (r * (1.0 - r)).div_(r + tiny).mul_(pos) * -coef
-            soft = _row_softmax(z, neg, lse_c)
-            return direct - direct.sum(-1, keepdim=True) * soft
-
-        return (*_backward_tiles(ctx, dz_of_tile), None, None)
+        return _backward(ctx, ctx.kind, g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +246,15 @@ class _NTXentStreaming(torch.autograd.Function):
 
 
 class _SupConStreaming(torch.autograd.Function):
-    """SupCon over row chunks. Inputs ``(x, y, labels, ref_labels, t, chunk, kind)`` with
-    ``kind`` in ``"avg_nonzero"``, ``"mean"``, ``"sum"``; outputs ``(loss, lse, n_pos, coef)``:
+    """SupCon over row chunks. Inputs ``(x, y, labels, ref_labels, t, chunk, reducer)`` with
+    ``reducer`` in ``"avg_nonzero"``, ``"mean"``, ``"sum"``; outputs ``(loss, lse, n_pos, coef)``:
     the candidates' log-sum-exp, the positive counts and ``∂loss/∂ℓ_a`` per anchor (saved for the
     backward, non-differentiable)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y, labels, ref_labels, t, chunk, kind):
+    def forward(x, y, labels, ref_labels, t, chunk, reducer):
         yy = x if y is None else y
         lses, n_pos, pos_z, n_neg = [], [], [], None
         for start, stop in _chunks(x.shape[-2], chunk):
@@ -225,12 +270,12 @@ class _SupConStreaming(torch.autograd.Function):
         mean_log_prob = pos_z / n_pos.clamp_min(1.0) - torch.where(has_pos, lse, 0.0)
         active = (n_pos.sum() > 0) & (n_neg > 0)
         losses = torch.where(active, -mean_log_prob, torch.zeros_like(mean_log_prob))
-        if kind == "avg_nonzero":  # the reducers' window: loss > 0, by sign
+        if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
             sel = losses.sign().clamp_min(0.0)
             count = sel.sum()
             loss = _ratio(sel @ losses, count)
             coef = _ratio(sel, count.expand_as(sel))
-        elif kind == "mean":
+        elif reducer == "mean":
             loss = losses.sum() / losses.shape[-1]
             coef = torch.ones_like(losses) / losses.shape[-1]
         else:
@@ -245,20 +290,7 @@ class _SupConStreaming(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _g_lse, _g_n_pos, _g_coef):
-        _check_double_backward()
-        lse, n_pos, coef = ctx.saved_tensors[5:]
-        d = coef * g  # ∂L/∂ℓ_a
-        # ∂ℓ_a/∂z_aj = −pos_aj / max(|P(a)|, 1) + [|P(a)| > 0] · softmax over the candidates
-        w_pos = -d / n_pos.clamp_min(1.0)
-        w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d))
-
-        def dz_of_tile(z, pos, neg, start, stop):
-            soft = _row_softmax(z, pos + neg, lse[..., start:stop])
-            return pos * w_pos[..., start:stop].unsqueeze(-1) + soft * w_soft[
-                ..., start:stop
-            ].unsqueeze(-1)
-
-        return (*_backward_tiles(ctx, dz_of_tile), None, None)
+        return _backward(ctx, "supcon", g)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -200,6 +200,10 @@ class AllTriplets(Terms):
     def num_anchors(self) -> int:  # type: ignore[override]
         return self.e.shape[-2]
 
+    @property
+    def device(self) -> torch.device:
+        return self.e.device
+
     def _total_count(self) -> Tensor:
         return self.pos.sum(-1) * self.neg.sum(-1)
 
