@@ -1,0 +1,168 @@
+"""Anchor-chunked value and gradient: full-batch results with O(chunk × M) memory.
+
+A loss that is a sum of per-anchor terms, normalised by a count over the whole batch, can be
+evaluated one block of anchors at a time. :func:`value_and_grad` does it in two passes:
+
+1. without gradients, each chunk's share of the reducer's normaliser (the number of non-zero
+   terms for ``avg_nonzero()``, of all terms for ``mean()``, ...), summed over the chunks;
+2. for each chunk, the chunk's share of the loss given that normaliser, and its gradient by
+   ``torch.func.grad_and_value``; the gradients are summed.
+
+The result equals the full-batch loss and gradient to rounding, and no autograd graph larger than
+one ``chunk × M`` block of the distance matrix is alive at once. Feed the gradient into an encoder
+with ``emb.backward(grad)`` (the GradCache pattern, ``examples/gradcache.py``).
+
+Supported: ``contrastive``, ``triplet_margin`` (not ``swap=True``), ``ntxent``, ``supcon``,
+``multi_similarity``, with any distance, ``ref_emb``/``ref_labels``, ``indices_tuple``, and every
+reducer except ``none()`` and ``divisor()``. Other losses (proxy and classifier losses are
+per-sample already: use ``torch.func`` directly) and ``mat=`` (a chunk computes its own rows)
+are rejected with an error that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from .losses._common import SPECS, LossSpec, default_reducer, prepare
+from .reducers import Reducer
+
+__all__ = ["value_and_grad"]
+
+_WRT = ("embeddings", "ref_emb")
+_INPUTS = ("distance", "reducer", "ref_emb", "ref_labels", "indices_tuple", "mat")
+
+
+def _spec_of(loss_fn: Callable) -> tuple[LossSpec, Callable, dict[str, Any]]:
+    bound: dict[str, Any] = {}
+    fn = loss_fn
+    while isinstance(fn, functools.partial):
+        if fn.args:
+            raise ValueError("value_and_grad takes functools.partial with keyword arguments only")
+        bound = {**fn.keywords, **bound}
+        fn = fn.func
+    spec = SPECS.get(fn)
+    if spec is None:
+        name = getattr(fn, "__name__", repr(fn))
+        raise ValueError(
+            f"{name} does not decompose over anchors, so it cannot be chunked: "
+            "value_and_grad supports contrastive, triplet_margin, ntxent, supcon and "
+            "multi_similarity (proxy and classifier losses are per-sample: use torch.func directly)"
+        )
+    return spec, fn, bound
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Tensor],
+    chunk_size: int,
+    *,
+    wrt: str | Sequence[str] = "embeddings",
+) -> Callable[..., tuple[Tensor, Any]]:
+    r"""Loss and gradient of an anchor-decomposable loss, computed ``chunk_size`` anchors at a time.
+
+    With ``L = Σ_a ℓ_a / N`` (``N`` the reducer's normaliser over the whole batch), each chunk
+    ``C`` contributes ``Σ_{a∈C} ℓ_a / N`` and its gradient; only a ``chunk × M`` block of the
+    distance matrix and its autograd graph is alive at a time.
+
+    Args:
+        loss_fn: a chunkable loss (``pf.losses.ntxent``, ...), or a ``functools.partial`` of one
+            with keyword arguments.
+        chunk_size: anchors per chunk (a positive int; need not divide the batch).
+        wrt: ``"embeddings"``, ``"ref_emb"`` or both (a sequence): what to differentiate.
+
+    Returns:
+        A function with the loss's signature returning ``(loss, grad)``; ``grad`` is a tensor for
+        one ``wrt`` name, a tuple in ``wrt`` order for several.
+
+    Example:
+        >>> vg = value_and_grad(pf.losses.ntxent, chunk_size=256)
+        >>> loss, g = vg(emb, labels, temperature=0.07)  # == ntxent(emb, labels) and its gradient
+        >>> emb_with_grad.backward(g)  # into the encoder (GradCache)
+
+    References: Gao et al., "Scaling Deep Contrastive Learning Batch Size under Memory Limited
+    Setup" (GradCache), RepL4NLP 2021; Cheng et al., "Breaking the Memory Barrier: Near Infinite
+    Batch Size Scaling for Contrastive Loss" (Inf-CL), 2024.
+    """
+    spec, fn, bound = _spec_of(loss_fn)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    names = (wrt,) if isinstance(wrt, str) else tuple(wrt)
+    if not names or any(n not in _WRT for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"wrt must name one or both of {_WRT} (no repeats), got {wrt!r}")
+    signature = inspect.signature(fn)
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        call = signature.bind(*args, **{**bound, **kwargs})
+        call.apply_defaults()
+        given = dict(call.arguments)
+        embeddings, labels = given.pop("embeddings"), given.pop("labels")
+        inputs = {k: given.pop(k) for k in _INPUTS}
+        hyper = given
+        if inputs["mat"] is not None:
+            raise ValueError("mat cannot be chunked: each chunk computes its own rows of the matrix")
+        ref_emb = inputs["ref_emb"]
+        if "ref_emb" in names and ref_emb is None:
+            raise ValueError("wrt includes 'ref_emb' but no ref_emb was given")
+        reason = spec.unchunkable(**hyper)
+        if reason is not None:
+            raise ValueError(f"{spec.name} cannot be chunked with these settings: {reason}")
+        reducer: Reducer = default_reducer(inputs["reducer"], spec.default_reducer)
+        if not isinstance(reducer, Reducer):
+            raise TypeError(f"reducer must be a pmlfunc reducer, got {type(reducer).__name__}")
+        if not reducer.chunkable:
+            raise ValueError(
+                f"reducer {type(reducer).__name__.strip('_')} does not split over anchors "
+                "(none() returns the terms, divisor() divides by a loss-specific global count)"
+            )
+        _checks.embeddings(embeddings)
+        batch_size = embeddings.shape[0]
+        chunks = [(r, min(r + chunk_size, batch_size)) for r in range(0, batch_size, chunk_size)]
+
+        def terms_of(emb: Tensor, ref: Tensor | None, rows: tuple[int, int]):
+            batch = prepare(
+                emb,
+                labels,
+                ref,
+                inputs["ref_labels"],
+                inputs["indices_tuple"],
+                None,
+                inputs["distance"],
+                spec.default_distance,
+                rows=rows,
+            )
+            return batch, spec.terms(batch, **hyper)
+
+        # Pass 1: the normalisers of every sub-loss, summed over the chunks (no graph).
+        norms: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for rows in chunks:
+                batch, terms = terms_of(embeddings, ref_emb, rows)
+                for name, t in terms.items():
+                    n = reducer.normalizer(t, batch.labels)
+                    norms[name] = n if name not in norms else norms[name] + n
+
+        # Pass 2: each chunk's share of the value and its gradient.
+        def chunk_value(emb: Tensor, ref: Tensor | None, rows: tuple[int, int]) -> Tensor:
+            batch, terms = terms_of(emb, ref, rows)
+            parts = [reducer.partial(t, batch.labels, norms[name]) for name, t in terms.items()]
+            return torch.stack(parts).sum()
+
+        argnums = tuple(_WRT.index(n) for n in names)
+        grad_and_value = torch.func.grad_and_value(chunk_value, argnums=argnums)
+        total, grads = None, None
+        for rows in chunks:
+            g, v = grad_and_value(embeddings, ref_emb, rows)
+            total = v if total is None else total + v
+            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g, strict=True))
+        out = total.to(embeddings.dtype)
+        grads = tuple(gr.to(x.dtype) for gr, x in zip(grads, (embeddings, ref_emb), strict=False))
+        return out, (grads[0] if len(names) == 1 else grads)
+
+    run.__doc__ = f"Chunked value and gradient of {spec.name} (chunk_size={chunk_size}, wrt={names})."
+    return run

@@ -1,0 +1,210 @@
+"""pf.chunked.value_and_grad: equal to the full batch, bounded memory, clear errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pmlfunc as pf
+
+F64 = torch.float64
+LABELS = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4, 5, 5]  # uneven classes and a singleton
+REF_LABELS = [0, 1, 2, 5, 6, 0, 3, 3, 9]
+LOSSES = {
+    "contrastive": pf.losses.contrastive,
+    "triplet_margin": pf.losses.triplet_margin,
+    "ntxent": pf.losses.ntxent,
+    "supcon": pf.losses.supcon,
+    "multi_similarity": pf.losses.multi_similarity,
+}
+
+
+def _data(seed=0, dtype=F64, with_ref=False):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(len(LABELS), 6, generator=g, dtype=dtype)
+    kw = {}
+    if with_ref:
+        kw = {
+            "ref_emb": torch.randn(len(REF_LABELS), 6, generator=g, dtype=dtype),
+            "ref_labels": torch.tensor(REF_LABELS),
+        }
+    return emb, torch.tensor(LABELS), kw
+
+
+def _full(fn, emb, labels, wrt=("embeddings",), **kw):
+    leaves = {"embeddings": emb.clone().requires_grad_()}
+    if "ref_emb" in kw:
+        kw = {**kw, "ref_emb": kw["ref_emb"].clone().requires_grad_()}
+        leaves["ref_emb"] = kw["ref_emb"]
+    loss = fn(leaves["embeddings"], labels, **kw)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in wrt])
+    return loss, grads
+
+
+def _assert_equal(chunked, full):
+    (lc, gc), (lf, gf) = chunked, full
+    gc = gc if isinstance(gc, tuple) else (gc,)
+    torch.testing.assert_close(lc, lf, rtol=1e-9, atol=1e-12)
+    for a, b in zip(gc, gf, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 13, 20])
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_equals_full_batch(name, with_ref, chunk_size):
+    emb, labels, kw = _data(with_ref=with_ref)
+    fn = LOSSES[name]
+    wrt = ("embeddings", "ref_emb") if with_ref else ("embeddings",)
+    got = pf.chunked.value_and_grad(fn, chunk_size, wrt=wrt)(emb, labels, **kw)
+    _assert_equal(got, _full(fn, emb, labels, wrt, **kw))
+    assert got[0] != 0
+
+
+REDUCERS = {
+    "mean": pf.reducers.mean(),
+    "avg_nonzero": pf.reducers.avg_nonzero(),
+    "sum": pf.reducers.sum(),
+    "threshold": pf.reducers.threshold(0.05, 2.0),
+    "per_anchor": pf.reducers.per_anchor(pf.reducers.avg_nonzero()),
+    "class_weighted": pf.reducers.class_weighted(torch.arange(1.0, 11.0, dtype=F64)),
+}
+
+
+@pytest.mark.parametrize("reducer", REDUCERS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_chunkable_reducer(name, reducer):
+    emb, labels, _ = _data(seed=1)
+    fn = functools.partial(LOSSES[name], reducer=REDUCERS[reducer])
+    got = pf.chunked.value_and_grad(fn, 5)(emb, labels)
+    _assert_equal(got, _full(fn, emb, labels))
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("triplet_margin", {"smooth_loss": True}),
+        ("triplet_margin", {"distance": pf.distances.cosine(), "margin": 0.1}),
+        ("contrastive", {"distance": pf.distances.snr()}),
+        ("contrastive", {"distance": pf.distances.lp(power=2)}),
+        ("multi_similarity", {"distance": pf.distances.lp()}),
+        ("ntxent", {"distance": pf.distances.dot(), "temperature": 0.5}),
+        ("supcon", {"temperature": 0.3}),
+    ],
+)
+def test_distances_and_hyper_parameters(name, kw):
+    emb, labels, _ = _data(seed=2)
+    got = pf.chunked.value_and_grad(LOSSES[name], 3)(emb, labels, **kw)
+    _assert_equal(got, _full(LOSSES[name], emb, labels, **kw))
+
+
+def _tuples():
+    pairs = (
+        torch.tensor([0, 1, 3, 3, 12]),
+        torch.tensor([1, 2, 4, 4, 11]),
+        torch.tensor([0, 5, 12, 5]),
+        torch.tensor([3, 5, 2, 0]),
+    )
+    triplets = (
+        torch.tensor([0, 1, 3, 5, 12, 0]),
+        torch.tensor([1, 2, 4, 0, 11, 1]),
+        torch.tensor([3, 5, 0, 7, 2, 3]),
+    )
+    return {"pairs": pairs, "triplets": triplets}
+
+
+@pytest.mark.parametrize("kind", ["pairs", "triplets"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_indices_tuples_with_repeats(name, kind):
+    emb, labels, _ = _data(seed=3)
+    it = _tuples()[kind]
+    got = pf.chunked.value_and_grad(LOSSES[name], 4)(emb, labels, indices_tuple=it)
+    _assert_equal(got, _full(LOSSES[name], emb, labels, indices_tuple=it))
+
+
+def test_tensor_temperature_and_no_positive_batches():
+    emb, _, _ = _data(seed=4)
+    labels = torch.arange(len(LABELS))  # no positives at all
+    for name in ("ntxent", "supcon", "contrastive"):
+        got = pf.chunked.value_and_grad(LOSSES[name], 4)(emb, labels)
+        _assert_equal(got, _full(LOSSES[name], emb, labels))
+    t = torch.tensor(0.2, dtype=F64)
+    got = pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, torch.tensor(LABELS), temperature=t)
+    _assert_equal(got, _full(pf.losses.ntxent, emb, torch.tensor(LABELS), temperature=t))
+
+
+def test_low_precision_returns_input_dtype():
+    emb, labels, _ = _data(seed=5, dtype=torch.bfloat16)
+    loss, g = pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels)
+    assert loss.dtype == g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()
+    full, (gf,) = _full(pf.losses.ntxent, emb, labels)
+    torch.testing.assert_close(loss.float(), full.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(g.float(), gf.float(), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+    emb, labels, _ = _data(seed=6, dtype=torch.float32)
+    vg = pf.chunked.value_and_grad(pf.losses.contrastive, 7)
+    lc, gc = torch.compile(vg, fullgraph=True)(emb, labels)
+    le, ge = vg(emb, labels)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_no_tensor_larger_than_a_chunk_block(name):
+    b, d, chunk = 192, 4, 16
+    g = torch.Generator().manual_seed(7)
+    emb = torch.randn(b, d, generator=g)
+    labels = torch.arange(b) // 4
+    with _LargestTensor() as full:
+        _full(LOSSES[name], emb, labels)
+    with _LargestTensor() as chunked:
+        pf.chunked.value_and_grad(LOSSES[name], chunk)(emb, labels)
+    assert full.largest >= b * b
+    assert chunked.largest <= max(chunk * b, 8 * chunk * d, b * d)
+
+
+def test_errors():
+    emb, labels, kw = _data(with_ref=True)
+    with pytest.raises(ValueError, match="does not decompose over anchors"):
+        pf.chunked.value_and_grad(pf.losses.proxy_anchor, 4)
+    with pytest.raises(ValueError, match="does not decompose over anchors"):
+        pf.chunked.value_and_grad(lambda e, y: e.sum(), 4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            pf.chunked.value_and_grad(pf.losses.ntxent, bad)
+    with pytest.raises(ValueError, match="wrt must name"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="labels")
+    with pytest.raises(ValueError, match="swap=True"):
+        pf.chunked.value_and_grad(pf.losses.triplet_margin, 4)(emb, labels, swap=True)
+    with pytest.raises(ValueError, match="does not split over anchors"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, reducer=pf.reducers.none())
+    with pytest.raises(ValueError, match="mat cannot be chunked"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, mat=pf.distances.cosine()(emb))
+    with pytest.raises(ValueError, match="no ref_emb was given"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="ref_emb")(emb, labels)
+    with pytest.raises(TypeError):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, temprature=0.1)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="ref_emb was given without ref_labels"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, ref_emb=kw["ref_emb"])
