@@ -104,8 +104,14 @@ def value_and_grad(
         embeddings, labels = given.pop("embeddings"), given.pop("labels")
         inputs = {k: given.pop(k) for k in _INPUTS}
         hyper = given
+        if hyper.pop("chunk_size", None) is not None:
+            raise ValueError(
+                "chunk_size was also given to the loss: value_and_grad does the chunking itself"
+            )
         if inputs["mat"] is not None:
-            raise ValueError("mat cannot be chunked: each chunk computes its own rows of the matrix")
+            raise ValueError(
+                "mat cannot be chunked: each chunk computes its own rows of the matrix"
+            )
         ref_emb = inputs["ref_emb"]
         if "ref_emb" in names and ref_emb is None:
             raise ValueError("wrt includes 'ref_emb' but no ref_emb was given")
@@ -164,5 +170,7 @@ def value_and_grad(
         grads = tuple(gr.to(x.dtype) for gr, x in zip(grads, (embeddings, ref_emb), strict=False))
         return out, (grads[0] if len(names) == 1 else grads)
 
-    run.__doc__ = f"Chunked value and gradient of {spec.name} (chunk_size={chunk_size}, wrt={names})."
+    run.__doc__ = (
+        f"Chunked value and gradient of {spec.name} (chunk_size={chunk_size}, wrt={names})."
+    )
     return run

@@ -202,6 +202,8 @@ def test_errors():
         pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, mat=pf.distances.cosine()(emb))
     with pytest.raises(ValueError, match="no ref_emb was given"):
         pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="ref_emb")(emb, labels)
+    with pytest.raises(ValueError, match="chunking itself"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, chunk_size=2)
     with pytest.raises(TypeError):
         pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, temprature=0.1)
     with pytest.raises(ValueError, match="temperature must be > 0"):

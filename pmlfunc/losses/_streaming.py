@@ -19,8 +19,9 @@ tile, so each row's log-sum-exp is computed exactly as the dense loss computes i
 rescaling). Peak memory: a few ``chunk × M`` tiles plus the ``(B, D)`` / ``(M, D)`` inputs and
 their gradients. Shapes are static and every global count is a tensor (no host sync), so the
 functions run under ``torch.compile(fullgraph=True)``, ``torch.func`` transforms (the Functions
-have ``generate_vmap_rule = True``) and on the meta device. Double backward (``create_graph=True``)
-is not supported: the backward raises.
+have ``generate_vmap_rule = True``) and on the meta device. The backward is itself a Function
+(:class:`_TileGrads`): ``create_graph=True`` and ``torch.func.grad`` record no graph of the tiles,
+and differentiating the gradient again (double backward, ``torch.func.hessian``) raises.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from .. import _checks
 from ..distances import Distance, cosine
 from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
 from ._common import Batch, LossSpec, masked_logsumexp, register, run, scalar_like
+from ._streaming import ntxent_streaming, supcon_streaming
 
 __all__ = ["ntxent", "supcon"]
 
@@ -27,6 +28,7 @@ def ntxent(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     r"""NT-Xent (normalised temperature-scaled cross entropy, InfoNCE) loss.
 
@@ -46,6 +48,9 @@ def ntxent(
         temperature: ``τ > 0`` (default ``0.07``); a 0-d tensor may be learnable.
         distance: default ``cosine()``.
         reducer: default ``mean()`` over positive pairs.
+        chunk_size: if given, the bounded-memory path: rows in chunks, keeping per-row
+            log-sum-exps, backward recomputing each ``chunk_size × M`` tile (a plain
+            ``loss.backward()`` works). Needs labels, ``cosine()``/``dot()``, ``mean()``/``sum()``.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -59,6 +64,19 @@ def ntxent(
     Loss Objective", NeurIPS 2016; van den Oord et al., "Representation Learning with Contrastive
     Predictive Coding", 2018.
     """
+    if chunk_size is not None:
+        return ntxent_streaming(
+            embeddings,
+            labels,
+            temperature=temperature,
+            distance=distance,
+            reducer=reducer,
+            ref_emb=ref_emb,
+            ref_labels=ref_labels,
+            indices_tuple=indices_tuple,
+            mat=mat,
+            chunk_size=chunk_size,
+        )
     return run(
         NTXENT,
         embeddings,
@@ -99,6 +117,7 @@ def supcon(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     r"""Supervised contrastive loss.
 
@@ -118,6 +137,8 @@ def supcon(
         temperature: ``τ > 0`` (default ``0.1``).
         distance: default ``cosine()``.
         reducer: default ``avg_nonzero()`` over anchors.
+        chunk_size: if given, the bounded-memory path (as in :func:`ntxent`); reducers
+            ``avg_nonzero()``, ``mean()``, ``sum()``.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -128,6 +149,19 @@ def supcon(
 
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
+    if chunk_size is not None:
+        return supcon_streaming(
+            embeddings,
+            labels,
+            temperature=temperature,
+            distance=distance,
+            reducer=reducer,
+            ref_emb=ref_emb,
+            ref_labels=ref_labels,
+            indices_tuple=indices_tuple,
+            mat=mat,
+            chunk_size=chunk_size,
+        )
     return run(
         SUPCON,
         embeddings,
