@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from .distances import Distance
 from .losses._common import SPECS, LossSpec, default_reducer, prepare
 from .reducers import Reducer
 
@@ -129,46 +130,75 @@ def value_and_grad(
         _checks.embeddings(embeddings)
         batch_size = embeddings.shape[0]
         chunks = [(r, min(r + chunk_size, batch_size)) for r in range(0, batch_size, chunk_size)]
+        distance = inputs["distance"]
+        distance = spec.default_distance if distance is None else distance
+        if not isinstance(distance, Distance):
+            raise TypeError(f"distance must be a pmlfunc distance, got {type(distance).__name__}")
+        # Normalise once, outside the chunks; its backward runs once at the end.
+        normalize, rest = distance.split_normalization()
+        cd = _checks.compute_dtype(embeddings.dtype)
 
-        def terms_of(emb: Tensor, ref: Tensor | None, rows: tuple[int, int]):
+        def prep(x: Tensor) -> Tensor:
+            return normalize(x.to(cd))
+
+        x_hat, x_vjp = torch.func.vjp(prep, embeddings)
+        ref_hat, ref_vjp = (None, None) if ref_emb is None else torch.func.vjp(prep, ref_emb)
+        self_mode = ref_emb is None
+
+        def terms_of(anchors: Tensor, x: Tensor, ref: Tensor | None, rows: tuple[int, int]):
             batch = prepare(
-                emb,
+                x,
                 labels,
                 ref,
                 inputs["ref_labels"],
                 inputs["indices_tuple"],
                 None,
-                inputs["distance"],
+                rest,
                 spec.default_distance,
                 rows=rows,
+                anchors=anchors,
             )
             return batch, spec.terms(batch, **hyper)
 
         # Pass 1: the normalisers of every sub-loss, summed over the chunks (no graph).
         norms: dict[str, Tensor] = {}
         with torch.no_grad():
-            for rows in chunks:
-                batch, terms = terms_of(embeddings, ref_emb, rows)
+            for r0, r1 in chunks:
+                batch, terms = terms_of(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
                 for name, t in terms.items():
                     n = reducer.normalizer(t, batch.labels)
                     norms[name] = n if name not in norms else norms[name] + n
 
-        # Pass 2: each chunk's share of the value and its gradient.
-        def chunk_value(emb: Tensor, ref: Tensor | None, rows: tuple[int, int]) -> Tensor:
-            batch, terms = terms_of(emb, ref, rows)
+        # Pass 2: each chunk's share of the value and its gradient, with respect to its own
+        # anchor rows, the whole batch (as references, in self mode) and the reference set.
+        def chunk_value(anchors, x, ref, rows):
+            batch, terms = terms_of(anchors, x, ref, rows)
             parts = [reducer.partial(t, batch.labels, norms[name]) for name, t in terms.items()]
             return torch.stack(parts).sum()
 
-        argnums = tuple(_WRT.index(n) for n in names)
+        want_x, want_ref = "embeddings" in names, "ref_emb" in names
+        argnums = (0, 1) if self_mode else ((0, 2) if want_ref else (0,))
         grad_and_value = torch.func.grad_and_value(chunk_value, argnums=argnums)
-        total, grads = None, None
-        for rows in chunks:
-            g, v = grad_and_value(embeddings, ref_emb, rows)
+        g_x = torch.zeros_like(x_hat) if want_x else None
+        g_ref = torch.zeros_like(ref_hat) if want_ref else None
+        total = None
+        for r0, r1 in chunks:
+            grads, v = grad_and_value(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
             total = v if total is None else total + v
-            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g, strict=True))
+            if want_x:
+                g_x[r0:r1] += grads[0]
+                if self_mode:
+                    g_x += grads[1]
+            if want_ref:
+                g_ref += grads[1]
+        results = []
+        if want_x:
+            results.append(x_vjp(g_x)[0])
+        if want_ref:
+            results.append(ref_vjp(g_ref)[0])
+        results = [results[0 if n == "embeddings" or not want_x else 1] for n in names]
         out = total.to(embeddings.dtype)
-        grads = tuple(gr.to(x.dtype) for gr, x in zip(grads, (embeddings, ref_emb), strict=False))
-        return out, (grads[0] if len(names) == 1 else grads)
+        return out, (results[0] if len(names) == 1 else tuple(results))
 
     run.__doc__ = (
         f"Chunked value and gradient of {spec.name} (chunk_size={chunk_size}, wrt={names})."

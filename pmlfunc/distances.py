@@ -27,6 +27,7 @@ relative).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -182,17 +183,25 @@ class Distance:
         cd = _checks.compute_dtype(x.dtype)
         return self._compute(x.to(cd), None if y is None else y.to(cd))
 
-    def rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of the self-distance matrix ``self.matrix(x)``: a chunk of anchors
-        against the whole batch (:mod:`pmlfunc.chunked`), in the compute dtype."""
+    def rows(self, anchors: Tensor, x: Tensor) -> Tensor:
+        """Rows of the self-distance matrix ``self.matrix(x)`` for ``anchors``, a block of ``x``'s
+        own rows (:mod:`pmlfunc.chunked`): each anchor's own entry is treated as on the diagonal
+        (exactly zero for Euclidean distances). In the compute dtype."""
+        _checks.embeddings(anchors, "anchors")
         _checks.embeddings(x, "x")
-        return self._compute_rows(x.to(_checks.compute_dtype(x.dtype)), start, stop)
+        cd = _checks.compute_dtype(x.dtype)
+        return self._compute_rows(anchors.to(cd), x.to(cd))
+
+    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
+        """``(normalize, rest)`` with ``self(x, y) == rest(normalize(x), normalize(y))``: lets a
+        caller normalise a batch once and reuse it (:mod:`pmlfunc.chunked`)."""
+        return (lambda x: x), self
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         raise NotImplementedError
 
-    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        return self._compute(x[start:stop], x)
+    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
+        return self._compute(anchors, x)
 
     def sign(self) -> float:
         """``+1`` for distances, ``-1`` for similarities: ``sign * (a - b)`` is PML's ``margin(a, b)``."""
@@ -206,10 +215,16 @@ class _Lp(Distance):
     normalize: bool = True
     exact_budget: int = 8
 
-    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
         # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
         # keeps the other entries' treatment identical to the self path.
-        return replace(self, exact_budget=self.exact_budget + 1)._compute(x[start:stop], x)
+        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x)
+
+    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
+        if not self.normalize:
+            return (lambda x: x), self
+        p = getattr(self, "p", 2.0)
+        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if self.normalize:
@@ -271,6 +286,11 @@ class _Dot(Distance):
             y = None if y is None else F.normalize(y, p=2, dim=-1)
         return x @ (x if y is None else y).transpose(-1, -2)
 
+    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
+        if not self.normalize:
+            return (lambda x: x), self
+        return (lambda x: F.normalize(x, p=2, dim=-1)), replace(self, normalize=False)
+
 
 def dot(normalize: bool = False) -> Distance:
     """Dot-product similarity ``x_i · y_j`` (PML ``DotProductSimilarity``).
@@ -299,10 +319,16 @@ class _SNR(Distance):
     normalize: bool = True
     exact_budget: int = 8
 
-    def _compute_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
         # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
         # keeps the other entries' treatment identical to the self path.
-        return replace(self, exact_budget=self.exact_budget + 1)._compute(x[start:stop], x)
+        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x)
+
+    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
+        if not self.normalize:
+            return (lambda x: x), self
+        p = getattr(self, "p", 2.0)
+        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if x.shape[-1] < 2:

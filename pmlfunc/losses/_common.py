@@ -168,9 +168,11 @@ def prepare(
     distance: Distance | None,
     default_distance: Distance,
     rows: tuple[int, int] | None = None,
+    anchors: Tensor | None = None,
 ) -> Batch:
     """Validate a loss's inputs and build its matrix and masks (for anchor ``rows`` only, when
-    given: the chunk's rows against the whole reference set)."""
+    given: the chunk's rows against the whole reference set; ``anchors`` may carry those rows
+    as a tensor of their own, so that their gradient is taken separately)."""
     distance = validate(
         embeddings, labels, ref_emb, ref_labels, indices_tuple, distance, default_distance
     )
@@ -196,10 +198,17 @@ def prepare(
         mat = mat.to(cd)
     elif rows is None:
         mat = distance.matrix(embeddings, ref_emb)
-    elif ref_emb is None:
-        mat = distance.rows(embeddings, r0, r1)
     else:
-        mat = distance.matrix(embeddings[r0:r1], ref_emb)
+        if anchors is None:
+            anchors = embeddings[r0:r1]
+        elif tuple(anchors.shape) != (r1 - r0, embeddings.shape[1]):
+            raise ValueError(
+                f"anchors must be the rows {rows} of embeddings, got {tuple(anchors.shape)}"
+            )
+        if ref_emb is None:
+            mat = distance.rows(anchors, embeddings)
+        else:
+            mat = distance.matrix(anchors, ref_emb)
     masks = pair_masks(
         labels,
         None if ref_emb is None else ref_labels,
