@@ -26,8 +26,8 @@ relative).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch

@@ -1,0 +1,159 @@
+"""Anchor-chunked NT-Xent (``pf.chunked.value_and_grad``) beside the full batch: time and memory.
+
+One pytest-benchmark group per batch, ``chunked-ntxent-b{B}``, with up to two members:
+
+- ``chunked``: ``pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=256)(emb, labels,
+  temperature=0.07)``, the loss and its gradient with respect to the embeddings;
+- ``full``: ``pf.losses.ntxent`` + ``torch.autograd.grad`` on the whole batch, only where it fits
+  (batch <= ``PMLFUNC_BENCH_CHUNKED_FULL_MAX``, 8192: at 16,384 its B x B matrices need several
+  GiB).
+
+Inputs as in ``bench_core`` (``benchmarks.common``): seeded standard-normal embeddings, four
+samples per class, 128 dimensions, float32, one thread. ``extra_info`` records, besides the usual
+configuration, the peak memory one step adds, measured twice (``pmlfunc.memory``):
+``peak_rss_added_mib`` in a fresh subprocess (resident-set high-water mark, with allocator
+overhead; not distorted by this process's heap) and ``peak_tensor_mib`` in this process (live
+tensor storage, exact).
+
+The untimed run (``--benchmark-disable``, the normal ``pytest``) runs each body once at batch
+``PMLFUNC_BENCH_SMOKE_CHUNKED_BATCH`` (512) instead, checks that the chunked loss and gradient
+equal the full batch's, and still fills ``extra_info`` (a few seconds in all).
+
+Configuration (environment variables): ``PMLFUNC_BENCH_CHUNKED_BATCHES`` ("8192,16384"),
+``PMLFUNC_BENCH_CHUNKED_CHUNK`` (256), ``PMLFUNC_BENCH_CHUNKED_FULL_MAX`` (8192),
+``PMLFUNC_BENCH_SMOKE_CHUNKED_BATCH`` (512), ``PMLFUNC_BENCH_DIM`` (128),
+``PMLFUNC_BENCH_THREADS`` (1).
+
+Timed run::
+
+    pytest benchmarks/bench_chunked.py --benchmark-enable --benchmark-only \
+        --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import pmlfunc as pf
+import pmlfunc.chunked  # pf.chunked, whether or not pmlfunc imports it
+
+from . import common as C
+from .bench_core import plan_rounds
+from .memory_report import rss_added_bytes, tensor_peak
+
+CASE = "chunked-ntxent"
+DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)
+THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+CHUNK = C.env_int("PMLFUNC_BENCH_CHUNKED_CHUNK", 256)
+FULL_MAX = C.env_int("PMLFUNC_BENCH_CHUNKED_FULL_MAX", 8192)
+SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_CHUNKED_BATCH", 512)
+DTYPE = torch.float32
+MIB = 2**20
+
+
+def _batches() -> list[int]:
+    raw = os.environ.get("PMLFUNC_BENCH_CHUNKED_BATCHES", "").strip() or "8192,16384"
+    batches = [int(b) for b in raw.split(",") if b.strip()]
+    if not batches or min(batches) <= 0:
+        raise ValueError(f"PMLFUNC_BENCH_CHUNKED_BATCHES must list positive ints, got {raw!r}")
+    return batches
+
+
+def _disabled(config) -> bool:
+    # pytest-benchmark's own rule (BenchmarkSession.disabled), known at collection time.
+    return bool(config.getoption("benchmark_disable")) and not config.getoption("benchmark_enable")
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """Timed: every configured batch; untimed: the smoke batch only (no duplicate cases)."""
+    if "batch" not in metafunc.fixturenames:
+        return
+    batches = [SMOKE_BATCH] if _disabled(metafunc.config) else _batches()
+    params = [
+        pytest.param(
+            batch,
+            impl,
+            id=f"b{batch}-{impl}",
+            marks=[pytest.mark.benchmark(group=f"{CASE}-b{batch}")]
+            + (
+                [pytest.mark.skip(reason=f"full batch above {FULL_MAX}: B x B matrices need GiBs")]
+                if impl == "full" and batch > FULL_MAX
+                else []
+            ),
+        )
+        for batch in batches
+        for impl in ("chunked", "full")
+    ]
+    metafunc.parametrize(("batch", "impl"), params)
+
+
+def make_step(impl: str, emb: torch.Tensor, labels: torch.Tensor):
+    """A step returning the detached loss; the gradient is left in ``step.last_grad``."""
+    if impl == "chunked":
+        value_and_grad = pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=CHUNK)
+        detached = emb.detach()
+
+        def step() -> torch.Tensor:
+            loss, grad = value_and_grad(detached, labels, temperature=C.NTXENT_TEMPERATURE)
+            step.last_grad = grad  # type: ignore[attr-defined]
+            return loss.detach()
+
+        return step
+    return C.make_step(
+        lambda e, y: pf.losses.ntxent(e, y, temperature=C.NTXENT_TEMPERATURE), emb, labels
+    )
+
+
+def bench_chunked_ntxent(benchmark, request, batch: int, impl: str) -> None:
+    if benchmark.disabled:
+        batch = min(batch, SMOKE_BATCH)
+    emb, labels = C.make_inputs(batch, DIM, dtype=DTYPE, seed=C.SEED)
+    step = make_step(impl, emb, labels)
+    with C.set_threads(THREADS):
+        if benchmark.disabled:
+            loss = benchmark(step)
+        else:
+            start = time.perf_counter()
+            step()
+            step_s = time.perf_counter() - start
+            rounds, warmup = plan_rounds(
+                step_s,
+                float(request.config.getoption("benchmark_max_time")),
+                int(request.config.getoption("benchmark_min_rounds")),
+            )
+            loss = benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    grad = step.last_grad  # type: ignore[attr-defined]
+
+    C.fill_extra_info(
+        benchmark.extra_info,
+        emb,
+        threads=THREADS,
+        samples_per_class=C.DEFAULT_SAMPLES_PER_CLASS,
+        impl=impl,
+        case=CASE,
+        loss_value=loss,
+    )
+    benchmark.extra_info["chunk_size"] = CHUNK if impl == "chunked" else None
+    # Memory, after timing (neither measurement runs inside a timed round): a fresh process for
+    # the RSS high-water mark, this process for live tensor bytes.
+    opts = dict(dim=DIM, chunk_size=CHUNK, threads=THREADS, dtype=DTYPE)
+    rss = rss_added_bytes(impl, batch, **opts)
+    tensors = tensor_peak(impl, batch, **opts).peak
+    benchmark.extra_info["peak_rss_added_mib"] = round(rss / MIB, 1)
+    benchmark.extra_info["peak_tensor_mib"] = round(tensors / MIB, 1)
+
+    assert loss.ndim == 0 and torch.isfinite(loss), f"{impl}: bad loss {loss}"
+    assert grad.shape == emb.shape and torch.isfinite(grad).all(), f"{impl}: bad gradient"
+    assert tensors > 0 and rss >= 0
+    if benchmark.disabled and impl == "chunked":
+        # The smoke run doubles as a regression check: chunked equals the full batch.
+        full = C.make_step(
+            lambda e, y: pf.losses.ntxent(e, y, temperature=C.NTXENT_TEMPERATURE), emb, labels
+        )
+        ref_loss = full()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, full.last_grad, rtol=1e-4, atol=1e-7)
