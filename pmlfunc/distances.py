@@ -209,10 +209,32 @@ class Distance:
 
 
 @dataclass(frozen=True)
-class _Lp(Distance):
-    p: float = 2.0
-    power: float = 1.0
+class _Normalizing(Distance):
+    """A distance whose rows are L_p-normalised first when ``normalize``."""
+
     normalize: bool = True
+
+    @property
+    def norm_p(self) -> float:
+        return 2.0
+
+    def _normalized(self, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if not self.normalize:
+            return x, y
+        x = F.normalize(x, p=self.norm_p, dim=-1)
+        return x, None if y is None else F.normalize(y, p=self.norm_p, dim=-1)
+
+    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
+        if not self.normalize:
+            return (lambda x: x), self
+        p = self.norm_p
+        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
+
+
+@dataclass(frozen=True)
+class _Budgeted(_Normalizing):
+    """A distance built on the safe Euclidean kernel, with its per-row exact budget."""
+
     exact_budget: int = 8
 
     def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
@@ -220,16 +242,18 @@ class _Lp(Distance):
         # keeps the other entries' treatment identical to the self path.
         return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x)
 
-    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
-        if not self.normalize:
-            return (lambda x: x), self
-        p = getattr(self, "p", 2.0)
-        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
+
+@dataclass(frozen=True)
+class _Lp(_Budgeted):
+    p: float = 2.0
+    power: float = 1.0
+
+    @property
+    def norm_p(self) -> float:
+        return self.p
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
-        if self.normalize:
-            x = F.normalize(x, p=self.p, dim=-1)
-            y = None if y is None else F.normalize(y, p=self.p, dim=-1)
+        x, y = self._normalized(x, y)
         if self.p == 2:
             squared = self.power == 2
             if y is None:
@@ -276,20 +300,13 @@ def lp(
 
 
 @dataclass(frozen=True)
-class _Dot(Distance):
+class _Dot(_Normalizing):
     normalize: bool = False
     is_similarity: ClassVar[bool] = True
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
-        if self.normalize:
-            x = F.normalize(x, p=2, dim=-1)
-            y = None if y is None else F.normalize(y, p=2, dim=-1)
+        x, y = self._normalized(x, y)
         return x @ (x if y is None else y).transpose(-1, -2)
-
-    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
-        if not self.normalize:
-            return (lambda x: x), self
-        return (lambda x: F.normalize(x, p=2, dim=-1)), replace(self, normalize=False)
 
 
 def dot(normalize: bool = False) -> Distance:
@@ -315,27 +332,11 @@ def cosine() -> Distance:
 
 
 @dataclass(frozen=True)
-class _SNR(Distance):
-    normalize: bool = True
-    exact_budget: int = 8
-
-    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
-        # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
-        # keeps the other entries' treatment identical to the self path.
-        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x)
-
-    def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
-        if not self.normalize:
-            return (lambda x: x), self
-        p = getattr(self, "p", 2.0)
-        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
-
+class _SNR(_Budgeted):
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if x.shape[-1] < 2:
             raise ValueError("snr() needs embedding size >= 2 (an unbiased variance over features)")
-        if self.normalize:
-            x = F.normalize(x, p=2, dim=-1)
-            y = None if y is None else F.normalize(y, p=2, dim=-1)
+        x, y = self._normalized(x, y)
         # Var(x − y) = ‖(x − x̄) − (y − ȳ)‖² / (D − 1): a squared Euclidean distance of centred rows.
         xc = x - x.mean(-1, keepdim=True)
         if y is None:

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from tracking import LargestTensor
 
 import pmlfunc as pf
 
@@ -156,28 +156,15 @@ def test_compile_fullgraph_equals_eager():
     torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("name", LOSSES)
 def test_no_tensor_larger_than_a_chunk_block(name):
     b, d, chunk = 192, 4, 16
     g = torch.Generator().manual_seed(7)
     emb = torch.randn(b, d, generator=g)
     labels = torch.arange(b) // 4
-    with _LargestTensor() as full:
+    with LargestTensor() as full:
         _full(LOSSES[name], emb, labels)
-    with _LargestTensor() as chunked:
+    with LargestTensor() as chunked:
         pf.chunked.value_and_grad(LOSSES[name], chunk)(emb, labels)
     assert full.largest >= b * b
     assert chunked.largest <= max(chunk * b, 8 * chunk * d, b * d)

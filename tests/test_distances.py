@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import distances as pml_d
-from torch.utils._python_dispatch import TorchDispatchMode
+from tracking import LargestTensor
 
 import pmlfunc as pf
 from pmlfunc.distances import safe_euclidean
@@ -247,26 +247,13 @@ def test_meta_device(d):
     d(x).sum().backward()
 
 
-class _LargestAllocation(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_no_batch_by_batch_by_dim_buffer(dtype):
     n, m, dim = 96, 80, 64
     g = _gen(9)
     x = torch.randn(n, dim, generator=g).to(dtype).requires_grad_()
     y = torch.randn(m, dim, generator=g).to(dtype).requires_grad_()
-    with _LargestAllocation() as mode:
+    with LargestTensor() as mode:
         (safe_euclidean(x, y).float().sum() + safe_euclidean(x).float().sum()).backward()
     assert mode.largest <= max(n * m, n * 8 * dim)
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from tracking import LargestTensor
 
 import pmlfunc.distances as pfd
 import pmlfunc.losses as pfl
@@ -315,21 +314,6 @@ def test_meta_device(name, mode, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest numel of any tensor an aten op creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("mode", ["self", "ref"])
 @pytest.mark.parametrize("name", ["ntxent", "supcon"])
 def test_memory_bound(name, mode):
@@ -347,11 +331,11 @@ def test_memory_bound(name, mode):
         }
     t = torch.tensor(0.1, requires_grad=True)
     bound = max(chunk * m, b * d)
-    with _LargestTensor() as rec:
+    with LargestTensor() as rec:
         STREAMING[name](emb, labels, temperature=t, chunk_size=chunk, **kw).backward()
     assert rec.largest <= bound, (rec.largest, bound)
     assert emb.grad is not None and t.grad is not None
-    with _LargestTensor() as rec:  # the check has teeth: the dense loss exceeds the bound
+    with LargestTensor() as rec:  # the check has teeth: the dense loss exceeds the bound
         DENSE[name](emb, labels, temperature=t, **kw).backward()
     assert rec.largest >= b * m > bound
 
