@@ -33,7 +33,6 @@ Timed run::
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -42,7 +41,6 @@ import pmlfunc as pf
 import pmlfunc.chunked  # pf.chunked, whether or not pmlfunc imports it
 
 from . import common as C
-from .bench_core import plan_rounds
 from .memory_report import rss_added_bytes, tensor_peak
 
 CASE = "chunked-ntxent"
@@ -114,18 +112,7 @@ def bench_chunked_ntxent(benchmark, request, batch: int, impl: str) -> None:
     emb, labels = C.make_inputs(batch, DIM, dtype=DTYPE, seed=C.SEED)
     step = make_step(impl, emb, labels)
     with C.set_threads(THREADS):
-        if benchmark.disabled:
-            loss = benchmark(step)
-        else:
-            start = time.perf_counter()
-            step()
-            step_s = time.perf_counter() - start
-            rounds, warmup = plan_rounds(
-                step_s,
-                float(request.config.getoption("benchmark_max_time")),
-                int(request.config.getoption("benchmark_min_rounds")),
-            )
-            loss = benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+        loss = C.measure(benchmark, request, step)
     grad = step.last_grad  # type: ignore[attr-defined]
 
     C.fill_extra_info(

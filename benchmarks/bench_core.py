@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,13 +51,6 @@ DEVICE = torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "cpu") or "cpu")
 # implementations, so its parity check still compares like with like). Timed runs always
 # use PMLFUNC_BENCH_BATCH.
 SMOKE_NTXENT_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_NTXENT_BATCH", 128)
-
-# Timed runs: steps slower than SLOW_STEP_S (PML NT-Xent at 512) get SLOW_ROUNDS rounds
-# and no extra warmup (the calibration call is the warmup); faster ones get
-# ceil(--benchmark-max-time / step) rounds, at least --benchmark-min-rounds.
-SLOW_STEP_S = 1.0
-SLOW_ROUNDS = 3
-MAX_ROUNDS = 2000
 
 RTOL = 1e-3 if DTYPE in (torch.float32, torch.float64) else 2e-2
 ATOL = 1e-6
@@ -147,14 +139,6 @@ def loss_value(case: str, impl: str, batch: int) -> float:
     return _LOSS_CACHE[key]
 
 
-def plan_rounds(step_s: float, max_time: float, min_rounds: int) -> tuple[int, int]:
-    """(rounds, warmup_rounds) for a step that took ``step_s`` seconds once."""
-    if step_s >= SLOW_STEP_S:
-        return SLOW_ROUNDS, 0
-    rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(step_s, 1e-9))))
-    return rounds, min(10, max(1, rounds // 10))
-
-
 def _params() -> list:
     return [
         pytest.param(
@@ -185,24 +169,7 @@ def bench_loss(benchmark, request, case: str, impl: str) -> None:
 
     with C.set_threads(THREADS):
         C.reset_peak_memory(DEVICE)
-        if benchmark.disabled:
-            loss = benchmark(step)
-        else:
-            # Untimed calls to size the run (and warm up caches and the allocator): the
-            # first call is often slower, so a fast step is sized from a second call.
-            start = time.perf_counter()
-            step()
-            step_s = time.perf_counter() - start
-            if step_s < SLOW_STEP_S:
-                start = time.perf_counter()
-                step()
-                step_s = time.perf_counter() - start
-            rounds, warmup = plan_rounds(
-                step_s,
-                float(request.config.getoption("benchmark_max_time")),
-                int(request.config.getoption("benchmark_min_rounds")),
-            )
-            loss = benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+        loss = C.measure(benchmark, request, step)
         grad = base_step.last_grad  # type: ignore[attr-defined]
         C.fill_extra_info(
             benchmark.extra_info,

@@ -12,8 +12,10 @@ and returns fresh gradients (``torch.autograd.grad`` on a leaf tensor, so no
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -175,3 +177,43 @@ def fill_extra_info(
         extra_info["peak_memory_mib"] = round(peak / 2**20, 3)
     if loss_value is not None:
         extra_info["loss"] = float(loss_value)
+
+
+# Timed runs: steps slower than SLOW_STEP_S (PML NT-Xent at 512, chunked at 16,384) get
+# SLOW_ROUNDS rounds and no extra warmup (the sizing call is the warmup); faster ones get
+# ceil(--benchmark-max-time / step) rounds, at least --benchmark-min-rounds.
+SLOW_STEP_S = 1.0
+SLOW_ROUNDS = 3
+MAX_ROUNDS = 2000
+
+
+def plan_rounds(step_s: float, max_time: float, min_rounds: int) -> tuple[int, int]:
+    """(rounds, warmup_rounds) for a step that took ``step_s`` seconds once."""
+    if step_s >= SLOW_STEP_S:
+        return SLOW_ROUNDS, 0
+    rounds = min(MAX_ROUNDS, max(min_rounds, math.ceil(max_time / max(step_s, 1e-9))))
+    return rounds, min(10, max(1, rounds // 10))
+
+
+def measure(benchmark, request, step):
+    """Run ``step`` under pytest-benchmark and return its result.
+
+    Untimed (``--benchmark-disable``): one call. Timed: untimed calls size the run (and warm up
+    caches and the allocator; the first call is often slower, so a fast step is sized from a
+    second one), then ``benchmark.pedantic`` with one iteration per round.
+    """
+    if benchmark.disabled:
+        return benchmark(step)
+    start = time.perf_counter()
+    step()
+    step_s = time.perf_counter() - start
+    if step_s < SLOW_STEP_S:
+        start = time.perf_counter()
+        step()
+        step_s = time.perf_counter() - start
+    rounds, warmup = plan_rounds(
+        step_s,
+        float(request.config.getoption("benchmark_max_time")),
+        int(request.config.getoption("benchmark_min_rounds")),
+    )
+    return benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
