@@ -9,8 +9,18 @@ CUDA-graph capture, and they match pytorch-metric-learning 2.9.0's numbers.
     >>> loss = pf.losses.ntxent(emb, labels, temperature=0.07)
 """
 
-from . import chunked, distances, labels, losses, nn, params, reducers
+from . import chunked, distances, labels, losses, memory, nn, params, reducers
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "chunked", "distances", "labels", "losses", "nn", "params", "reducers"]
+__all__ = [
+    "__version__",
+    "chunked",
+    "distances",
+    "labels",
+    "losses",
+    "memory",
+    "nn",
+    "params",
+    "reducers",
+]
