@@ -9,7 +9,7 @@ CUDA-graph capture, and they match pytorch-metric-learning 2.9.0's numbers.
     >>> loss = pf.losses.ntxent(emb, labels, temperature=0.07)
 """
 
-from . import chunked, distances, labels, losses, memory, nn, params, reducers
+from . import chunked, distances, evaluation, labels, losses, memory, nn, params, reducers
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "__version__",
     "chunked",
     "distances",
+    "evaluation",
     "labels",
     "losses",
     "memory",
