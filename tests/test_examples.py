@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +53,19 @@ def test_training_example_improves_loss_and_retrieval():
     assert map_at_r[-1] > map_at_r[0] + 0.2, out
     assert r_prec[-1] > r_prec[0] + 0.15, out
     assert losses[-1] < losses[0], out
+
+
+@pytest.mark.compile
+def test_compiled_training_step_example():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "compiled_step.py"), "--steps", "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    assert "fullgraph=True" in out
+    worst = float(re.search(r"max parameter/velocity difference (\S+)", out).group(1))
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
+    assert worst < 1e-5, out
+    assert last < first, out
