@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .tuples import is_mined
+
 __all__ = [
     "PairMasks",
     "any_pairs",
@@ -151,6 +153,8 @@ def pair_masks(
 ) -> PairMasks:
     """The masks a loss uses: from ``indices_tuple`` when given, else from the labels (for the
     anchor ``rows`` of a chunk only, when given)."""
+    if is_mined(indices_tuple):
+        return PairMasks(*indices_tuple.pair_masks(shape, dtype, rows))
     if indices_tuple is not None:
         return tuple_masks(indices_tuple, shape, dtype=dtype, device=device, rows=rows)
     if labels is None:
@@ -163,6 +167,8 @@ def any_pairs(
 ) -> tuple[Tensor, Tensor]:
     """``(has_pos, has_neg)``: whether the batch has any positive / negative pair, as 0-d bool
     tensors, without building the ``B × M`` masks (so a chunk can ask about the whole batch)."""
+    if is_mined(indices_tuple):
+        return indices_tuple.any_pairs()
     if indices_tuple is not None:  # the tuple's lengths are shapes: a static answer
         t = check_tuple(indices_tuple)
         n_pos, n_neg = (

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from .._inputs import matrix, validate
 from ..distances import Distance
 from ..labels import PairMasks, any_pairs, check_tuple, pair_masks
 from ..reducers import Reducer, Terms, reduce
+from ..tuples import is_mined
 
 __all__ = [
     "Batch",
@@ -48,6 +50,7 @@ class Batch:
     ref_labels: Tensor | None = None
     indices_tuple: tuple | None = None
     rows: tuple[int, int] | None = None
+    source: tuple = ()  # what the matrix came from (distance and tensors), for miner results
 
     @property
     def num_anchors(self) -> int:
@@ -118,46 +121,6 @@ def run(
     return finish(batch, spec.terms(batch, **hyper), default_reducer(reducer, spec.default_reducer))
 
 
-def validate(
-    embeddings: Tensor,
-    labels: Tensor | None,
-    ref_emb: Tensor | None,
-    ref_labels: Tensor | None,
-    indices_tuple,
-    distance: Distance | None,
-    default_distance: Distance,
-) -> Distance:
-    """Check a loss's inputs (shapes, dtypes, devices only); returns the distance to use."""
-    _checks.embeddings(embeddings)
-    b = embeddings.shape[0]
-    if distance is None:
-        distance = default_distance
-    if not isinstance(distance, Distance):
-        raise TypeError(
-            f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}"
-        )
-    if labels is not None:
-        _checks.labels(labels, b, embeddings.device)
-    elif indices_tuple is None:
-        raise ValueError("labels and indices_tuple cannot both be None")
-    if indices_tuple is not None:
-        check_tuple(indices_tuple)
-    if ref_emb is not None:
-        _checks.embeddings(ref_emb, "ref_emb")
-        _checks.same_space(embeddings, ref_emb)
-        if ref_labels is None and indices_tuple is None:
-            raise ValueError(
-                "ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)"
-            )
-        if ref_labels is not None:
-            if labels is None:
-                raise ValueError("ref_labels was given but labels is None")
-            _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
-    elif ref_labels is not None:
-        raise ValueError("ref_labels was given without ref_emb")
-    return distance
-
-
 def prepare(
     embeddings: Tensor,
     labels: Tensor | None,
@@ -180,35 +143,8 @@ def prepare(
     m = b if ref_emb is None else ref_emb.shape[0]
     r0, r1 = (0, b) if rows is None else rows
     cd = _checks.compute_dtype(embeddings.dtype)
-    if mat is not None:
-        if rows is not None:
-            raise ValueError(
-                "mat cannot be combined with chunking: each chunk computes its own rows"
-            )
-        if not isinstance(mat, Tensor):
-            raise TypeError(f"mat must be a tensor, got {type(mat).__name__}")
-        if tuple(mat.shape) != (b, m):
-            raise ValueError(
-                f"mat must have shape (batch_size, ref_size) = {(b, m)}, got {tuple(mat.shape)}"
-            )
-        if not mat.dtype.is_floating_point:
-            raise TypeError(f"mat must be floating point, got {mat.dtype}")
-        if mat.device != embeddings.device:
-            raise ValueError(f"mat is on {mat.device} but embeddings are on {embeddings.device}")
-        mat = mat.to(cd)
-    elif rows is None:
-        mat = distance.matrix(embeddings, ref_emb)
-    else:
-        if anchors is None:
-            anchors = embeddings[r0:r1]
-        elif tuple(anchors.shape) != (r1 - r0, embeddings.shape[1]):
-            raise ValueError(
-                f"anchors must be the rows {rows} of embeddings, got {tuple(anchors.shape)}"
-            )
-        if ref_emb is None:
-            mat = distance.rows(anchors, embeddings)
-        else:
-            mat = distance.matrix(anchors, ref_emb)
+    source = (distance, mat) if mat is not None else (distance, embeddings, ref_emb)
+    mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
     masks = pair_masks(
         labels,
         None if ref_emb is None else ref_labels,
@@ -231,6 +167,7 @@ def prepare(
         ref_labels=ref_labels,
         indices_tuple=indices_tuple,
         rows=rows,
+        source=source,
     )
 
 
@@ -336,10 +273,15 @@ def miner_weights(
 ) -> Tensor | None:
     """PML's ``lmu.convert_to_weights`` without ``unique``: each sample's count in the tuple over
     the largest count (0 for samples not listed). ``None`` means all ones (no tuple, or a tuple of
-    empty index tensors: a static decision on shapes). ``anchors_only`` counts only the anchors
+    empty index tensors: a static decision on shapes; a fixed-shape miner result that selected
+    nothing gives all ones too, by a ``where``). ``anchors_only`` counts only the anchors
     (PML's ``using_ref=True``). Counted with ``index_add``: no host sync."""
     if indices_tuple is None:
         return None
+    if is_mined(indices_tuple):
+        counts = indices_tuple.sample_counts(batch_size, dtype, anchors_only).to(device)
+        top = counts.amax()
+        return torch.where(top > 0, counts / top.clamp_min(1.0), 1.0)
     t = check_tuple(indices_tuple)
     if all(x.shape[0] == 0 for x in t):
         return None

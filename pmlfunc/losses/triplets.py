@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import _checks
 from ..distances import Distance, lp
 from ..reducers import Bound, DenseTerms, Reducer, Terms, avg_nonzero
+from ..tuples import MinedTriplets, TripletMask, TripletWindow, is_mined, window_cover
 from ._common import Batch, LossSpec, register, run, scalar_like
 
 __all__ = ["triplet_margin"]
@@ -108,12 +109,13 @@ class _CubeStats(torch.autograd.Function):
     ``low < f(x) < high``. Anchor-chunked; the backward recomputes each chunk.
 
     ``swap_self`` means ``e_pn = e`` (self mode); it is a flag because compile rejects a Function
-    given the same tensor twice."""
+    given the same tensor twice. ``select`` (a miner's :class:`~pmlfunc.tuples.TripletWindow` or
+    :class:`~pmlfunc.tuples.TripletMask`, or ``None``) keeps only the triplets it selected."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def _block(e, pos, neg, e_pn, margin, lo, hi, smooth, start, stop):
+    def _block(e, pos, neg, e_pn, margin, lo, hi, smooth, start, stop, select=None):
         ea = e[start:stop]  # e_pn: None, or the (M, M) positive-to-negative matrix
         an = ea.unsqueeze(-2)
         pick_an = None
@@ -125,6 +127,8 @@ class _CubeStats(torch.autograd.Function):
         x = ea.unsqueeze(-1) - g + margin
         f = F.softplus(x) if smooth else F.relu(x)
         w = pos[start:stop].unsqueeze(-1) * neg[start:stop].unsqueeze(-2)
+        if select is not None:
+            w = w * select.select(start, min(stop, e.shape[-2])).to(w.dtype)
         if lo is not None:
             w = w * (f > lo).to(w.dtype)
         if hi is not None:
@@ -132,13 +136,13 @@ class _CubeStats(torch.autograd.Function):
         return x, f, w, pick_an
 
     @staticmethod
-    def forward(e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk):
+    def forward(e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk, select):
         if swap_self:
             e_pn = e
         sums, counts = [], []
         for start in range(0, e.shape[-2], chunk):
             _, f, w, _ = _CubeStats._block(
-                e, pos, neg, e_pn, margin, lo, hi, smooth, start, start + chunk
+                e, pos, neg, e_pn, margin, lo, hi, smooth, start, start + chunk, select
             )
             sums.append((w * f).sum((-1, -2)))
             counts.append(w.sum((-1, -2)))
@@ -146,9 +150,9 @@ class _CubeStats(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk = inputs
+        e, pos, neg, e_pn, margin, lo, hi, smooth, swap_self, chunk, select = inputs
         ctx.save_for_backward(e, pos, neg, e_pn, margin, lo, hi)
-        ctx.smooth, ctx.swap_self, ctx.chunk = smooth, swap_self, chunk
+        ctx.smooth, ctx.swap_self, ctx.chunk, ctx.select = smooth, swap_self, chunk, select
         ctx.set_materialize_grads(True)
 
     @staticmethod
@@ -162,7 +166,7 @@ class _CubeStats(torch.autograd.Function):
         for start in range(0, e.shape[-2], ctx.chunk):
             stop = start + ctx.chunk
             x, _, w, pick_an = _CubeStats._block(
-                e, pos, neg, e_pn, margin, lo, hi, ctx.smooth, start, stop
+                e, pos, neg, e_pn, margin, lo, hi, ctx.smooth, start, stop, ctx.select
             )
             df = torch.sigmoid(x) if ctx.smooth else (x > 0).to(x.dtype)
             gx = g_sum[start:stop].unsqueeze(-1).unsqueeze(-1) * w * df
@@ -178,12 +182,49 @@ class _CubeStats(torch.autograd.Function):
         grad_e = torch.cat(rows, -2)
         if ctx.swap_self:
             grad_e, grad_pn = grad_e + grad_pn, None
-        return grad_e, None, None, grad_pn, grad_m, None, None, None, None, None
+        return grad_e, None, None, grad_pn, grad_m, None, None, None, None, None, None
+
+
+def _window_hinge_stats(
+    e: Tensor, window: TripletWindow, margin: float | Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per anchor ``(Σ hinge, # hinge > 0, # triplets)`` over a miner's window, by one sort.
+
+    With ``[first_p, stop_p)`` the sorted negatives in positive ``p``'s window that the hinge
+    reaches (``e_an < e_ap + m``), ``Σ_{p,n} (e_ap + m − e_an) = Σ_j e_aj·c_aj + m·count_a``
+    with ``c_ap = stop_p − first_p`` and ``c_an = −#{p : n ∈ [first_p, stop_p)}``: a dot product
+    of ``e`` with constants, as in :func:`_sorted_hinge_stats`.
+    """
+    m = margin.detach() if isinstance(margin, Tensor) else margin
+    found = window.search(m)
+    coef = found.count.to(e.dtype) - window_cover(found).to(e.dtype)
+    active = found.count.sum(-1).to(e.dtype)
+    hinge = (e * coef).sum(-1) + active * margin
+    return hinge, active, found.window_count.sum(-1).to(e.dtype)
+
+
+def _same_source(a: tuple, b: tuple) -> bool:
+    """Whether two matrices came from the same ``(distance, tensors...)``: equal distances and
+    the very same tensor objects (then their values are equal, without reading them)."""
+    if len(a) != len(b) or not a or a[0] != b[0]:
+        return False
+    return all(x is y for x, y in zip(a[1:], b[1:], strict=True))
+
+
+def _select_rows(select, rows):
+    """A miner's triplet selection restricted to the anchor ``rows`` of a chunk."""
+    if rows is None:
+        return select
+    r0, r1 = rows
+    if isinstance(select, TripletMask):
+        return TripletMask(select.mask[r0:r1])
+    return select._replace(e=select.e[r0:r1], pos=select.pos[r0:r1], neg=select.neg[r0:r1])
 
 
 @dataclass(frozen=True, eq=False)
 class AllTriplets(Terms):
-    """All triplets ``(a, p, n)`` with pair weights ``pos[a, p]·neg[a, n]``, never enumerated."""
+    """All triplets ``(a, p, n)`` with pair weights ``pos[a, p]·neg[a, n]``, never enumerated;
+    with ``select``, only those a miner's window or mask selected."""
 
     e: Tensor  # (B, M), smaller = closer
     pos: Tensor
@@ -194,6 +235,8 @@ class AllTriplets(Terms):
     swap_self: bool = False  # swap in self mode: e_pn is e itself
     binary: bool = False  # pos/neg are 0/1 masks (from labels), not multiplicities
     diagonal: int | None = None  # self mode: column offset of each anchor's own entry (neither)
+    select: TripletWindow | TripletMask | None = None
+    fast_window: bool = False  # select is a window on this very matrix: sort it once
     kind: str = "triplet"
 
     @property
@@ -209,12 +252,16 @@ class AllTriplets(Terms):
 
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
-        if plain and low is None:
+        zero_low = isinstance(low, float) and low == 0.0
+        if self.select is not None and self.fast_window and plain and (low is None or zero_low):
+            hinge, active, total = _window_hinge_stats(self.e, self.select, self.margin)
+            return hinge, (active if zero_low else total)
+        if self.select is None and plain and low is None:
             hinge, _ = _sorted_hinge_stats(
                 self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
             return hinge, self._total_count()
-        if plain and isinstance(low, float) and low == 0.0:
+        if self.select is None and plain and zero_low:
             return _sorted_hinge_stats(
                 self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
@@ -238,8 +285,9 @@ class AllTriplets(Terms):
             self.smooth,
             self.swap_self,
             chunk,
+            self.select,
         )
-        if low is None and high is None:
+        if low is None and high is None and self.select is None:
             c = self._total_count()
         return s, c
 
@@ -250,6 +298,8 @@ class AllTriplets(Terms):
         x = self.e.unsqueeze(-1) - g + self.margin
         losses = F.softplus(x) if self.smooth else F.relu(x)
         weights = self.pos.unsqueeze(-1) * self.neg.unsqueeze(-2)
+        if self.select is not None:
+            weights = weights * self.select.select(0, self.e.shape[-2]).to(weights.dtype)
         return {"losses": losses, "weights": weights, "kind": self.kind}
 
 
@@ -326,13 +376,16 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     sign = batch.distance.sign()
     e = sign * batch.mat
     margin = scalar_like(margin, e)
-    indices_tuple = batch.indices_tuple
-    if indices_tuple is not None and len(indices_tuple) == 3:
-        a, p, n = (t.long() for t in indices_tuple)
-        weights = None
+    it = batch.indices_tuple
+    if it is not None and not is_mined(it) and len(it) == 3:  # a PML triplet tuple
+        a, p, n = (t.long() for t in it)
+        it = MinedTriplets(a, p, n, torch.ones(a.shape, dtype=e.dtype, device=e.device))
+    if isinstance(it, MinedTriplets):
+        a, p, n = it.anchors.long(), it.positives.long(), it.negatives.long()
+        weights = it.valid.to(e.dtype)
         if batch.rows is not None:  # a chunk: the triplets of its own anchors
             r0, r1 = batch.rows
-            weights = ((a >= r0) & (a < r1)).to(e.dtype)
+            weights = weights * ((a >= r0) & (a < r1)).to(e.dtype)
             a = (a - r0).clamp(0, r1 - r0 - 1)
         e_an = e[a, n]
         if swap:
@@ -340,22 +393,37 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
             e_an = torch.minimum(e_an, e_pn)
         x = e[a, p] - e_an + margin
         losses = F.softplus(x) if smooth_loss else F.relu(x)
-        weights = torch.ones_like(losses) if weights is None else weights
         terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
-    else:
-        e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
-        swap_self = swap and batch.ref_emb is None
-        terms = AllTriplets(
-            e,
-            batch.masks.pos,
-            batch.masks.neg,
-            margin,
-            smooth_loss,
-            e_pn,
-            swap_self,
-            binary=not batch.counts,
-            diagonal=batch.diagonal,
+        return {"loss": terms}
+    e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
+    swap_self = swap and batch.ref_emb is None
+    if isinstance(it, (TripletWindow, TripletMask)):
+        # the miner's own label masks (the batch's masks hold its pair multiplicities)
+        select = _select_rows(it, batch.rows)
+        if isinstance(it, TripletWindow):
+            pos, neg = select.pos.to(e.dtype), select.neg.to(e.dtype)
+        else:
+            pos = neg = torch.ones_like(e)
+        fast = (
+            isinstance(it, TripletWindow)
+            and batch.rows is None
+            and _same_source(it.source, batch.source)
         )
+        terms = AllTriplets(
+            e, pos, neg, margin, smooth_loss, e_pn, swap_self, select=select, fast_window=fast
+        )
+        return {"loss": terms}
+    terms = AllTriplets(
+        e,
+        batch.masks.pos,
+        batch.masks.neg,
+        margin,
+        smooth_loss,
+        e_pn,
+        swap_self,
+        binary=not batch.counts,
+        diagonal=batch.diagonal,
+    )
     return {"loss": terms}
 
 

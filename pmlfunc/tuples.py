@@ -1,0 +1,323 @@
+r"""Fixed-shape miner results: what :mod:`pmlfunc.miners` returns and every loss accepts as
+``indices_tuple``.
+
+PML's miners return index lists whose lengths depend on the data, so every call synchronises with
+the host and breaks ``torch.compile(fullgraph=True)`` and CUDA graphs. pmlfunc's results have
+shapes that depend on shapes only:
+
+| type | holds | made by |
+|---|---|---|
+| :class:`MinedPairs` | ``(B, M)`` positive / negative pair multiplicities | pair miners |
+| :class:`MinedTriplets` | ``(L,)`` anchor / positive / negative indices and a 0/1 ``valid`` weight | batch-hard, distance-weighted, any triplet miner with ``tuples_per_anchor`` |
+| :class:`TripletWindow` | all triplets with ``low < e_an − e_ap ≤ high``, never enumerated | ``triplet_margin`` |
+| :class:`TripletMask` | a ``(B, M, M)`` boolean triplet mask | ``angular`` |
+
+``e`` is the miner's matrix oriented so that smaller means closer (a similarity enters as
+``−s``). Each result can give the loss what it needs: pair multiplicities (as PML's
+``convert_to_pairs``: a triplet ``(a, p, n)`` lists the pairs ``(a, p)`` and ``(a, n)``), the
+per-sample counts of PML's ``convert_to_weights``, and triplets grouped by anchor (a pair result
+becomes the triplets ``(a, p, n)`` whose two pairs share the anchor ``a``, never the product of
+all positive and all negative pairs). :meth:`to_indices` gives PML-style index tuples in eager
+mode (it synchronises; it is for inspection and interoperability, not for the training step).
+Losses still accept PML tuples.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MINED_TYPES",
+    "MinedPairs",
+    "MinedTriplets",
+    "TripletMask",
+    "TripletWindow",
+    "WindowSearch",
+    "is_mined",
+    "sample_pairs",
+    "sample_without_replacement",
+    "window_cover",
+]
+
+
+def _pair_rows(x: Tensor, rows: tuple[int, int] | None) -> Tensor:
+    return x if rows is None else x[rows[0] : rows[1]]
+
+
+def _counts_by_index(
+    index: Tensor, weights: Tensor, size: int, dtype: torch.dtype, device
+) -> Tensor:
+    out = torch.zeros(size, dtype=dtype, device=device)
+    return out.index_add(0, index.reshape(-1).long(), weights.reshape(-1).to(dtype))
+
+
+def _eager_only(name: str) -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{name}.to_indices() is eager-only (its output size depends on values)")
+
+
+class MinedPairs(NamedTuple):
+    """Mined pairs as ``(B, M)`` multiplicities over the query × reference grid.
+
+    ``pos[a, j]`` (``neg[a, j]``) is how often ``(a, j)`` is a mined positive (negative) pair:
+    0/1 for most miners, larger when a miner samples with replacement (``uniform_histogram``).
+    """
+
+    pos: Tensor
+    neg: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.pos.shape)
+
+    def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
+        return _pair_rows(self.pos, rows).to(dtype), _pair_rows(self.neg, rows).to(dtype)
+
+    def any_pairs(self) -> tuple[Tensor, Tensor]:
+        return self.pos.sum() > 0, self.neg.sum() > 0
+
+    def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
+        """Each query sample's number of appearances (PML's ``convert_to_weights`` counts)."""
+        counts = (self.pos.sum(-1) + self.neg.sum(-1)).to(dtype)
+        if not anchors_only:  # self mode: columns are the same samples
+            counts = counts + (self.pos.sum(0) + self.neg.sum(0)).to(dtype)
+        return counts
+
+    def to_indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """PML pairs ``(a1, p, a2, n)``, each pair repeated by its multiplicity (eager only)."""
+        _eager_only("MinedPairs")
+        out = []
+        for w in (self.pos, self.neg):
+            reps = w.round().long().reshape(-1)
+            flat = torch.arange(reps.numel(), device=w.device).repeat_interleave(reps)
+            out += [flat // w.shape[1], flat % w.shape[1]]
+        return tuple(out)
+
+
+class MinedTriplets(NamedTuple):
+    """Mined triplets as fixed-length ``(L,)`` index tensors with a 0/1 ``valid`` weight.
+
+    Invalid slots hold index 0 and weight 0: they count nowhere (not in a mean, not as a pair).
+    """
+
+    anchors: Tensor
+    positives: Tensor
+    negatives: Tensor
+    valid: Tensor
+
+    def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
+        n_rows, n_cols = shape
+        a = self.anchors.long()
+        w = self.valid.to(dtype)
+        r0, r1 = (0, n_rows) if rows is None else rows
+        if rows is not None:  # the chunk's anchors; the others go to a spare row, dropped
+            inside = ((a >= r0) & (a < r1)).to(dtype)
+            w = w * inside
+            a = torch.where(inside > 0, a - r0, r1 - r0)
+        size = (r1 - r0 + 1) * n_cols
+        pos = _counts_by_index(a * n_cols + self.positives.long(), w, size, dtype, a.device)
+        neg = _counts_by_index(a * n_cols + self.negatives.long(), w, size, dtype, a.device)
+        cut = (r1 - r0) * n_cols
+        return pos[:cut].view(r1 - r0, n_cols), neg[:cut].view(r1 - r0, n_cols)
+
+    def any_pairs(self) -> tuple[Tensor, Tensor]:
+        has = self.valid.sum() > 0
+        return has, has
+
+    def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
+        idx = (self.anchors,) if anchors_only else (self.anchors, self.positives, self.negatives)
+        w = self.valid
+        return sum(_counts_by_index(i, w, batch_size, dtype, w.device) for i in idx)
+
+    def to_indices(self) -> tuple[Tensor, Tensor, Tensor]:
+        """PML triplets ``(a, p, n)`` of the valid slots (eager only)."""
+        _eager_only("MinedTriplets")
+        keep = self.valid > 0
+        return self.anchors[keep].long(), self.positives[keep].long(), self.negatives[keep].long()
+
+
+class TripletWindow(NamedTuple):
+    r"""Every triplet ``(a, p, n)`` with ``pos[a, p]``, ``neg[a, n]`` and
+    ``low < e_an − e_ap ≤ high``, held implicitly (``O(B·M)`` memory for ``O(B·M²)`` triplets).
+
+    The window is evaluated as ``e_ap + low < e_an ≤ e_ap + high`` (PML subtracts first; the two
+    agree except within one rounding of a bound). ``source`` records what the miner's matrix
+    came from (the embeddings and reference tensors, or the ``mat`` it was given, and the
+    distance): a triplet loss computed from the same source sorts each row once and reads the
+    window and its own hinge together in ``O(B·M log M)``; any other loss re-evaluates the window
+    triplet by triplet, exactly, in anchor chunks.
+    """
+
+    e: Tensor  # (B, M), detached, smaller = closer
+    pos: Tensor  # (B, M) 0/1
+    neg: Tensor  # (B, M) 0/1
+    low: float | Tensor
+    high: float | Tensor
+    source: tuple = ()
+
+    def search(self, margin: float | Tensor | None = None) -> WindowSearch:
+        """One sort per row of the negatives by ``e``; for every column ``j`` the sorted-position
+        range ``[first_j, stop_j)`` of the negatives in ``j``'s window (narrowed to
+        ``e_an < e_aj + margin`` when ``margin`` is given), by binary search."""
+        return _window_search(self.e, self.pos, self.neg, self.low, self.high, margin)
+
+    def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
+        """Per positive pair the number of its negatives, per negative pair the number of
+        positives whose window holds it (PML's ``convert_to_pairs`` multiplicities)."""
+        found = self.search()
+        cover = window_cover(found)
+        return _pair_rows(found.count, rows).to(dtype), _pair_rows(cover, rows).to(dtype)
+
+    def any_pairs(self) -> tuple[Tensor, Tensor]:
+        has = self.search().count.sum() > 0
+        return has, has
+
+    def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
+        return MinedPairs(*self.pair_masks(None, dtype)).sample_counts(
+            batch_size, dtype, anchors_only
+        )
+
+    def select(self, start: int, stop: int) -> Tensor:
+        """The ``(stop − start, M, M)`` boolean block of the triplet cube for anchors
+        ``start..stop`` (the window compared exactly as :meth:`search` does)."""
+        e = self.e[start:stop]
+        ap = e.unsqueeze(-1)
+        an = e.unsqueeze(-2)
+        inside = (an > ap + self.low) & (an <= ap + self.high)
+        return (
+            inside
+            & (self.pos[start:stop] > 0).unsqueeze(-1)
+            & (self.neg[start:stop] > 0).unsqueeze(-2)
+        )
+
+    def to_indices(self) -> tuple[Tensor, Tensor, Tensor]:
+        """PML triplets ``(a, p, n)`` ordered by anchor, positive, negative (eager only)."""
+        _eager_only("TripletWindow")
+        return _cube_indices(self.select, self.e.shape)
+
+
+class TripletMask(NamedTuple):
+    """Mined triplets as a ``(B, M, M)`` boolean cube: ``mask[a, p, n]``.
+
+    ``O(B·M²)`` bytes; pass ``tuples_per_anchor`` to the miner for a bounded
+    :class:`MinedTriplets` instead.
+    """
+
+    mask: Tensor
+
+    def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
+        m = _pair_rows(self.mask, rows).to(dtype)
+        return m.sum(-1), m.sum(-2)
+
+    def any_pairs(self) -> tuple[Tensor, Tensor]:
+        has = self.mask.any()
+        return has, has
+
+    def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
+        return MinedPairs(*self.pair_masks(None, dtype)).sample_counts(
+            batch_size, dtype, anchors_only
+        )
+
+    def select(self, start: int, stop: int) -> Tensor:
+        return self.mask[start:stop]
+
+    def to_indices(self) -> tuple[Tensor, Tensor, Tensor]:
+        """PML triplets ``(a, p, n)`` ordered by anchor, positive, negative (eager only)."""
+        _eager_only("TripletMask")
+        return tuple(torch.where(self.mask))
+
+
+MINED_TYPES = (MinedPairs, MinedTriplets, TripletWindow, TripletMask)
+
+
+def is_mined(x: object) -> bool:
+    """Whether ``x`` is one of pmlfunc's fixed-shape miner results."""
+    return isinstance(x, MINED_TYPES)
+
+
+def _cube_indices(select, shape, block: int = 1 << 22) -> tuple[Tensor, Tensor, Tensor]:
+    b, m = shape
+    chunk = max(1, block // max(1, m * m))
+    parts = []
+    for start in range(0, b, chunk):
+        a, p, n = torch.where(select(start, min(b, start + chunk)))
+        parts.append((a + start, p, n))
+    return tuple(torch.cat([x[i] for x in parts]) for i in range(3))
+
+
+class WindowSearch(NamedTuple):
+    """Sorted-position ranges of each positive's negatives: see :meth:`TripletWindow.search`."""
+
+    order: Tensor  # (B, M) column order sorting each row's negatives first, by e
+    first: Tensor  # (B, M) first sorted position inside the window
+    stop: Tensor  # (B, M) one past the last (narrowed by the margin when given)
+    count: Tensor  # (B, M) int64 (stop − first) on positives, 0 elsewhere
+    window_count: Tensor  # (B, M) the same without the margin
+
+
+def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
+    is_neg = neg > 0
+    is_pos = pos > 0
+    vals = torch.where(is_neg, e, torch.inf)
+    sorted_vals, order = vals.sort(-1)
+    n_neg = is_neg.sum(-1, keepdim=True)
+    first = torch.searchsorted(sorted_vals, e + low, right=True)
+    stop_w = torch.minimum(torch.searchsorted(sorted_vals, e + high, right=True), n_neg)
+    count_w = (stop_w - first).clamp_min(0) * is_pos
+    if margin is None:
+        return WindowSearch(order, first, stop_w, count_w, count_w)
+    stop = torch.minimum(stop_w, torch.searchsorted(sorted_vals, e + margin, right=False))
+    return WindowSearch(order, first, stop, (stop - first).clamp_min(0) * is_pos, count_w)
+
+
+def window_cover(found: WindowSearch) -> Tensor:
+    """Per negative (column order), how many positives' ranges ``[first, stop)`` hold it: a
+    difference array over sorted positions, a prefix sum, and the sort undone."""
+    m = found.count.shape[-1]
+    w = (found.count > 0).to(torch.int64)
+    diff = torch.zeros((*found.count.shape[:-1], m + 1), dtype=torch.int64, device=w.device)
+    diff = diff.scatter_add(-1, found.first, w).scatter_add(-1, found.stop, -w)
+    cover_sorted = diff.cumsum(-1)[..., :m]
+    return torch.zeros_like(cover_sorted).scatter(-1, found.order, cover_sorted)
+
+
+def sample_without_replacement(
+    total: Tensor, k: int, seed: Tensor, stream: int
+) -> tuple[Tensor, Tensor]:
+    """Per row, ``min(k, total)`` distinct integers drawn uniformly from ``[0, total)``.
+
+    Floyd's algorithm, vectorised over rows: ``k`` steps of ``O(k)`` each, whatever ``total``
+    is (it may be far larger than memory could enumerate). Returns ``(idx, valid)``, both
+    ``total.shape + (k,)``; invalid slots (``total < k``) hold 0.
+    """
+    from ._random import random_bits
+
+    total = total.to(torch.int64)
+    bits = random_bits(seed, stream, (k, *tuple(total.shape)), total.device)
+    chosen: list[Tensor] = []
+    for i in range(k):
+        j = total - k + i  # Floyd: draw from [0, j], take j itself on a repeat
+        r = bits[i] % (j + 1).clamp_min(1)
+        if chosen:
+            dup = (torch.stack(chosen, -1) == r.unsqueeze(-1)).any(-1)
+            r = torch.where(dup, j, r)
+        chosen.append(torch.where(total > k, r, torch.full_like(r, i)))
+    idx = torch.stack(chosen, -1)
+    arange = torch.arange(k, device=total.device)
+    valid = arange < total.unsqueeze(-1)
+    return torch.where(valid, idx, 0), valid
+
+
+def sample_pairs(weights: Tensor, k: int, seed: Tensor, stream: int) -> Tensor:
+    """At most ``k`` of each row's cells with ``weights > 0``, a uniform random subset without
+    replacement (random keys, top-k); returns the 0/1 ``(B, M)`` mask of the kept cells."""
+    from ._random import uniform
+
+    k = min(k, weights.shape[-1])
+    u = uniform(seed, stream, tuple(weights.shape), torch.float32, weights.device)
+    keys = torch.where(weights > 0, u + 1.0, 0.0)  # in [1, 2): selected cells always rank first
+    top, idx = keys.topk(k, -1, sorted=False)
+    return torch.zeros_like(keys).scatter(-1, idx, (top > 0).to(keys.dtype))
