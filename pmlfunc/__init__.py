@@ -1,6 +1,6 @@
 """pmlfunc: functional deep-metric-learning losses for PyTorch.
 
-Losses, distances and reducers are pure functions of tensors with static shapes and no host
+Losses, miners, distances and reducers are pure functions of tensors with static shapes and no host
 synchronisation, so they compose with ``torch.func``, ``torch.compile(fullgraph=True)`` and
 CUDA-graph capture, and they match pytorch-metric-learning 2.9.0's numbers.
 
@@ -9,7 +9,19 @@ CUDA-graph capture, and they match pytorch-metric-learning 2.9.0's numbers.
     >>> loss = pf.losses.ntxent(emb, labels, temperature=0.07)
 """
 
-from . import chunked, distances, evaluation, labels, losses, memory, nn, params, reducers
+from . import (
+    chunked,
+    distances,
+    evaluation,
+    labels,
+    losses,
+    memory,
+    miners,
+    nn,
+    params,
+    reducers,
+    tuples,
+)
 
 __version__ = "0.1.0"
 
@@ -21,7 +33,9 @@ __all__ = [
     "labels",
     "losses",
     "memory",
+    "miners",
     "nn",
     "params",
     "reducers",
+    "tuples",
 ]
