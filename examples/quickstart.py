@@ -1,4 +1,4 @@
-"""Quick start: the five core losses as pure functions, with torch.func and torch.compile.
+"""Quick start: the core losses and miners as pure functions, with torch.func and torch.compile.
 
 Run: python examples/quickstart.py
 """
@@ -50,3 +50,16 @@ print(f"{'vmap ntxent over 3 problems':32s} {[round(v, 4) for v in per_problem.t
 temperature = torch.tensor(0.07, requires_grad=True)
 pf.losses.ntxent(emb, labels, temperature=temperature).backward()
 print(f"{'d loss / d temperature':32s} {temperature.grad.item():.4f}")
+
+# 7. Miners return fixed-shape results (no host sync) that every loss takes as indices_tuple.
+hard = pf.miners.batch_hard(emb, labels)
+loss = pf.losses.triplet_margin(emb, labels, margin=0.2, indices_tuple=hard)
+print(f"{'triplet_margin on batch_hard':32s} {loss.item():.4f}")
+pairs = pf.miners.pair_margin(emb, labels, pos_margin=0.2, neg_margin=1.4)
+loss = pf.losses.triplet_margin(emb, labels, margin=0.2, indices_tuple=pairs)
+print(f"{'triplet_margin on pair_margin':32s} {loss.item():.4f}")
+mined = pf.miners.triplet_margin(  # at most 8 random triplets per anchor
+    emb, labels, margin=0.2, tuples_per_anchor=8, generator=torch.Generator().manual_seed(0)
+)
+loss = pf.losses.triplet_margin(emb, labels, margin=0.2, indices_tuple=mined)
+print(f"{'triplet_margin, 8 per anchor':32s} {loss.item():.4f} ({int(mined.valid.sum())} triplets)")
