@@ -12,6 +12,7 @@ CUDA-graph capture, and they match pytorch-metric-learning 2.9.0's numbers.
 from . import (
     chunked,
     distances,
+    distributed,
     evaluation,
     labels,
     losses,
@@ -29,6 +30,7 @@ __all__ = [
     "__version__",
     "chunked",
     "distances",
+    "distributed",
     "evaluation",
     "labels",
     "losses",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +60,47 @@ def _spec_of(loss_fn: Callable) -> tuple[LossSpec, Callable, dict[str, Any]]:
     return spec, fn, bound
 
 
+@dataclass
+class _SplitCall:
+    """A call of a chunkable loss, bound and checked: what splitting it over anchors needs."""
+
+    embeddings: Tensor
+    labels: Tensor | None
+    inputs: dict[str, Any]  # distance, reducer, ref_emb, ref_labels, indices_tuple, mat
+    hyper: dict[str, Any]
+    reducer: Reducer
+
+
+def _split_call(
+    spec: LossSpec, signature: inspect.Signature, bound: dict[str, Any], args, kwargs
+) -> _SplitCall:
+    """Bind a call of ``spec``'s loss; ``ValueError`` when it cannot be split over anchors."""
+    call = signature.bind(*args, **{**bound, **kwargs})
+    call.apply_defaults()
+    given = dict(call.arguments)
+    embeddings, labels = given.pop("embeddings"), given.pop("labels")
+    inputs = {k: given.pop(k) for k in _INPUTS}
+    hyper = given
+    if hyper.pop("chunk_size", None) is not None:
+        raise ValueError(
+            "chunk_size was also given to the loss: value_and_grad does the chunking itself"
+        )
+    if inputs["mat"] is not None:
+        raise ValueError("mat cannot be chunked: each chunk computes its own rows of the matrix")
+    reason = spec.unchunkable(**hyper)
+    if reason is not None:
+        raise ValueError(f"{spec.name} cannot be chunked with these settings: {reason}")
+    reducer: Reducer = default_reducer(inputs["reducer"], spec.default_reducer)
+    if not isinstance(reducer, Reducer):
+        raise TypeError(f"reducer must be a pmlfunc reducer, got {type(reducer).__name__}")
+    if not reducer.chunkable:
+        raise ValueError(
+            f"reducer {type(reducer).__name__.strip('_')} does not split over anchors "
+            "(none() returns the terms, divisor() divides by a loss-specific global count)"
+        )
+    return _SplitCall(embeddings, labels, inputs, hyper, reducer)
+
+
 def value_and_grad(
     loss_fn: Callable[..., Tensor],
     chunk_size: int,
@@ -90,6 +132,23 @@ def value_and_grad(
     Setup" (GradCache), RepL4NLP 2021; Cheng et al., "Breaking the Memory Barrier: Near Infinite
     Batch Size Scaling for Contrastive Loss" (Inf-CL), 2024.
     """
+    run = _value_and_grad(loss_fn, chunk_size, wrt)
+
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        return run(None, *args, **kwargs)
+
+    value_and_grad_fn.__doc__ = run.__doc__
+    return value_and_grad_fn
+
+
+def _value_and_grad(
+    loss_fn: Callable[..., Tensor], chunk_size: int, wrt: str | Sequence[str]
+) -> Callable[..., tuple[Tensor, Any]]:
+    """:func:`value_and_grad`, whose function takes the anchor rows to differentiate first:
+    ``run(anchor_rows, *args, **kwargs)``. ``anchor_rows = (r0, r1)`` gives the share of the
+    anchors ``r0 ≤ a < r1`` in the whole loss (normalised over the whole batch) and its gradient
+    with respect to every row (:mod:`pmlfunc.distributed` splits anchors over ranks); ``None``
+    gives the whole loss."""
     spec, fn, bound = _spec_of(loss_fn)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -98,38 +157,23 @@ def value_and_grad(
         raise ValueError(f"wrt must name one or both of {_WRT} (no repeats), got {wrt!r}")
     signature = inspect.signature(fn)
 
-    def run(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
-        call = signature.bind(*args, **{**bound, **kwargs})
-        call.apply_defaults()
-        given = dict(call.arguments)
-        embeddings, labels = given.pop("embeddings"), given.pop("labels")
-        inputs = {k: given.pop(k) for k in _INPUTS}
-        hyper = given
-        if hyper.pop("chunk_size", None) is not None:
-            raise ValueError(
-                "chunk_size was also given to the loss: value_and_grad does the chunking itself"
-            )
-        if inputs["mat"] is not None:
-            raise ValueError(
-                "mat cannot be chunked: each chunk computes its own rows of the matrix"
-            )
+    def run(anchor_rows: tuple[int, int] | None, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        split = _split_call(spec, signature, bound, args, kwargs)
+        embeddings, labels, inputs, hyper, reducer = (
+            split.embeddings,
+            split.labels,
+            split.inputs,
+            split.hyper,
+            split.reducer,
+        )
         ref_emb = inputs["ref_emb"]
         if "ref_emb" in names and ref_emb is None:
             raise ValueError("wrt includes 'ref_emb' but no ref_emb was given")
-        reason = spec.unchunkable(**hyper)
-        if reason is not None:
-            raise ValueError(f"{spec.name} cannot be chunked with these settings: {reason}")
-        reducer: Reducer = default_reducer(inputs["reducer"], spec.default_reducer)
-        if not isinstance(reducer, Reducer):
-            raise TypeError(f"reducer must be a pmlfunc reducer, got {type(reducer).__name__}")
-        if not reducer.chunkable:
-            raise ValueError(
-                f"reducer {type(reducer).__name__.strip('_')} does not split over anchors "
-                "(none() returns the terms, divisor() divides by a loss-specific global count)"
-            )
         _checks.embeddings(embeddings)
         batch_size = embeddings.shape[0]
         chunks = [(r, min(r + chunk_size, batch_size)) for r in range(0, batch_size, chunk_size)]
+        a0, a1 = (0, batch_size) if anchor_rows is None else anchor_rows
+        mine = [(max(r0, a0), min(r1, a1)) for r0, r1 in chunks if max(r0, a0) < min(r1, a1)]
         distance = inputs["distance"]
         distance = spec.default_distance if distance is None else distance
         if not isinstance(distance, Distance):
@@ -181,8 +225,8 @@ def value_and_grad(
         grad_and_value = torch.func.grad_and_value(chunk_value, argnums=argnums)
         g_x = torch.zeros_like(x_hat) if want_x else None
         g_ref = torch.zeros_like(ref_hat) if want_ref else None
-        total = None
-        for r0, r1 in chunks:
+        total = x_hat.new_zeros(()) if not mine else None
+        for r0, r1 in mine:
             grads, v = grad_and_value(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
             total = v if total is None else total + v
             if want_x:

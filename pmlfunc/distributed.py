@@ -1,0 +1,312 @@
+r"""Distributed training: the global objective, exactly.
+
+Under DDP each rank embeds its own slice of the global batch. A metric loss needs every pair of
+the *global* batch, so each rank gathers all the embeddings and computes the same loss ``L`` on
+the concatenation (in rank order: the same on every rank). :func:`all_gather` is autograd-aware:
+its backward sums, over ranks, the gradients for a rank's own rows. Each of the ``W`` ranks
+computes the same ``L``, so every rank's embeddings receive ``W · ∂L/∂x_local``. DDP averages the
+parameter gradients over the ranks, which cancels the factor ``W``: the encoder's gradients equal
+single-process gradients of ``L`` on the whole batch. No scaling by the world size is needed or
+done (PML 2.9.0 gathers without autograd and rescales the loss instead).
+
+Outside an initialised process group (or with one process), every function here is the plain
+single-process computation.
+
+    >>> loss_fn = global_objective(pf.losses.ntxent)
+    >>> loss = loss_fn(encoder(x), labels, temperature=0.1)  # the global loss, on every rank
+    >>> loss.backward()  # DDP averages: the single-process gradient of the global batch
+
+Feature detection: the gather uses ``torch.distributed._functional_collectives``
+(``all_gather_single`` with autograd, which also traces under ``torch.compile``) when the
+installed torch has it, else ``torch.distributed.nn.functional.all_gather``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather", "global_objective", "is_active", "value_and_grad", "world_size"]
+
+
+def is_active(group=None) -> bool:
+    """Whether a process group with more than one rank is initialised."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size(group or dist.group.WORLD) > 1
+    )
+
+
+def world_size(group=None) -> int:
+    """The number of ranks (1 outside a process group)."""
+    return dist.get_world_size(group or dist.group.WORLD) if is_active(group) else 1
+
+
+def _functional_gather() -> Callable[[Tensor, Any], Tensor] | None:
+    try:
+        import torch.distributed._functional_collectives as fc
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    gather = getattr(fc, "all_gather_single_autograd", None) or getattr(
+        fc, "all_gather_tensor_autograd", None
+    )
+    if gather is None:  # pragma: no cover
+        return None
+    wait = getattr(fc, "wait_tensor", lambda t: t)
+    return lambda x, group: wait(gather(x, 0, group))
+
+
+def _legacy_gather(x: Tensor, group) -> Tensor:  # pragma: no cover - torch without fc
+    import torch.distributed.nn.functional as dnf
+
+    return torch.cat(dnf.all_gather(x, group=group), 0)
+
+
+def _gather_equal(x: Tensor, group) -> Tensor:
+    """Concatenate equal-shaped ``x`` from every rank along dim 0, in rank order."""
+    fn = _functional_gather()
+    return (fn or _legacy_gather)(x.contiguous(), group)
+
+
+_MAX_NDIM = 8
+
+
+def _shapes(x: Tensor, group) -> list[tuple[int, ...]]:
+    """Every rank's ``x.shape`` (eager: one tiny all-gather and a host read)."""
+    if x.ndim > _MAX_NDIM:
+        raise ValueError(f"all_gather supports up to {_MAX_NDIM} dimensions, got {x.ndim}")
+    code = [x.ndim, *x.shape] + [-1] * (_MAX_NDIM - x.ndim)
+    mine = torch.tensor(code, dtype=torch.int64, device=_comm_device(x, group))
+    out = [torch.zeros_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [tuple(t.tolist()[1 : 1 + int(t[0])]) for t in out]
+
+
+def _comm_device(x: Tensor, group) -> torch.device:
+    backend = dist.get_backend(group or dist.group.WORLD)
+    return torch.device("cpu") if backend == "gloo" else x.device
+
+
+def all_gather(x: Tensor, *, group=None, name: str = "x") -> Tensor:
+    """Every rank's ``x`` concatenated along dim 0 in rank order, differentiable.
+
+    The backward gives each rank the sum over ranks of the gradients for its own rows. In eager
+    mode the ranks' shapes are compared first (one tiny all-gather): a different trailing shape
+    (embedding width) raises ``ValueError`` on every rank, and different batch sizes are handled
+    by padding to the largest and dropping the padding. Under ``torch.compile`` that check is
+    skipped and sizes must be equal. Outside a process group, returns ``x``.
+
+    Example:
+        >>> emb_all = all_gather(emb)  # (sum of per-rank batch sizes, D)
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have a batch dimension, got a 0-d tensor")
+    if not is_active(group):
+        return x
+    group = group or dist.group.WORLD
+    if torch.compiler.is_compiling():
+        return _gather_equal(x, group)
+    return _gather_sized(x, _batch_sizes(x, group, name), group)
+
+
+def _batch_sizes(x: Tensor, group, name: str) -> list[int]:
+    """Every rank's batch size, after checking that the other dimensions agree (eager)."""
+    shapes = _shapes(x, group)
+    if len({s[1:] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
+        detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+        raise ValueError(
+            f"{name} must have the same shape on every rank apart from the batch size; got {detail}"
+        )
+    return [s[0] for s in shapes]
+
+
+def _gather_sized(x: Tensor, sizes: list[int], group) -> Tensor:
+    """:func:`all_gather` given every rank's batch size (padded when they differ)."""
+    if len(set(sizes)) == 1:
+        return _gather_equal(x, group)
+    top = max(sizes)
+    pad = x.new_zeros((top - x.shape[0], *x.shape[1:]))
+    padded = _gather_equal(torch.cat([x, pad], 0), group)
+    return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
+
+
+def _gather_batch(
+    embeddings: Tensor, labels: Tensor, group
+) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """Gathered embeddings and labels and this rank's rows in them: one shape exchange (eager;
+    under compile, equal sizes are assumed)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
+    if labels.ndim != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ValueError(
+            f"labels must have shape ({embeddings.shape[0]},) to match embeddings, got {tuple(labels.shape)}"
+        )
+    if torch.compiler.is_compiling():
+        sizes = [embeddings.shape[0]] * world_size(group)
+    else:
+        sizes = _batch_sizes(embeddings, group, "embeddings")
+    rank = dist.get_rank(group)
+    r0 = sum(sizes[:rank])
+    return (
+        _gather_sized(embeddings, sizes, group),
+        _gather_sized(labels, sizes, group),
+        (r0, r0 + sizes[rank]),
+    )
+
+
+def global_objective(loss_fn: Callable[..., Tensor], *, group=None) -> Callable[..., Tensor]:
+    r"""Wrap any pmlfunc loss so that, under DDP, it is the loss of the whole global batch.
+
+    ``global_objective(loss)(embeddings, labels, *rest, **kw)`` gathers ``embeddings`` (with
+    autograd) and ``labels`` from every rank and returns ``loss(all_emb, all_labels, *rest,
+    **kw)``: the same value on every rank. With DDP's gradient averaging the encoder's gradients
+    equal single-process gradients of the loss on the concatenated batch (module docstring).
+
+    - ``params`` (proxy and classifier losses) pass through: each rank computes the full-batch
+      parameter gradient. Registered in the DDP module they are averaged (unchanged); as
+      separate tensors they are already the single-process gradient on every rank.
+    - ``ref_emb``/``ref_labels`` pass through ungathered: they must be the same on every rank
+      (e.g. a cross-batch memory filled with gathered batches).
+    - ``indices_tuple`` is refused: a miner's indices refer to local rows. Mine on the gathered
+      batch inside the loss function instead.
+    - Unequal per-rank batch sizes are handled (eager; see :func:`all_gather`).
+    - Work is split: a loss that decomposes over anchors (``contrastive``, ``triplet_margin``,
+      ``ntxent``, ``supcon``, ``multi_similarity``, given directly or as a
+      ``functools.partial``) computes only this rank's anchor rows against the gathered batch
+      (``B_local × B_global``), with the reducers' normalisers summed over the ranks. Other
+      losses (proxy and classifier losses, a lambda) compute the whole loss on every rank.
+
+    Outside an initialised process group it is the plain loss.
+
+    Example:
+        >>> loss = global_objective(pf.losses.supcon)(encoder(x), y, temperature=0.1)
+    """
+
+    @functools.wraps(loss_fn)
+    def wrapped(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
+        if not is_active(group):
+            return loss_fn(embeddings, labels, *args, **kwargs)
+        if kwargs.get("indices_tuple") is not None:
+            raise ValueError(
+                "indices_tuple refers to local rows and cannot be used with global_objective: "
+                "mine on the gathered batch (wrap a function that calls the miner and the loss)"
+            )
+        if labels is None:
+            raise ValueError("labels is required by global_objective")
+        g_group = group or dist.group.WORLD
+        all_emb, all_labels, rows = _gather_batch(embeddings, labels, g_group)
+        split = _anchor_split(loss_fn, all_emb, all_labels, args, kwargs)
+        if split is None:  # not decomposable over anchors: every rank computes all of it
+            return loss_fn(all_emb, all_labels, *args, **kwargs)
+        return split(rows, g_group)
+
+    return wrapped
+
+
+def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
+    """For a loss that decomposes over anchors: a function of ``(rows, group)`` computing the
+    global loss from this rank's anchor ``rows`` only; ``None`` for any other loss or setting.
+
+    Each rank builds only its rows of the matrix (``B_local × B_global``), the reducers'
+    normalisers are summed over the ranks (one all-reduce, no graph), and the returned value is
+    the global loss ``L`` on every rank, carrying the gradient of ``W`` times the rank's share:
+    ``W·ℓ_r + stop_gradient(L − W·ℓ_r)``. Summed over ranks by the gather's backward, the
+    embeddings receive ``W·∂L/∂x``, the same as when every rank computes all of ``L``.
+    """
+    from .chunked import _spec_of, _split_call
+    from .losses._common import prepare
+
+    try:
+        spec, fn, bound = _spec_of(loss_fn)
+        split = _split_call(
+            spec, inspect.signature(fn), bound, (all_emb, all_labels, *args), kwargs
+        )
+    except (ValueError, TypeError):
+        return None
+    inputs = split.inputs
+
+    def run(rows: tuple[int, int], group) -> Tensor:
+        batch = prepare(
+            all_emb,
+            all_labels,
+            inputs["ref_emb"],
+            inputs["ref_labels"],
+            None,
+            None,
+            inputs["distance"],
+            spec.default_distance,
+            rows=rows,
+        )
+        terms = spec.terms(batch, **split.hyper)
+        names = sorted(terms)
+        with torch.no_grad():  # normalisers (counts) of every sub-loss, summed over the ranks
+            local = [split.reducer.normalizer(terms[n], batch.labels) for n in names]
+            flat = torch.cat([x.reshape(-1).to(torch.float64) for x in local])
+        dist.all_reduce(flat, group=group)
+        norms = flat.split([x.numel() for x in local])
+        parts = [
+            split.reducer.partial(
+                terms[n], batch.labels, norms[i].view(local[i].shape).to(local[i].dtype)
+            )
+            for i, n in enumerate(names)
+        ]
+        share = torch.stack(parts).sum()
+        total = share.detach().clone()
+        dist.all_reduce(total, group=group)
+        w = dist.get_world_size(group)
+        return (w * share + (total - w * share).detach()).to(all_emb.dtype)
+
+    return run
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Tensor], chunk_size: int, *, group=None
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    r"""Anchor-chunked :func:`pmlfunc.chunked.value_and_grad` of the global objective, with the
+    anchors split over the ranks.
+
+    Each rank gathers the batch (no autograd graph), computes its *own* anchors' share of the
+    global loss against the gathered references, chunk by chunk, and the shares and their
+    gradients are summed over the ranks (one all-reduce each). Returns ``(L, g)`` with ``L`` the
+    global loss and ``g = W · ∂L/∂x_local``: what ``emb.backward(g)`` should receive so that DDP's
+    averaging yields the single-process gradient, the same convention as :func:`global_objective`.
+    Outside a process group it is :func:`pmlfunc.chunked.value_and_grad` (``W = 1``).
+
+    ``ref_emb``/``ref_labels`` pass through ungathered (the same on every rank); the gradient is
+    with respect to ``embeddings`` only.
+
+    Example:
+        >>> vg = value_and_grad(pf.losses.ntxent, chunk_size=256)
+        >>> loss, g = vg(emb.detach(), labels, temperature=0.1)
+        >>> emb.backward(g)  # then DDP averages
+    """
+    from .chunked import _value_and_grad
+
+    run = _value_and_grad(loss_fn, chunk_size, "embeddings")
+
+    def vg(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
+        if not is_active(group):
+            return run(None, embeddings, labels, *args, **kwargs)
+        if kwargs.get("indices_tuple") is not None:
+            raise ValueError("indices_tuple refers to local rows and cannot be used across ranks")
+        if labels is None:
+            raise ValueError("labels is required by distributed.value_and_grad")
+        g_group = group or dist.group.WORLD
+        with torch.no_grad():
+            all_emb, all_labels, (r0, r1) = _gather_batch(embeddings.detach(), labels, g_group)
+        value, grad = run((r0, r1), all_emb, all_labels, *args, **kwargs)
+        value, grad = value.detach().clone(), grad.contiguous()
+        dist.all_reduce(value, group=g_group)
+        dist.all_reduce(grad, group=g_group)
+        return value, grad[r0:r1] * world_size(g_group)
+
+    return vg
