@@ -22,6 +22,7 @@ from . import (
     params,
     reducers,
     tuples,
+    wrappers,
 )
 
 __version__ = "0.1.0"
@@ -40,4 +41,5 @@ __all__ = [
     "params",
     "reducers",
     "tuples",
+    "wrappers",
 ]

@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "global_objective", "is_active", "value_and_grad", "world_size"]
+__all__ = [
+    "all_gather",
+    "cross_batch_memory",
+    "global_objective",
+    "is_active",
+    "value_and_grad",
+    "world_size",
+]
 
 
 def is_active(group=None) -> bool:
@@ -310,3 +317,35 @@ def value_and_grad(
         return value, grad[r0:r1] * world_size(g_group)
 
     return vg
+
+
+def cross_batch_memory(
+    loss_fn: Callable[..., Tensor],
+    embeddings: Tensor,
+    labels: Tensor,
+    memory: dict[str, Tensor],
+    *,
+    group=None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r""":func:`pmlfunc.wrappers.cross_batch_memory` of the global batch: the memory stays
+    identical on every rank.
+
+    Each step gathers the batch in rank order (embeddings with autograd), enqueues the *gathered*
+    batch and computes the loss of every gathered anchor against the memory, so every rank
+    writes the same rows to the same slots and holds the same memory (PML's gather order
+    differs by rank, so its per-rank memories diverge). Gradients follow the
+    :func:`global_objective` convention: after DDP's averaging, the single-process gradient.
+    Outside a process group it is the plain wrapper.
+
+    Example:
+        >>> memory = pf.wrappers.cross_batch_memory_init(1024, 128)
+        >>> loss, memory = cross_batch_memory(pf.losses.contrastive, model(x), y, memory)
+    """
+    from .wrappers import cross_batch_memory as local_memory
+
+    if not is_active(group):
+        return local_memory(loss_fn, embeddings, labels, memory, **kwargs)
+    g_group = group or dist.group.WORLD
+    all_emb, all_labels, _ = _gather_batch(embeddings, labels, g_group)
+    return local_memory(loss_fn, all_emb, all_labels, memory, **kwargs)

@@ -61,6 +61,17 @@ LOSSES = {
 }
 
 
+MEMORY_SIZE, MEMORY_STEPS = 20, 4
+
+
+def _memory_batch(step: int, sizes):
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(sizes)
+    return torch.randn(n, DIM_IN, generator=g, dtype=torch.float64), torch.randint(
+        0, CLASSES, (n,), generator=g
+    )
+
+
 def _single_process(name: str, sizes) -> dict[str, torch.Tensor]:
     """Gradients of the loss on the whole batch in one process."""
     x, y = _data(sizes)
@@ -123,6 +134,23 @@ def _worker(rank: int, port: int, scenario: str, sizes, out_dir: str) -> None:
                 objective(emb, y, indices_tuple=pf.miners.batch_hard(emb, y))
             except ValueError as err:
                 result["indices_error"] = str(err)
+        elif scenario == "memory":
+            ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
+            memory = pf.wrappers.cross_batch_memory_init(MEMORY_SIZE, DIM_OUT, dtype=torch.float64)
+            for step in range(MEMORY_STEPS):
+                xs, ys = _memory_batch(step, sizes)
+                r0 = sum(sizes[:rank])
+                emb = ddp(xs[r0 : r0 + sizes[rank]])
+                ddp.zero_grad()
+                loss, memory = distributed.cross_batch_memory(
+                    pf.losses.contrastive, emb, ys[r0 : r0 + sizes[rank]], memory
+                )
+                loss.backward()
+                result[step] = {
+                    "loss": loss.detach(),
+                    "grads": [p.grad.clone() for p in ddp.module.parameters()],
+                    "memory": {k: v.clone() for k, v in memory.items()},
+                }
         elif scenario == "compiled":
             mine = torch.full((3, 2), float(rank), requires_grad=True)
             gather = torch.compile(distributed.all_gather, fullgraph=True)
@@ -179,6 +207,26 @@ def test_chunked_global_value_and_grad(tmp_path):
                 torch.testing.assert_close(
                     res[name][key], value, rtol=1e-10, atol=1e-12, msg=f"{name} {key} rank {rank}"
                 )
+
+
+def test_cross_batch_memory_identical_on_every_rank(tmp_path):
+    sizes = (4, 3)
+    results = _spawn("memory", sizes, tmp_path)
+    enc = _encoder()
+    memory = pf.wrappers.cross_batch_memory_init(MEMORY_SIZE, DIM_OUT, dtype=torch.float64)
+    for step in range(MEMORY_STEPS):  # single process on the concatenated batches
+        xs, ys = _memory_batch(step, sizes)
+        enc.zero_grad()
+        loss, memory = pf.wrappers.cross_batch_memory(pf.losses.contrastive, enc(xs), ys, memory)
+        loss.backward()
+        for rank, res in enumerate(results):
+            got = res[step]
+            torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-10, atol=1e-12)
+            for g, p in zip(got["grads"], enc.parameters(), strict=True):
+                torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
+            for key, value in memory.items():
+                torch.testing.assert_close(got["memory"][key], value, msg=f"{key} rank {rank}")
+    assert int(memory["count"]) == MEMORY_SIZE  # the ring wrapped around
 
 
 def test_all_gather_order_and_gradient(tmp_path):

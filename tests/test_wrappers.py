@@ -1,0 +1,151 @@
+"""pmlfunc.wrappers: cross-batch memory as explicit state, at PML 2.9.0 parity."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+
+import pmlfunc as pf
+from pmlfunc import wrappers
+
+D, S, B = 8, 20, 6
+
+LOSSES = {
+    "contrastive": (pf.losses.contrastive, lambda: pml_losses.ContrastiveLoss()),
+    "ntxent": (
+        functools.partial(pf.losses.ntxent, temperature=0.1),
+        lambda: pml_losses.NTXentLoss(temperature=0.1),
+    ),
+    "supcon": (
+        functools.partial(pf.losses.supcon, temperature=0.1),
+        lambda: pml_losses.SupConLoss(temperature=0.1),
+    ),
+    "multi_similarity": (pf.losses.multi_similarity, lambda: pml_losses.MultiSimilarityLoss()),
+    "triplet_margin": (pf.losses.triplet_margin, lambda: pml_losses.TripletMarginLoss(0.2)),
+}
+MINERS = {
+    None: (None, None),
+    "pair_margin": (
+        functools.partial(pf.miners.pair_margin, pos_margin=0.2, neg_margin=0.8),
+        lambda: pml_miners.PairMarginMiner(0.2, 0.8),
+    ),
+    "multi_similarity": (pf.miners.multi_similarity, lambda: pml_miners.MultiSimilarityMiner()),
+    "triplet_margin": (pf.miners.triplet_margin, lambda: pml_miners.TripletMarginMiner(0.2)),
+}
+
+
+@pytest.mark.parametrize("miner", list(MINERS), ids=str)
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_matches_pml_cross_batch_memory_over_steps(loss, miner):
+    ours, theirs = LOSSES[loss]
+    our_miner, their_miner = MINERS[miner]
+    pml = pml_losses.CrossBatchMemory(
+        theirs(), D, memory_size=S, miner=None if their_miner is None else their_miner()
+    ).double()
+    memory = wrappers.cross_batch_memory_init(S, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    # Before the memory is full a miner that picks per anchor may see unfilled slots (documented);
+    # this comparison starts once the memory is full (step 4 of 6-row batches in 20 slots).
+    first_compared = 0 if miner in (None, "pair_margin") else 4
+    for step in range(8):  # 48 rows through 20 slots: the ring wraps twice
+        emb = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        labels = torch.randint(0, 4, (B,), generator=gen)
+        want = pml(emb, labels)
+        (g_want,) = torch.autograd.grad(want, emb)
+        got, memory = wrappers.cross_batch_memory(ours, emb, labels, memory, miner=our_miner)
+        (g_got,) = torch.autograd.grad(got, emb)
+        if step >= first_compared:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(memory["embeddings"], pml.embedding_memory)
+    torch.testing.assert_close(memory["labels"], pml.label_memory)
+    assert int(memory["index"]) == pml.queue_idx
+    assert int(memory["count"]) == S
+
+
+def test_enqueue_is_a_pure_ring_buffer():
+    memory = wrappers.cross_batch_memory_init(5, 2)
+    before = {k: v.clone() for k, v in memory.items()}
+    emb, labels = torch.arange(6.0).view(3, 2), torch.tensor([7, 8, 9])
+    new, slots = wrappers.enqueue(memory, emb, labels)
+    for k, v in memory.items():  # the input state is untouched
+        assert torch.equal(v, before[k])
+    assert slots.tolist() == [0, 1, 2]
+    new, slots = wrappers.enqueue(new, emb + 10, labels + 10)
+    assert slots.tolist() == [3, 4, 0]  # wraps around
+    assert new["labels"].tolist() == [19, 8, 9, 17, 18]
+    assert int(new["index"]) == 1 and int(new["count"]) == 5
+
+
+def test_unfilled_slots_and_own_slot_never_pair():
+    memory = wrappers.cross_batch_memory_init(10, 3, dtype=torch.float64)
+    emb = torch.randn(2, 3, dtype=torch.float64)
+    labels = torch.tensor([1, 1])
+    seen = {}
+
+    def spy(e, y, *, ref_emb, ref_labels, indices_tuple):
+        seen["pairs"] = indices_tuple
+        return pf.losses.contrastive(
+            e, y, ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
+        )
+
+    wrappers.cross_batch_memory(spy, emb, labels, memory)
+    pos, neg = seen["pairs"]
+    # slots 0 and 1 hold the batch; each anchor pairs with the other's slot only; unfilled
+    # slots (labels 0, different from 1) are not negatives
+    assert pos.tolist()[0][:3] == [0.0, 1.0, 0.0] and pos.tolist()[1][:3] == [1.0, 0.0, 0.0]
+    assert pos.sum() == 2 and neg.sum() == 0
+
+
+@pytest.mark.compile
+def test_compiled_step_equals_eager():
+    def step(emb, labels, memory):
+        return wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
+
+    compiled = torch.compile(step, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    m_eager = m_comp = wrappers.cross_batch_memory_init(S, D)
+    for _ in range(4):  # the index moves: no recompilation is needed (it is a tensor)
+        emb, labels = torch.randn(B, D, generator=gen), torch.randint(0, 4, (B,), generator=gen)
+        l_eager, m_eager = step(emb, labels, m_eager)
+        l_comp, m_comp = compiled(emb, labels, m_comp)
+        torch.testing.assert_close(l_comp, l_eager, rtol=1e-5, atol=1e-6)
+        for k in m_eager:
+            torch.testing.assert_close(m_comp[k], m_eager[k])
+
+
+def test_meta_device():
+    memory = wrappers.cross_batch_memory_init(S, D, device="meta")
+    emb, labels = torch.randn(B, D, device="meta"), torch.zeros(B, dtype=torch.long, device="meta")
+    loss, new = wrappers.cross_batch_memory(
+        pf.losses.ntxent, emb, labels, memory, miner=pf.miners.multi_similarity
+    )
+    assert loss.device.type == "meta" and loss.shape == ()
+    assert new["embeddings"].shape == (S, D)
+
+
+def test_errors():
+    memory = wrappers.cross_batch_memory_init(4, 3)
+    emb, labels = torch.randn(2, 3), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="larger than the memory"):
+        wrappers.cross_batch_memory(
+            pf.losses.contrastive, torch.randn(5, 3), torch.zeros(5, dtype=torch.long), memory
+        )
+    with pytest.raises(ValueError, match="size 3 but embeddings have size 4"):
+        wrappers.cross_batch_memory(pf.losses.contrastive, torch.randn(2, 4), labels, memory)
+    with pytest.raises(TypeError, match="cross_batch_memory_init"):
+        wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, {"embeddings": emb})
+    with pytest.raises(ValueError, match="supplies ref_emb"):
+        wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory, ref_emb=emb)
+    with pytest.raises(ValueError, match="labels has length"):
+        wrappers.cross_batch_memory(pf.losses.contrastive, emb, torch.tensor([0]), memory)
+    with pytest.raises(ValueError, match="memory_size must be > 0"):
+        wrappers.cross_batch_memory_init(0, 3)
+    with pytest.raises(TypeError, match="miner must return"):
+        wrappers.cross_batch_memory(
+            pf.losses.contrastive, emb, labels, memory, miner=lambda *a, **k: (labels, labels)
+        )
