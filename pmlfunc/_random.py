@@ -43,7 +43,11 @@ def seed_tensor(generator: object, device: torch.device, name: str = "generator"
             raise ValueError(
                 f"{name} as a seed tensor must be 0-d, got shape {tuple(generator.shape)}"
             )
-        if generator.dtype.is_floating_point or generator.dtype in (torch.bool, torch.complex64):
+        if (
+            generator.dtype.is_floating_point
+            or generator.dtype.is_complex
+            or generator.dtype == torch.bool
+        ):
             raise TypeError(
                 f"{name} as a seed tensor must have an integer dtype, got {generator.dtype}"
             )

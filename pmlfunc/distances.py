@@ -183,6 +183,23 @@ class Distance:
         cd = _checks.compute_dtype(x.dtype)
         return self._compute(x.to(cd), None if y is None else y.to(cd))
 
+    def pairs(self, x: Tensor, y: Tensor) -> Tensor:
+        """Row-aligned distances ``d(x_i, y_i)`` of two ``(L, D)`` tensors, shape ``(L,)``, in the
+        compute dtype: what a loss needs when it reads ``L`` listed pairs, not the whole matrix.
+
+        Computed from differences (exact, no cancellation); the gradient of a Euclidean
+        distance is 0, not NaN, at ``x_i = y_i``.
+        """
+        if x.ndim != 2 or x.shape != y.shape:
+            raise ValueError(
+                f"pairs needs two (L, D) tensors of equal shape, got {tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        cd = _checks.compute_dtype(x.dtype)
+        return self._pairs(x.to(cd), y.to(cd))
+
+    def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def rows(self, anchors: Tensor, x: Tensor) -> Tensor:
         """Rows of the self-distance matrix ``self.matrix(x)`` for ``anchors``, a block of ``x``'s
         own rows (:mod:`pmlfunc.chunked`): each anchor's own entry is treated as on the diagonal
@@ -268,6 +285,14 @@ class _Lp(_Budgeted):
             mat = mat**self.power
         return mat
 
+    def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
+        x, y = self._normalized(x, y)
+        diff = x - y
+        if self.p == 2 and self.power == 2:
+            return (diff * diff).sum(-1)
+        d = torch.linalg.vector_norm(diff, self.p, dim=-1)  # its gradient at 0 is 0
+        return d if self.power == 1 else d**self.power
+
 
 def lp(
     p: float = 2, power: float = 1, normalize: bool = True, *, exact_budget: int = 8
@@ -308,6 +333,10 @@ class _Dot(_Normalizing):
         x, y = self._normalized(x, y)
         return x @ (x if y is None else y).transpose(-1, -2)
 
+    def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
+        x, y = self._normalized(x, y)
+        return (x * y).sum(-1)
+
 
 def dot(normalize: bool = False) -> Distance:
     """Dot-product similarity ``x_i · y_j`` (PML ``DotProductSimilarity``).
@@ -347,6 +376,14 @@ class _SNR(_Budgeted):
             )
         var_x = (xc * xc).sum(-1, keepdim=True)  # (D − 1)·Var(x_i); the (D − 1) factors cancel
         return sq / var_x
+
+    def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
+        if x.shape[-1] < 2:
+            raise ValueError("snr() needs embedding size >= 2 (an unbiased variance over features)")
+        x, y = self._normalized(x, y)
+        xc = x - x.mean(-1, keepdim=True)
+        diff = xc - (y - y.mean(-1, keepdim=True))
+        return (diff * diff).sum(-1) / (xc * xc).sum(-1)
 
 
 def snr() -> Distance:

@@ -31,12 +31,12 @@ from . import _checks
 from ._inputs import matrix, validate
 from ._random import seed_tensor, uniform
 from .distances import Distance, cosine, lp
-from .labels import label_masks
 from .tuples import (
     MinedPairs,
     MinedTriplets,
     TripletMask,
     TripletWindow,
+    random_subset,
     sample_pairs,
     sample_without_replacement,
 )
@@ -97,8 +97,11 @@ class _Setup:
         self.mat = matrix(embeddings, ref_emb, mat, self.distance, needs_grad=False).detach()
         self.sign = self.distance.sign()
         self.is_similarity = self.distance.is_similarity
-        pos, neg = label_masks(labels, None if ref_emb is None else ref_labels, dtype=torch.uint8)
-        self.pos, self.neg = pos.bool(), neg.bool()
+        ref = labels if ref_emb is None else ref_labels
+        self.neg = labels.unsqueeze(-1) != ref.unsqueeze(0)
+        self.pos = ~self.neg
+        if ref_emb is None:  # the reference-set rule: (i, i) is never a pair
+            self.pos.fill_diagonal_(False)
         self.source = (
             (self.distance, mat) if mat is not None else (self.distance, embeddings, ref_emb)
         )
@@ -436,14 +439,18 @@ def batch_easy_hard(
     s = _Setup(
         embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), tuples_per_anchor, generator
     )
-    pos, neg, keep = _easy_hard(s, pos_strategy, neg_strategy, allowed_pos_range, allowed_neg_range)
-    if keep is not None:
-        pos, neg = pos & keep, neg & keep
+    p_pick, n_pick = _easy_hard(s, pos_strategy, neg_strategy, allowed_pos_range, allowed_neg_range)
+    if p_pick is not None and n_pick is not None:  # an anchor needs both of its sides
+        keep = p_pick[1] & n_pick[1]
+        p_pick, n_pick = (p_pick[0], keep), (n_pick[0], keep)
+    pos = s.pos if p_pick is None else _one_hot(*p_pick, s.pos)
+    neg = s.neg if n_pick is None else _one_hot(*n_pick, s.neg)
     return s.bound_pairs(pos, neg)
 
 
 def _easy_hard(s: _Setup, pos_strategy, neg_strategy, pos_range, neg_range):
-    """PML's per-row selection: one-hot pos/neg masks and the anchors kept (``None``: all)."""
+    """PML's per-row selection: ``(p_idx, p_keep)`` and ``(n_idx, n_keep)``, each ``None`` for
+    an ``"all"`` side."""
 
     def pick(mask, strategy_is_far, rng, thresholds=None):
         # "far" = largest distance (smallest similarity); PML's get_x_per_row.
@@ -460,28 +467,25 @@ def _easy_hard(s: _Setup, pos_strategy, neg_strategy, pos_range, neg_range):
         vals, idx = masked.max(-1) if xtype_max else masked.min(-1)
         return vals, idx, ok.any(-1)
 
-    def one_hot(idx, like):
-        return torch.zeros_like(like).scatter(-1, idx.unsqueeze(-1), True)
-
     pos_far = pos_strategy in ("hard", "semihard")  # hardest positive = farthest
     neg_far = neg_strategy == "easy"  # easiest negative = farthest
+    p_pick = n_pick = None
     if pos_strategy == "semihard" and neg_strategy != "all":
-        n_vals, n_idx, n_keep = pick(s.neg, neg_far, neg_range)
-        p_vals, p_idx, p_keep = pick(s.pos, pos_far, pos_range, n_vals)
+        n_pick = pick(s.neg, neg_far, neg_range)
+        p_pick = pick(s.pos, pos_far, pos_range, n_pick[0])
     elif neg_strategy == "semihard" and pos_strategy != "all":
-        p_vals, p_idx, p_keep = pick(s.pos, pos_far, pos_range)
-        n_vals, n_idx, n_keep = pick(s.neg, neg_far, neg_range, p_vals)
+        p_pick = pick(s.pos, pos_far, pos_range)
+        n_pick = pick(s.neg, neg_far, neg_range, p_pick[0])
     else:
         if pos_strategy != "all":
-            p_vals, p_idx, p_keep = pick(s.pos, pos_far, pos_range)
+            p_pick = pick(s.pos, pos_far, pos_range)
         if neg_strategy != "all":
-            n_vals, n_idx, n_keep = pick(s.neg, neg_far, neg_range)
-    if pos_strategy != "all" and neg_strategy != "all":
-        keep = (p_keep & n_keep).unsqueeze(-1)
-        return one_hot(p_idx, s.pos), one_hot(n_idx, s.neg), keep
-    pos = s.pos if pos_strategy == "all" else one_hot(p_idx, s.pos) & p_keep.unsqueeze(-1)
-    neg = s.neg if neg_strategy == "all" else one_hot(n_idx, s.neg) & n_keep.unsqueeze(-1)
-    return pos, neg, None
+            n_pick = pick(s.neg, neg_far, neg_range)
+    return (None if p_pick is None else p_pick[1:]), (None if n_pick is None else n_pick[1:])
+
+
+def _one_hot(idx: Tensor, keep: Tensor, like: Tensor) -> Tensor:
+    return torch.zeros_like(like).scatter(-1, idx.unsqueeze(-1), keep.unsqueeze(-1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,16 +519,14 @@ def batch_hard(
     Reference: Hermans, Beyer, Leibe, "In Defense of the Triplet Loss for Person
     Re-Identification", arXiv 2017.
     """
-    s = _Setup(
-        embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), tuples_per_anchor, None
-    )
-    pos, neg, keep = _easy_hard(s, "hard", "hard", None, None)
+    _tuples_per_anchor(tuples_per_anchor)  # validated; there is one triplet per anchor already
+    s = _Setup(embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), None, None)
+    (p, p_keep), (n, n_keep) = _easy_hard(s, "hard", "hard", None, None)
     a = torch.arange(s.mat.shape[0], device=s.mat.device)
+    keep = p_keep & n_keep
+    zero = torch.zeros_like(p)
     return MinedTriplets(
-        a,
-        pos.to(torch.int64).argmax(-1),
-        neg.to(torch.int64).argmax(-1),
-        keep.squeeze(-1).to(s.mat.dtype),
+        a, torch.where(keep, p, zero), torch.where(keep, n, zero), keep.to(s.mat.dtype)
     )
 
 
@@ -695,21 +697,12 @@ def _angular_block(x, y, pos, neg, start, stop, threshold) -> Tensor:
 
 
 def _sample_block(sel: Tensor, k: int, seed: Tensor, start: int):
-    """At most ``k`` selected triplets per anchor of a ``(chunk, M, M)`` block (random keys)."""
+    """At most ``k`` selected triplets per anchor of a ``(chunk, M, M)`` block (random keys;
+    the seed's stream is offset by the block's first anchor)."""
     c, m, _ = sel.shape
-    flat = sel.reshape(c, m * m)
-    rows = torch.arange(start, start + c, device=sel.device)
-    # one key per cube cell: the seed's stream is offset by the block's first anchor
-    u = uniform(seed, 301 + start, (c, m * m), torch.float32, sel.device)
-    keys = torch.where(flat, u + 1.0, 0.0)
-    kk = min(k, m * m)
-    top, idx = keys.topk(kk, -1)
-    valid = (top > 0).to(torch.float32)
-    a = rows.unsqueeze(-1).expand(c, kk)
-    zero = torch.zeros_like(idx)
-    p = torch.where(top > 0, idx // m, zero)
-    n = torch.where(top > 0, idx % m, zero)
-    return a.reshape(-1), p.reshape(-1), n.reshape(-1), valid.reshape(-1)
+    idx, valid = random_subset(sel.reshape(c, m * m), k, seed, 301 + start)
+    a = torch.arange(start, start + c, device=sel.device).unsqueeze(-1).expand(c, k)
+    return a.reshape(-1), (idx // m).reshape(-1), (idx % m).reshape(-1), valid.reshape(-1).float()
 
 
 def distance_weighted(
@@ -769,10 +762,7 @@ def distance_weighted(
         p = torch.arange(m, device=w.device).expand(b, m)
         p_valid = s.pos
     else:
-        kk = min(s.k, m)
-        keys = torch.where(s.pos, uniform(s.seed, 401, (b, m), torch.float32, w.device) + 1.0, 0.0)
-        top_k, p = keys.topk(kk, -1)
-        p_valid = top_k > 0
+        p, p_valid = random_subset(s.pos, s.k, s.seed, 401)
     u = uniform(s.seed, 402, tuple(p.shape), torch.float64, w.device)
     n = torch.searchsorted(cdf, (u * total).contiguous(), right=True).clamp_max(m - 1)
     valid = p_valid & has_neg.unsqueeze(-1)

@@ -24,6 +24,7 @@ Losses still accept PML tuples.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "TripletWindow",
     "WindowSearch",
     "is_mined",
+    "random_subset",
     "sample_pairs",
     "sample_without_replacement",
     "window_cover",
@@ -258,18 +260,40 @@ class WindowSearch(NamedTuple):
     window_count: Tensor  # (B, M) the same without the margin
 
 
+def _ordered_bits(x: Tensor) -> Tensor:
+    """Integers ordered exactly like the floats ``x`` (a strictly monotone bijection): sorting
+    and binary search on them give the float comparisons, faster (CPU sorts integers ~1.6x
+    faster than floats)."""
+    if x.dtype == torch.float64:
+        bits, mask = (x + 0.0).view(torch.int64), 0x7FFFFFFFFFFFFFFF  # + 0.0: no -0.0
+    else:
+        bits, mask = (x.float() + 0.0).view(torch.int32), 0x7FFFFFFF
+    return bits ^ ((bits >> (bits.element_size() * 8 - 1)) & mask)
+
+
+def _is_inf(bound: float | Tensor, sign: float) -> bool:
+    return isinstance(bound, float) and bound == sign * math.inf
+
+
 def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
     is_neg = neg > 0
     is_pos = pos > 0
-    vals = torch.where(is_neg, e, torch.inf)
-    sorted_vals, order = vals.sort(-1)
+    keys = _ordered_bits(torch.where(is_neg, e, torch.inf))
+    order = keys.argsort(-1)
+    sorted_keys = keys.gather(-1, order)
     n_neg = is_neg.sum(-1, keepdim=True)
-    first = torch.searchsorted(sorted_vals, e + low, right=True)
-    stop_w = torch.minimum(torch.searchsorted(sorted_vals, e + high, right=True), n_neg)
+
+    def count_below(bound, right: bool) -> Tensor:  # per column: # negatives (≤ or <) e + bound
+        return torch.searchsorted(sorted_keys, _ordered_bits(e + bound), right=right)
+
+    # an infinite bound needs no search: nothing is below −inf, every negative is below +inf
+    first = torch.zeros_like(order) if _is_inf(low, -1.0) else count_below(low, True)
+    stop_w = n_neg.expand_as(order) if _is_inf(high, 1.0) else count_below(high, True)
+    stop_w = torch.minimum(stop_w, n_neg)
     count_w = (stop_w - first).clamp_min(0) * is_pos
     if margin is None:
         return WindowSearch(order, first, stop_w, count_w, count_w)
-    stop = torch.minimum(stop_w, torch.searchsorted(sorted_vals, e + margin, right=False))
+    stop = torch.minimum(stop_w, count_below(margin, False))
     return WindowSearch(order, first, stop, (stop - first).clamp_min(0) * is_pos, count_w)
 
 
@@ -311,13 +335,27 @@ def sample_without_replacement(
     return torch.where(valid, idx, 0), valid
 
 
-def sample_pairs(weights: Tensor, k: int, seed: Tensor, stream: int) -> Tensor:
-    """At most ``k`` of each row's cells with ``weights > 0``, a uniform random subset without
-    replacement (random keys, top-k); returns the 0/1 ``(B, M)`` mask of the kept cells."""
+def random_subset(mask: Tensor, k: int, seed: Tensor, stream: int) -> tuple[Tensor, Tensor]:
+    """Per row, ``min(k, #selected)`` of the columns where ``mask`` is true, a uniform random
+    subset without replacement (random keys and a top-k). Returns ``(idx, valid)`` of shape
+    ``(rows, k)`` whatever the number of columns (short rows are padded with invalid slots)."""
     from ._random import uniform
 
-    k = min(k, weights.shape[-1])
-    u = uniform(seed, stream, tuple(weights.shape), torch.float32, weights.device)
-    keys = torch.where(weights > 0, u + 1.0, 0.0)  # in [1, 2): selected cells always rank first
-    top, idx = keys.topk(k, -1, sorted=False)
-    return torch.zeros_like(keys).scatter(-1, idx, (top > 0).to(keys.dtype))
+    rows, cols = mask.shape
+    u = uniform(seed, stream, (rows, cols), torch.float32, mask.device)
+    keys = torch.where(mask, u + 1.0, 0.0)  # in [1, 2): selected cells always rank first
+    top, idx = keys.topk(min(k, cols), -1)
+    valid = top > 0
+    if k > cols:  # static length k
+        pad = k - cols
+        idx = torch.cat([idx, idx.new_zeros(rows, pad)], -1)
+        valid = torch.cat([valid, valid.new_zeros(rows, pad)], -1)
+    return torch.where(valid, idx, 0), valid
+
+
+def sample_pairs(weights: Tensor, k: int, seed: Tensor, stream: int) -> Tensor:
+    """At most ``k`` of each row's cells with ``weights > 0``, a uniform random subset without
+    replacement; returns the 0/1 ``(B, M)`` mask of the kept cells."""
+    idx, valid = random_subset(weights > 0, k, seed, stream)
+    out = torch.zeros(weights.shape, dtype=weights.dtype, device=weights.device)
+    return out.scatter_add(-1, idx, valid.to(weights.dtype))

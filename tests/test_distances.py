@@ -281,3 +281,38 @@ def test_bad_inputs():
         pf.distances.lp(power=0)
     with pytest.raises(ValueError, match="embedding size >= 2"):
         pf.distances.snr()(torch.randn(3, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-aligned pairs (what a loss reads for a list of L pairs)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ours,theirs", PML_PAIRS, ids=lambda v: repr(v))
+def test_pairs_equal_the_matrix_diagonal(ours, theirs):
+    x = torch.randn(9, 6, generator=_gen(3), dtype=torch.float64)
+    y = torch.randn(9, 6, generator=_gen(4), dtype=torch.float64)
+    want = theirs(x, y).diagonal()
+    torch.testing.assert_close(ours.pairs(x, y), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours.pairs(x, y), ours.matrix(x, y).diagonal())
+
+
+@pytest.mark.parametrize("d", [pf.distances.lp(), pf.distances.lp(normalize=False)])
+def test_pairs_gradient_is_zero_not_nan_for_identical_rows(d):
+    x = torch.randn(4, 5, generator=_gen(5), requires_grad=True)
+    (g,) = torch.autograd.grad(d.pairs(x, x).sum(), x)
+    assert torch.equal(g, torch.zeros_like(g))
+    assert torch.equal(d.pairs(x, x).detach(), torch.zeros(4))
+
+
+def test_pairs_low_precision_computes_in_float32():
+    x = torch.randn(5, 4, generator=_gen(6)).to(torch.bfloat16)
+    y = torch.randn(5, 4, generator=_gen(7)).to(torch.bfloat16)
+    out = pf.distances.lp().pairs(x, y)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, pf.distances.lp().pairs(x.float(), y.float()))
+
+
+def test_pairs_bad_shapes():
+    with pytest.raises(ValueError, match="pairs needs two"):
+        pf.distances.lp().pairs(torch.randn(3, 4), torch.randn(2, 4))

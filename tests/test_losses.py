@@ -986,3 +986,24 @@ def test_inputs_not_modified_and_int32_labels(name, gen):
     out64 = fn(emb, labels, ref_emb=ref, ref_labels=ref_labels, **HP[name])
     torch.testing.assert_close(out32, out64, rtol=0, atol=0)
     torch.testing.assert_close(out, out64, rtol=1e-12, atol=1e-14)
+
+
+def test_triplet_loss_on_a_short_triplet_list_never_builds_the_matrix():
+    """Batch-hard gives B triplets: the loss reads their 2B distances, not the B × B matrix
+    (and gives the same value and gradient as the matrix path, i.e. as PML)."""
+    from tracking import LargestTensor
+
+    import pmlfunc as pf
+
+    b, d = 64, 8
+    emb = torch.randn(b, d, dtype=F64, requires_grad=True)
+    labels = torch.arange(b) // 4
+    mined = pf.miners.batch_hard(emb, labels)
+    with LargestTensor() as rec:
+        loss = pfl.triplet_margin(emb, labels, indices_tuple=mined)
+        (g,) = torch.autograd.grad(loss, emb)
+    assert rec.largest < b * b  # only (L,) and (L, D) tensors
+    want = pml_losses.TripletMarginLoss(margin=0.2)(emb, labels, mined.to_indices())
+    (g_want,) = torch.autograd.grad(want, emb)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(g, g_want)

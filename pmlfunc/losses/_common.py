@@ -38,8 +38,8 @@ class Batch:
     ``diagonal`` the column offset of the anchors' own entries in self mode.
     """
 
-    mat: Tensor  # (B, M) distance or similarity matrix
-    masks: PairMasks  # (B, M) positive / negative pair counts
+    make_mat: Callable[[], Tensor]  # (B, M) distance or similarity matrix, on demand
+    make_masks: Callable[[], PairMasks]  # (B, M) positive / negative pair counts, on demand
     labels: Tensor | None  # the anchors' labels
     counts: bool  # masks hold pair multiplicities (from an index tuple), not just 0/1
     distance: Distance
@@ -51,10 +51,45 @@ class Batch:
     indices_tuple: tuple | None = None
     rows: tuple[int, int] | None = None
     source: tuple = ()  # what the matrix came from (distance and tensors), for miner results
+    shape: tuple[int, int] = (0, 0)  # (anchors, references) of the matrix
+    given_mat: bool = False  # the caller passed mat=
+    _mat: Tensor | None = None
+    _masks: PairMasks | None = None
+
+    @property
+    def mat(self) -> Tensor:
+        """The ``(anchors, M)`` matrix, built on first use (a loss that reads only listed
+        pairs, such as the triplet loss on a miner's triplets, never builds it)."""
+        if self._mat is None:
+            self._mat = self.make_mat()
+        return self._mat
+
+    def pair_values(self, i: Tensor, j: Tensor) -> Tensor:
+        """The matrix entries ``(i_k, j_k)`` (``i`` indexes this batch's anchor rows).
+
+        Without the matrix at hand, and when the pairs are few (``2·L·D ≤ B·M``), they are
+        computed from the listed rows only (:meth:`~pmlfunc.distances.Distance.pairs`):
+        ``O(L·D)`` for ``L`` pairs instead of the ``O(B·M·D)`` matrix.
+        """
+        ref = self.embeddings if self.ref_emb is None else self.ref_emb
+        # Gathering costs O(L·D) elementwise work (forward and backward); the matrix one matmul
+        # and O(B·M): gather only when the pairs are few (batch-hard: L = B).
+        few = 2 * i.numel() * ref.shape[-1] <= self.shape[0] * self.shape[1]
+        if self._mat is not None or self.given_mat or self.rows is not None or not few:
+            return self.mat[i, j]
+        return self.distance.pairs(self.embeddings[i], ref[j])
+
+    @property
+    def masks(self) -> PairMasks:
+        """The pair masks, built on first use (a loss that reads a miner's result directly,
+        such as the triplet loss on a window, never builds them)."""
+        if self._masks is None:
+            self._masks = self.make_masks()
+        return self._masks
 
     @property
     def num_anchors(self) -> int:
-        return self.mat.shape[-2]
+        return self.shape[0]
 
     @property
     def diagonal(self) -> int | None:
@@ -76,7 +111,9 @@ class Batch:
 
     def any_pairs(self) -> tuple[Tensor, Tensor]:
         """Whether the whole batch (not just this chunk) has a positive / a negative pair."""
-        return any_pairs(self.all_labels, self.ref_labels, self.indices_tuple, self.mat.device)
+        return any_pairs(
+            self.all_labels, self.ref_labels, self.indices_tuple, self.embeddings.device
+        )
 
 
 @dataclass(frozen=True)
@@ -144,19 +181,27 @@ def prepare(
     r0, r1 = (0, b) if rows is None else rows
     cd = _checks.compute_dtype(embeddings.dtype)
     source = (distance, mat) if mat is not None else (distance, embeddings, ref_emb)
-    mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
-    masks = pair_masks(
-        labels,
-        None if ref_emb is None else ref_labels,
-        indices_tuple,
-        (b, m),
-        dtype=cd,
-        device=embeddings.device,
-        rows=rows,
-    )
+    given = mat is not None
+    if given:  # checked now, so that a bad mat fails at the call
+        mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
+
+    def make_mat() -> Tensor:
+        return mat if given else matrix(embeddings, ref_emb, None, distance, rows, anchors)
+
+    def make_masks() -> PairMasks:
+        return pair_masks(
+            labels,
+            None if ref_emb is None else ref_labels,
+            indices_tuple,
+            (b, m),
+            dtype=cd,
+            device=embeddings.device,
+            rows=rows,
+        )
+
     return Batch(
-        mat,
-        masks,
+        make_mat,
+        make_masks,
         None if labels is None else labels[r0:r1],
         indices_tuple is not None,
         distance,
@@ -168,6 +213,8 @@ def prepare(
         indices_tuple=indices_tuple,
         rows=rows,
         source=source,
+        shape=(r1 - r0, m),
+        given_mat=given,
     )
 
 

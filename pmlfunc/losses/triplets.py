@@ -72,8 +72,10 @@ def _sorted_hinge_stats(
     """
     ed = e.detach()
     m = margin.detach() if isinstance(margin, Tensor) else margin
-    is_pos = pos if binary else (pos > 0).to(e.dtype)
-    is_neg = neg if binary else (neg > 0).to(e.dtype)
+    # multiplicities are non-negative integers: clamping at 1 is a 0/1 indicator (and ~10x
+    # faster on CPU than a comparison and a conversion)
+    is_pos = pos if binary else pos.clamp_max(1.0)
+    is_neg = neg if binary else neg.clamp_max(1.0)
     keys = _ordered_int(
         torch.addcmul(ed, is_pos, torch.as_tensor(m, dtype=e.dtype, device=e.device))
     )
@@ -81,8 +83,9 @@ def _sorted_hinge_stats(
     top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
     if binary and diagonal is not None:
         keys.diagonal(offset=diagonal, dim1=-2, dim2=-1).fill_(top)
-    elif not binary:
-        keys = torch.where((is_pos + is_neg) > 0, keys, top)
+    elif not binary:  # columns that are neither sort last (by arithmetic: `where` is slower)
+        inside = (is_pos + is_neg).to(keys.dtype)
+        keys = keys.mul_(inside).add_(inside.neg_().add_(1).mul_(top))
     order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
     if binary:  # the type bit of the sorted keys says which column is which
         wn = keys.gather(-1, order).bitwise_and_(1).to(e.dtype)
@@ -374,27 +377,32 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     margin = _checks.hyper(margin, "margin")
     swap, smooth_loss = bool(swap), bool(smooth_loss)
     sign = batch.distance.sign()
-    e = sign * batch.mat
-    margin = scalar_like(margin, e)
     it = batch.indices_tuple
     if it is not None and not is_mined(it) and len(it) == 3:  # a PML triplet tuple
         a, p, n = (t.long() for t in it)
-        it = MinedTriplets(a, p, n, torch.ones(a.shape, dtype=e.dtype, device=e.device))
+        it = MinedTriplets(a, p, n, torch.ones(a.shape, device=a.device))
     if isinstance(it, MinedTriplets):
         a, p, n = it.anchors.long(), it.positives.long(), it.negatives.long()
-        weights = it.valid.to(e.dtype)
+        weights = it.valid
         if batch.rows is not None:  # a chunk: the triplets of its own anchors
             r0, r1 = batch.rows
-            weights = weights * ((a >= r0) & (a < r1)).to(e.dtype)
+            weights = weights * ((a >= r0) & (a < r1)).to(weights.dtype)
             a = (a - r0).clamp(0, r1 - r0 - 1)
-        e_an = e[a, n]
+        # only the listed pairs' distances: O(L·D), not the B × M matrix
+        e_ap, e_an = sign * batch.pair_values(a, p), sign * batch.pair_values(a, n)
         if swap:
-            e_pn = _ref_self(batch, sign)[p, n] if batch.ref_emb is not None else e[p, n]
+            if batch.ref_emb is not None:
+                e_pn = sign * batch.distance.pairs(batch.ref_emb[p], batch.ref_emb[n])
+            else:
+                e_pn = sign * batch.pair_values(p, n)
             e_an = torch.minimum(e_an, e_pn)
-        x = e[a, p] - e_an + margin
+        x = e_ap - e_an + scalar_like(margin, e_ap)
         losses = F.softplus(x) if smooth_loss else F.relu(x)
+        weights = weights.to(losses.dtype)
         terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
         return {"loss": terms}
+    e = sign * batch.mat
+    margin = scalar_like(margin, e)
     e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
     swap_self = swap and batch.ref_emb is None
     if isinstance(it, (TripletWindow, TripletMask)):
