@@ -21,6 +21,7 @@ from . import (
     nn,
     params,
     reducers,
+    regularizers,
     tuples,
     wrappers,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "nn",
     "params",
     "reducers",
+    "regularizers",
     "tuples",
     "wrappers",
 ]

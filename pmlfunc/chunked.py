@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import _checks
 from .distances import Distance
-from .losses._common import SPECS, LossSpec, default_reducer, prepare
+from .losses._common import SPECS, LossSpec, default_reducer, prepare, regularize
 from .reducers import Reducer
 
 __all__ = ["value_and_grad"]
@@ -69,6 +69,8 @@ class _SplitCall:
     inputs: dict[str, Any]  # distance, reducer, ref_emb, ref_labels, indices_tuple, mat
     hyper: dict[str, Any]
     reducer: Reducer
+    regularizer: Callable[[Tensor], Tensor] | None = None
+    reg_weight: float | Tensor = 1.0
 
 
 def _split_call(
@@ -81,6 +83,8 @@ def _split_call(
     embeddings, labels = given.pop("embeddings"), given.pop("labels")
     inputs = {k: given.pop(k) for k in _INPUTS}
     hyper = given
+    regularizer = hyper.pop("embedding_regularizer", None)
+    reg_weight = hyper.pop("embedding_reg_weight", 1.0)
     if hyper.pop("chunk_size", None) is not None:
         raise ValueError(
             "chunk_size was also given to the loss: value_and_grad does the chunking itself"
@@ -98,7 +102,7 @@ def _split_call(
             f"reducer {type(reducer).__name__.strip('_')} does not split over anchors "
             "(none() returns the terms, divisor() divides by a loss-specific global count)"
         )
-    return _SplitCall(embeddings, labels, inputs, hyper, reducer)
+    return _SplitCall(embeddings, labels, inputs, hyper, reducer, regularizer, reg_weight)
 
 
 def value_and_grad(
@@ -238,6 +242,13 @@ def _value_and_grad(
         results = []
         if want_x:
             results.append(x_vjp(g_x)[0])
+        if split.regularizer is not None:  # on the raw embeddings, once: its own gradient
+            reg_grad, reg = torch.func.grad_and_value(
+                lambda x: regularize(x.new_zeros(()), x, split.regularizer, split.reg_weight)
+            )(embeddings)
+            total = total + reg.to(total.dtype)
+            if want_x:
+                results[0] = results[0] + reg_grad
         if want_ref:
             results.append(ref_vjp(g_ref)[0])
         results = [results[0 if n == "embeddings" or not want_x else 1] for n in names]

@@ -239,6 +239,8 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
         )
     except (ValueError, TypeError):
         return None
+    if split.regularizer is not None:  # a regularizer of the whole batch: compute it whole
+        return None
     inputs = split.inputs
 
     def run(rows: tuple[int, int], group) -> Tensor:

@@ -149,13 +149,49 @@ def run(
     mat: Tensor | None,
     distance: Distance | None,
     reducer: Reducer | None,
+    *,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
     **hyper,
 ):
-    """A whole-batch loss: validate, build the matrix and masks, reduce the terms."""
+    """A whole-batch loss: validate, build the matrix and masks, reduce the terms, add the
+    embedding regularizer."""
     batch = prepare(
         embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, spec.default_distance
     )
-    return finish(batch, spec.terms(batch, **hyper), default_reducer(reducer, spec.default_reducer))
+    loss = finish(batch, spec.terms(batch, **hyper), default_reducer(reducer, spec.default_reducer))
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+def regularize(
+    loss,
+    x: Tensor,
+    regularizer: Callable[[Tensor], Tensor] | None,
+    weight: float | Tensor,
+    *,
+    name: str = "embedding",
+):
+    """``loss + weight · regularizer(x)``, as PML adds a regularizer's (already reduced) loss.
+
+    ``name`` is ``"embedding"`` (``embedding_regularizer`` on the embeddings) or ``"weight"``
+    (``weight_regularizer`` on a class-major weight matrix). With the ``none()`` reducer the loss
+    is a dict of terms: the regularizer becomes its ``"<name>_reg_loss"`` entry.
+    """
+    if regularizer is None:
+        return loss
+    if not callable(regularizer):
+        raise TypeError(
+            f"{name}_regularizer must be a function of a tensor (e.g. pf.regularizers.lp), "
+            f"got {type(regularizer).__name__}"
+        )
+    weight = _checks.hyper(weight, f"{name}_reg_weight")
+    reg = regularizer(x)
+    if not isinstance(reg, Tensor) or reg.ndim != 0:
+        raise ValueError(f"{name}_regularizer must return a 0-d tensor")
+    term = scalar_like(weight, reg) * reg
+    if isinstance(loss, dict):
+        return {**loss, f"{name}_reg_loss": term}
+    return loss + term.to(loss.dtype)
 
 
 def prepare(

@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import _checks
 from .. import params as _params
 from ..reducers import Reducer, elements, mean, reduce
-from ._common import cross_entropy, default_reducer, miner_weights, scalar_like
+from ._common import cross_entropy, default_reducer, miner_weights, regularize, scalar_like
 
 __all__ = [
     "arcface",
@@ -73,6 +73,7 @@ def _margin_softmax(
     scale: float | Tensor,
     reducer: Reducer | None,
     indices_tuple,
+    regularizers: tuple = (None, 1.0, None, 1.0),
 ) -> Tensor:
     """The one computation behind every loss of this module (see the module docstring).
 
@@ -109,7 +110,10 @@ def _margin_softmax(
     if miner is not None:
         losses = losses * miner
     terms = {"loss": elements(losses)}
-    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    emb_reg, emb_w, w_reg, w_w = regularizers  # PML passes the class-major (C[·K], D) weights
+    loss = regularize(loss, embeddings, emb_reg, emb_w)
+    return regularize(loss, weight.reshape(-1, weight.shape[-1]), w_reg, w_w, name="weight")
 
 
 def _cos_sin(margin: float | Tensor, ref: Tensor) -> tuple[float | Tensor, float | Tensor]:
@@ -212,6 +216,10 @@ def large_margin_softmax(
     scale: float | Tensor = 1.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Large-margin softmax (L-Softmax): a multiplicative angular margin ``cos(mθ)``.
 
@@ -257,6 +265,12 @@ def large_margin_softmax(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 
@@ -269,6 +283,10 @@ def sphereface(
     scale: float | Tensor = 1.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""SphereFace (A-Softmax): L-Softmax with normalised class weights.
 
@@ -310,6 +328,12 @@ def sphereface(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 
@@ -322,6 +346,10 @@ def cosface(
     scale: float | Tensor = 64.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""CosFace (large-margin cosine loss, AM-Softmax): an additive cosine margin.
 
@@ -365,6 +393,12 @@ def cosface(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 
@@ -377,6 +411,10 @@ def arcface(
     scale: float | Tensor = 64.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""ArcFace (additive angular margin loss): ``cos(θ + m)`` on the target class.
 
@@ -423,6 +461,12 @@ def arcface(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 
@@ -435,6 +479,10 @@ def subcenter_arcface(
     scale: float | Tensor = 64.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Sub-center ArcFace: ArcFace against the nearest of ``K`` sub-centres per class.
 
@@ -478,6 +526,12 @@ def subcenter_arcface(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 
@@ -490,6 +544,10 @@ def dynamic_arcface(
     scale: float | Tensor = 64.0,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Sub-center ArcFace with a margin per class (dynamic margins).
 
@@ -557,6 +615,12 @@ def dynamic_arcface(
         scale=scale,
         reducer=reducer,
         indices_tuple=indices_tuple,
+        regularizers=(
+            embedding_regularizer,
+            embedding_reg_weight,
+            weight_regularizer,
+            weight_reg_weight,
+        ),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,6 +28,8 @@ def contrastive(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Contrastive (pair margin) loss.
 
@@ -69,6 +73,8 @@ def contrastive(
         mat,
         distance,
         reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
         pos_margin=pos_margin,
         neg_margin=neg_margin,
     )
@@ -107,6 +113,8 @@ def multi_similarity(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Multi-similarity loss.
 
@@ -146,6 +154,8 @@ def multi_similarity(
         mat,
         distance,
         reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
         alpha=alpha,
         beta=beta,
         base=base,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ from ._common import (
     default_reducer,
     masked_logsumexp,
     miner_weights,
+    regularize,
     scalar_like,
 )
 
@@ -115,6 +117,10 @@ def proxy_anchor(
     distance: Distance | None = None,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Proxy-Anchor loss: each proxy is an anchor pulling its class's samples and pushing the rest.
 
@@ -179,7 +185,9 @@ def proxy_anchor(
         "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
-    return reduce(default_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return regularize(loss, params["proxies"], weight_regularizer, weight_reg_weight, name="weight")
 
 
 def proxy_anchor_init(
@@ -217,6 +225,10 @@ def proxy_nca(
     distance: Distance | None = None,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""ProxyNCA loss: neighbourhood component analysis of each sample against the class proxies.
 
@@ -263,7 +275,9 @@ def proxy_nca(
         miner_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
-    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return regularize(loss, params["proxies"], weight_regularizer, weight_reg_weight, name="weight")
 
 
 def proxy_nca_init(
@@ -297,6 +311,10 @@ def normalized_softmax(
     distance: Distance | None = None,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Normalized softmax loss: cross entropy over cosine logits against unit-norm class weights.
 
@@ -347,7 +365,9 @@ def normalized_softmax(
         miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return regularize(loss, params["weight"], weight_regularizer, weight_reg_weight, name="weight")
 
 
 def normalized_softmax_init(
@@ -386,6 +406,10 @@ def soft_triple(
     distance: Distance | None = None,
     reducer: Reducer | None = None,
     indices_tuple=None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+    weight_regularizer: Callable[[Tensor], Tensor] | None = None,
+    weight_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""SoftTriple loss: a softmax over classes, each class a soft maximum over ``K`` centres.
 
@@ -398,8 +422,9 @@ def soft_triple(
         \ell_i = -\log \frac{e^{λ(S_{i y_i} - δ)}}
                              {e^{λ(S_{i y_i} - δ)} + \sum_{c \ne y_i} e^{λ S_{ic}}}
 
-    As in PML 2.9.0, the paper's centre regulariser is not part of the loss (PML offers it only
-    as an optional ``weight_regularizer``; add it yourself if wanted). With an ``indices_tuple``
+    As in PML 2.9.0, the paper's centre regulariser is not part of the loss: pass
+    ``weight_regularizer=functools.partial(pf.regularizers.sparse_centers, num_classes=C,
+    centers_per_class=K)`` (it receives the ``(C·K, D)`` centres, class-major). With an ``indices_tuple``
     each term is multiplied by the sample's count in the tuple over the largest count (PML's
     ``convert_to_weights``).
 
@@ -454,7 +479,15 @@ def soft_triple(
         miner_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return regularize(
+        loss,
+        params["weight"].reshape(-1, params["weight"].shape[-1]),
+        weight_regularizer,
+        weight_reg_weight,
+        name="weight",
+    )
 
 
 def soft_triple_init(
@@ -504,6 +537,8 @@ def p2s_grad(
     params: dict[str, Tensor],
     *,
     reducer: Reducer | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""P2SGrad loss: squared error between cosines and one-hot targets.
 
@@ -550,7 +585,9 @@ def p2s_grad(
     err = cos - _one_hot(labels, num_classes, cos.dtype)
     losses = (err * err).mean(-1)
     terms = {"loss": elements(losses)}
-    return reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return loss
 
 
 def p2s_grad_init(

@@ -5,13 +5,23 @@ Both losses need per-row log-sum-exps only; no positive-pair × negative-pair ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine
 from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
-from ._common import Batch, LossSpec, masked_logsumexp, register, run, scalar_like
+from ._common import (
+    Batch,
+    LossSpec,
+    masked_logsumexp,
+    register,
+    regularize,
+    run,
+    scalar_like,
+)
 from ._streaming import ntxent_streaming, supcon_streaming
 
 __all__ = ["ntxent", "supcon"]
@@ -28,6 +38,8 @@ def ntxent(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
     chunk_size: int | None = None,
 ) -> Tensor:
     r"""NT-Xent (normalised temperature-scaled cross entropy, InfoNCE) loss.
@@ -65,7 +77,7 @@ def ntxent(
     Predictive Coding", 2018.
     """
     if chunk_size is not None:
-        return ntxent_streaming(
+        loss = ntxent_streaming(
             embeddings,
             labels,
             temperature=temperature,
@@ -77,6 +89,7 @@ def ntxent(
             mat=mat,
             chunk_size=chunk_size,
         )
+        return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
     return run(
         NTXENT,
         embeddings,
@@ -87,6 +100,8 @@ def ntxent(
         mat,
         distance,
         reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
         temperature=temperature,
     )
 
@@ -117,6 +132,8 @@ def supcon(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
     chunk_size: int | None = None,
 ) -> Tensor:
     r"""Supervised contrastive loss.
@@ -150,7 +167,7 @@ def supcon(
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     if chunk_size is not None:
-        return supcon_streaming(
+        loss = supcon_streaming(
             embeddings,
             labels,
             temperature=temperature,
@@ -162,6 +179,7 @@ def supcon(
             mat=mat,
             chunk_size=chunk_size,
         )
+        return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
     return run(
         SUPCON,
         embeddings,
@@ -172,6 +190,8 @@ def supcon(
         mat,
         distance,
         reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
         temperature=temperature,
     )
 

@@ -18,6 +18,7 @@ custom autograd function whose backward recomputes each chunk: O(B·M²) time, O
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,6 +320,8 @@ def triplet_margin(
     ref_labels: Tensor | None = None,
     indices_tuple=None,
     mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Triplet margin loss over all triplets (or the given ones).
 
@@ -367,6 +370,8 @@ def triplet_margin(
         mat,
         distance,
         reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
         margin=margin,
         swap=swap,
         smooth_loss=smooth_loss,
