@@ -1,4 +1,5 @@
-r"""Loss wrappers as pure functions with explicit state.
+r"""Loss wrappers as pure functions: cross-batch memory (explicit state), self-supervised views,
+a weighted combination of losses and miners.
 
 Cross-batch memory (PML ``CrossBatchMemory``): the loss of a batch against a queue of earlier
 batches' embeddings. PML keeps the queue and its fill position as module state (a Python-int
@@ -31,7 +32,13 @@ from torch import Tensor
 from . import _checks
 from .tuples import MinedPairs, MinedTriplets, TripletMask, TripletWindow
 
-__all__ = ["cross_batch_memory", "cross_batch_memory_init", "enqueue"]
+__all__ = [
+    "cross_batch_memory",
+    "cross_batch_memory_init",
+    "enqueue",
+    "multiple_losses",
+    "self_supervised",
+]
 
 _KEYS = ("embeddings", "labels", "index", "count")
 
@@ -198,3 +205,122 @@ def cross_batch_memory(
         embeddings, labels, ref_emb=ref, ref_labels=mem_labels, indices_tuple=pairs, **loss_kwargs
     )
     return loss, memory
+
+
+def self_supervised(
+    loss_fn: Callable[..., Tensor],
+    embeddings: Tensor,
+    *views: Tensor,
+    symmetric: bool = True,
+    **loss_kwargs: Any,
+) -> Tensor:
+    r"""A metric loss on augmented views, with the labels made for you (PML ``SelfSupervisedLoss``).
+
+    Row ``i`` of every view is the same input, so the label of row ``i`` is ``i``. With
+    ``symmetric=True`` (PML's default) the views are stacked into one batch of ``V·B`` rows with
+    labels ``[0..B−1] · V`` and every view serves as anchors; with ``symmetric=False`` the first
+    view is the query set and the others the reference set (``ref_emb``: nothing excluded).
+    PML 2.9.0 takes exactly two views; any number ``V ≥ 2`` works here (two views give PML's
+    numbers).
+
+    Args:
+        loss_fn: a pmlfunc embedding loss (or a ``functools.partial`` of one).
+        embeddings: ``(B, D)``, the first view.
+        *views: one or more further ``(B, D)`` views.
+        symmetric: default ``True``.
+        **loss_kwargs: passed to ``loss_fn``.
+
+    Example:
+        >>> loss = self_supervised(pf.losses.ntxent, view1, view2, temperature=0.1)
+
+    Reference: PML issue #411; Chen et al., "A Simple Framework for Contrastive Learning of
+    Visual Representations" (SimCLR), ICML 2020.
+    """
+    _checks.embeddings(embeddings)
+    if not views:
+        raise ValueError("self_supervised needs at least two views: embeddings and one more")
+    for k, v in enumerate(views):
+        _checks.embeddings(v, f"views[{k}]")
+        _checks.same_space(embeddings, v, f"views[{k}]")
+        if v.shape[0] != embeddings.shape[0]:
+            raise ValueError(
+                f"views[{k}] has {v.shape[0]} rows but embeddings has {embeddings.shape[0]}"
+            )
+    for key in ("labels", "ref_emb", "ref_labels"):
+        if key in loss_kwargs:
+            raise ValueError(f"self_supervised makes {key} itself")
+    b = embeddings.shape[0]
+    labels = torch.arange(b, device=embeddings.device)
+    if symmetric:
+        stacked = torch.cat([embeddings, *views], 0)
+        return loss_fn(stacked, labels.repeat(len(views) + 1), **loss_kwargs)
+    ref = views[0] if len(views) == 1 else torch.cat(views, 0)
+    return loss_fn(
+        embeddings, labels, ref_emb=ref, ref_labels=labels.repeat(len(views)), **loss_kwargs
+    )
+
+
+def multiple_losses(
+    losses: dict[str, Callable[..., Tensor]] | list[Callable[..., Tensor]],
+    *,
+    miners: dict[str, Callable[..., Any]] | list[Callable[..., Any] | None] | None = None,
+    weights: dict[str, float | Tensor] | list[float | Tensor] | None = None,
+) -> Callable[..., Tensor]:
+    r"""A weighted sum of losses, each with its own optional miner (PML ``MultipleLosses``).
+
+    Returns ``fn(embeddings, labels, indices_tuple=None, **kwargs) = Σ_i w_i · loss_i(embeddings,
+    labels, indices_tuple=miner_i(embeddings, labels) or indices_tuple, **kwargs)``. Losses,
+    miners and weights are a list (miners aligned by position, ``None`` for none) or a dict
+    (miners for some of the keys; weights for all of them). Default weights are 1. Passing an
+    ``indices_tuple`` together with miners is an error, as in PML.
+
+    Example:
+        >>> fn = multiple_losses(
+        ...     {"tri": pf.losses.triplet_margin, "con": pf.losses.contrastive},
+        ...     miners={"tri": pf.miners.batch_hard}, weights={"tri": 1.0, "con": 0.5})
+        >>> loss = fn(emb, labels)
+    """
+    is_dict = isinstance(losses, dict)
+    if not is_dict and not isinstance(losses, (list, tuple)):
+        raise TypeError(
+            f"losses must be a dict or a list of loss functions, got {type(losses).__name__}"
+        )
+    keys = list(losses) if is_dict else list(range(len(losses)))
+    if not keys:
+        raise ValueError("losses is empty")
+    for k in keys:
+        if not callable(losses[k]):
+            raise TypeError(f"losses[{k!r}] must be a loss function")
+
+    def aligned(x, name, all_keys):
+        if x is None:
+            return {}
+        if is_dict:
+            if not isinstance(x, dict):
+                raise TypeError(f"{name} must be a dict like losses")
+            extra = set(x) - set(keys)
+            if extra or (all_keys and set(x) != set(keys)):
+                raise ValueError(f"{name} keys must match the losses' keys {keys}, got {list(x)}")
+            return dict(x)
+        if not isinstance(x, (list, tuple)) or len(x) != len(keys):
+            raise ValueError(f"{name} must be a list of the same length as losses ({len(keys)})")
+        return dict(enumerate(x))
+
+    miner_of = {k: m for k, m in aligned(miners, "miners", False).items() if m is not None}
+    weight_of = aligned(weights, "weights", True)
+    for k in keys:
+        _checks.hyper(weight_of.get(k, 1.0), f"weights[{k!r}]")
+
+    def combined(
+        embeddings: Tensor, labels: Tensor | None = None, indices_tuple=None, **kwargs: Any
+    ) -> Tensor:
+        if miner_of and indices_tuple is not None:
+            raise ValueError("indices_tuple cannot be given when miners are set")
+        total = None
+        for k in keys:
+            it = miner_of[k](embeddings, labels) if k in miner_of else indices_tuple
+            term = losses[k](embeddings, labels, indices_tuple=it, **kwargs) * weight_of.get(k, 1.0)
+            total = term if total is None else total + term
+        return total
+
+    return combined

@@ -149,3 +149,91 @@ def test_errors():
         wrappers.cross_batch_memory(
             pf.losses.contrastive, emb, labels, memory, miner=lambda *a, **k: (labels, labels)
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# self_supervised and multiple_losses
+# ---------------------------------------------------------------------------------------------
+
+SELF_SUPERVISED = {
+    "ntxent": (
+        functools.partial(pf.losses.ntxent, temperature=0.1),
+        lambda: pml_losses.NTXentLoss(temperature=0.1),
+    ),
+    "triplet_margin": (pf.losses.triplet_margin, lambda: pml_losses.TripletMarginLoss(0.2)),
+    "contrastive": (pf.losses.contrastive, lambda: pml_losses.ContrastiveLoss()),
+    "supcon": (pf.losses.supcon, lambda: pml_losses.SupConLoss()),
+}
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("loss", list(SELF_SUPERVISED))
+def test_self_supervised_matches_pml(loss, symmetric):
+    ours, theirs = SELF_SUPERVISED[loss]
+    gen = torch.Generator().manual_seed(3)
+    v1 = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    v2 = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    got = wrappers.self_supervised(ours, v1, v2, symmetric=symmetric)
+    want = pml_losses.SelfSupervisedLoss(theirs(), symmetric=symmetric)(v1, v2)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(
+        torch.autograd.grad(got, (v1, v2)), torch.autograd.grad(want, (v1, v2)), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_self_supervised_three_views_equals_explicit_labels():
+    gen = torch.Generator().manual_seed(4)
+    views = [torch.randn(B, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+    labels = torch.arange(B)
+    got = wrappers.self_supervised(pf.losses.supcon, *views)
+    want = pf.losses.supcon(torch.cat(views), labels.repeat(3))
+    torch.testing.assert_close(got, want)
+    got = wrappers.self_supervised(pf.losses.supcon, *views, symmetric=False)
+    want = pf.losses.supcon(
+        views[0], labels, ref_emb=torch.cat(views[1:]), ref_labels=labels.repeat(2)
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_multiple_losses_matches_pml_dict_and_list():
+    gen = torch.Generator().manual_seed(5)
+    emb = torch.randn(12, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.arange(12) // 3
+    ours = wrappers.multiple_losses(
+        {"tri": pf.losses.triplet_margin, "con": pf.losses.contrastive},
+        miners={"tri": pf.miners.batch_hard},
+        weights={"tri": 1.0, "con": 0.5},
+    )
+    theirs = pml_losses.MultipleLosses(
+        {"tri": pml_losses.TripletMarginLoss(0.2), "con": pml_losses.ContrastiveLoss()},
+        miners={"tri": pml_miners.BatchHardMiner()},
+        weights={"tri": 1.0, "con": 0.5},
+    )
+    got, want = ours(emb, labels), theirs(emb, labels)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, emb)[0], torch.autograd.grad(want, emb)[0], rtol=1e-10, atol=1e-12
+    )
+    as_list = wrappers.multiple_losses(
+        [pf.losses.triplet_margin, pf.losses.contrastive],
+        miners=[pf.miners.batch_hard, None],
+        weights=[1.0, 0.5],
+    )
+    torch.testing.assert_close(as_list(emb, labels), got)
+
+
+def test_wrapper_errors():
+    emb = torch.randn(4, D)
+    with pytest.raises(ValueError, match="at least two views"):
+        wrappers.self_supervised(pf.losses.ntxent, emb)
+    with pytest.raises(ValueError, match=r"views\[0\] has 3 rows"):
+        wrappers.self_supervised(pf.losses.ntxent, emb, torch.randn(3, D))
+    with pytest.raises(ValueError, match="keys must match"):
+        wrappers.multiple_losses({"a": pf.losses.ntxent}, weights={"b": 1.0})
+    with pytest.raises(ValueError, match="same length"):
+        wrappers.multiple_losses([pf.losses.ntxent], weights=[1.0, 2.0])
+    fn = wrappers.multiple_losses([pf.losses.triplet_margin], miners=[pf.miners.batch_hard])
+    labels = torch.arange(4) // 2
+    with pytest.raises(ValueError, match="indices_tuple cannot be given"):
+        fn(emb, labels, indices_tuple=pf.miners.batch_hard(emb, labels))
