@@ -157,11 +157,14 @@ def _pf_triplet_miner(e, y, **bound):
 
 def _pf_triplet_loss(bounded: bool) -> Callable[[], Fn]:
     def factory() -> Fn:
-        # A fresh subset every step, as in training: one generator per body.
-        gen = torch.Generator().manual_seed(0)
-        bound = {"tuples_per_anchor": TUPLES_PER_ANCHOR, "generator": gen} if bounded else {}
+        # A fresh subset every step, as in training: a seed tensor advanced in place (the form
+        # that also works under torch.compile and in CUDA graphs).
+        seed = torch.zeros((), dtype=torch.int64)
+        bound = {"tuples_per_anchor": TUPLES_PER_ANCHOR, "generator": seed} if bounded else {}
 
         def loss(e, y):
+            if bounded:
+                seed.add_(1)
             mined = _pf_triplet_miner(e, y, **bound)
             return pf.losses.triplet_margin(e, y, margin=C.TRIPLET_MARGIN, indices_tuple=mined)
 

@@ -1,0 +1,372 @@
+"""Command-line benchmark runner: every case of the suite, pmlfunc beside PML 2.9.0 and the floor.
+
+    python -m benchmarks.run --batch-size 512 --dimensions 128 --repeats 20 --warmup 5 \\
+        --output /tmp/pmlfunc-cpu.json
+
+Flags follow the reference runner (``shared/reference/000_*``, "Development measurements"):
+``--batch-size --dimensions --samples-per-class --dtype --threads --repeats --warmup --device
+--case --mode --anchor-batch-size --output``; ``--case`` and ``--mode`` take comma-separated
+lists (default: every case; ``eager``). Inputs are seeded standard-normal embeddings with
+balanced contiguous labels (``benchmarks.common``); each case builds its own.
+
+Modes:
+
+- ``eager``;
+- ``compile``: the pmlfunc and floor functions under ``torch.compile(fullgraph=True)``; the
+  first step (compilation included) is reported apart (``first_step_ms``). An unsupported
+  operation fails that entry (``status: error``), with no eager fallback. PML is not compiled
+  (``status: skipped``);
+- ``cudagraph``: forward and backward captured in one CUDA graph and replayed (CUDA only;
+  elsewhere ``status: skipped`` with the reason).
+
+Every measured step builds a fresh graph; ``forward_ms`` covers the call, ``backward_ms`` the
+gradient (``None`` for mining and anchor-batched entries, which do all their work in the
+forward). CUDA synchronises around both intervals. Before timing, each entry is checked once:
+a finite loss and gradient, or a valid miner result. The JSON keeps the raw samples, medians,
+quartiles, the configuration, versions and the git revision; ``python -m benchmarks.report``
+turns runs into tables and charts. ``extra`` per entry: peak memory (CPU: the peak of live
+tensor storage one step adds, ``pmlfunc.memory``; CUDA: allocated memory above the pre-forward
+baseline), FLOPs of one step (``torch.utils.flop_counter``), and the case's settings.
+
+Some PML 2.9.0 steps cannot run at large batches: its NT-Xent and mined-pairs-to-triplets
+conversion build a (positive pairs) × (negative pairs) matrix. Entries whose estimate exceeds
+``--pml-memory-limit-gib`` (8) are skipped with the estimate as the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import common as C
+
+MODES = ("eager", "compile", "cudagraph")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def pml_pair_matrix_gib(case: str, batch: int, spc: int) -> float:
+    """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
+    pos, neg = batch * (spc - 1), batch * (batch - spc)
+    if case in ("ntxent", "anchor-batched-ntxent"):
+        return pos * neg * 4 / 2**30  # float32 logits
+    if case == "mined-triplet":
+        return pos * neg / 2**30  # a bool comparison of anchors
+    return 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(samples: list[float]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "q1": q[0],
+        "q3": q[2],
+        "mean": statistics.fmean(samples),
+    }
+
+
+class _Step:
+    """Forward / backward of one entry on fixed inputs (a fresh graph each call)."""
+
+    def __init__(self, entry, fn, params, emb, labels):
+        self.entry, self.fn, self.params, self.emb, self.labels = entry, fn, params, emb, labels
+
+    def forward(self):
+        if self.entry.kind == "mine":
+            with torch.no_grad():
+                return self.fn(self.emb, self.labels)
+        return self.fn(self.emb, self.labels)
+
+    def backward(self, out):
+        if self.entry.kind != "loss":
+            return None
+        return torch.autograd.grad(out, [self.emb, *self.params])
+
+    def check(self, out, grads) -> float | None:
+        kind = self.entry.kind
+        if kind == "mine":
+            mined = out.to_indices() if hasattr(out, "to_indices") else out
+            if isinstance(mined, torch.Tensor):  # the mining floor
+                if not torch.isfinite(mined).all():
+                    raise RuntimeError("non-finite result")
+                return None
+            for t in mined:
+                if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.emb.shape[0]):
+                    raise RuntimeError("miner index out of range")
+            return None
+        loss, grad = out if kind == "value_and_grad" else (out, grads[0])
+        if loss.ndim != 0 or not torch.isfinite(loss):
+            raise RuntimeError(f"loss is not a finite scalar: {loss}")
+        if not torch.isfinite(grad).all():
+            raise RuntimeError("non-finite gradient")
+        return float(loss.detach())
+
+
+def _flops(step: _Step) -> int | None:
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:  # pragma: no cover
+        return None
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            out = step.forward()
+            step.backward(out)
+    except RuntimeError:  # some PML steps register autograd hooks the counter cannot follow
+        return None
+    return int(counter.get_total_flops())
+
+
+def _peak_mib(step: _Step, device: torch.device) -> float | None:
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = step.forward()
+        step.backward(out)
+        _sync(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    from pmlfunc.memory import TensorMemoryTracker
+
+    with TensorMemoryTracker() as tracker:
+        out = step.forward()
+        step.backward(out)
+    return tracker.peak / 2**20
+
+
+def _graphed(step: _Step, device: torch.device):
+    """Capture forward+backward in one CUDA graph; returns a replay function."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up on a side stream before capture
+            step.backward(step.forward())
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step.forward()
+        step.backward(out)
+    return graph.replay, out
+
+
+def measure(entry, args, mode: str) -> dict[str, Any]:
+    """Time one entry in one mode; the record written to the JSON."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    record: dict[str, Any] = {
+        "case": entry.case,
+        "impl": entry.impl,
+        "library": entry.library,
+        "mode": mode,
+        "kind": entry.kind,
+        "status": "ok",
+        "reason": None,
+        "extra": dict(entry.extra),
+    }
+    gib = pml_pair_matrix_gib(entry.case, args.batch_size, args.samples_per_class)
+    if entry.library == "pml" and gib > args.pml_memory_limit_gib:
+        return {
+            **record,
+            "status": "skipped",
+            "reason": f"PML 2.9.0 would build a {gib:,.0f} GiB positive×negative pair matrix",
+        }
+    if mode != "eager" and entry.library == "pml":
+        return {**record, "status": "skipped", "reason": f"PML is measured eager only ({mode})"}
+    if mode == "cudagraph" and device.type != "cuda":
+        return {**record, "status": "skipped", "reason": "CUDA-graph capture needs CUDA"}
+    if mode == "cudagraph" and entry.kind == "value_and_grad":
+        return {
+            **record,
+            "status": "skipped",
+            "reason": "anchor-batched steps run Python loops over chunks; capture the loss instead",
+        }
+    emb, labels = C.make_inputs(
+        args.batch_size, args.dimensions, args.samples_per_class, dtype=dtype, device=device
+    )
+    if entry.kind == "mine":
+        emb = emb.detach()
+    fn, params = entry.make(emb, labels)
+    step = _Step(entry, fn, params, emb, labels)
+    try:
+        with C.set_threads(args.threads):
+            out = step.forward()
+            record["loss"] = step.check(out, step.backward(out))
+            record["flops"] = _flops(step)
+            record["peak_memory_mib"] = _peak_mib(step, device)
+            if mode == "compile":
+                step.fn = torch.compile(fn, fullgraph=True)
+                _sync(device)
+                t0 = time.perf_counter()
+                step.backward(step.forward())
+                _sync(device)
+                record["first_step_ms"] = (time.perf_counter() - t0) * 1e3
+            replay = None
+            if mode == "cudagraph":
+                replay, _ = _graphed(step, device)
+            fwd, bwd, total = [], [], []
+            for i in range(args.warmup + args.repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                if replay is not None:
+                    replay()
+                    out = None
+                else:
+                    out = step.forward()
+                _sync(device)
+                t1 = time.perf_counter()
+                if replay is None and entry.kind == "loss":
+                    step.backward(out)
+                    _sync(device)
+                t2 = time.perf_counter()
+                if i >= args.warmup:
+                    fwd.append((t1 - t0) * 1e3)
+                    bwd.append((t2 - t1) * 1e3)
+                    total.append((t2 - t0) * 1e3)
+    except Exception as err:  # recorded, never silent: the report shows it
+        return {**record, "status": "error", "reason": f"{type(err).__name__}: {err}"[:500]}
+    no_backward = entry.kind != "loss" or mode == "cudagraph"
+    record.update(
+        forward_ms=fwd,
+        backward_ms=None if no_backward else bwd,
+        total_ms=total,
+        stats=_stats(total),
+        forward_stats=_stats(fwd),
+        backward_stats=None if no_backward else _stats(bwd),
+    )
+    return record
+
+
+def select(cases_arg: str | None) -> list:
+    from .suite import entries
+
+    table = entries()
+    names = list(table) if not cases_arg or cases_arg == "all" else cases_arg.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; choose from {list(table)}")
+    return [e for n in names for e in table[n].values()]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=C.DEFAULT_BATCH)
+    p.add_argument("--dimensions", type=int, default=C.DEFAULT_DIM)
+    p.add_argument("--samples-per-class", type=int, default=C.DEFAULT_SAMPLES_PER_CLASS)
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"]
+    )
+    p.add_argument("--threads", type=int, default=C.DEFAULT_THREADS)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--case", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--impl", default=None, help="comma-separated implementations (default: all)")
+    p.add_argument("--mode", default="eager", help=f"comma-separated, from {MODES}")
+    p.add_argument("--anchor-batch-size", type=int, default=256)
+    p.add_argument("--pml-memory-limit-gib", type=float, default=8.0)
+    p.add_argument("--output", default=None, help="JSON file to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    modes = args.mode.split(",")
+    if any(m not in MODES for m in modes):
+        p.error(f"--mode must be a comma-separated list from {MODES}, got {args.mode!r}")
+    args.modes = modes
+    if args.batch_size < 2 * args.samples_per_class:
+        p.error("--batch-size must hold at least two complete classes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    from . import bench_extra
+
+    bench_extra.ANCHOR_BATCH = args.anchor_batch_size  # read when an entry is made
+    chosen = select(args.case)
+    if args.impl:
+        keep = set(args.impl.split(","))
+        chosen = [e for e in chosen if e.impl in keep or e.library in keep]
+    jobs = [(e, m) for m in args.modes for e in chosen]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = (
+        tqdm(jobs, desc="benchmarks", unit="entry", file=sys.stderr)
+        if tqdm and not args.quiet
+        else contextlib.nullcontext(jobs)
+    )
+    results = []
+    with bar as progress:
+        for entry, mode in progress:
+            if hasattr(progress, "set_postfix_str"):
+                progress.set_postfix_str(f"{entry.case}/{entry.impl}/{mode}")
+            results.append(measure(entry, args, mode))
+    run = {
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "batch_size",
+                "dimensions",
+                "samples_per_class",
+                "dtype",
+                "threads",
+                "repeats",
+                "warmup",
+                "device",
+                "anchor_batch_size",
+            )
+        }
+        | {"modes": args.modes, "seed": C.SEED},
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "git_revision": git_revision(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "results": results,
+    }
+    for r in results:
+        median = r["stats"]["median"] if r.get("stats") else None
+        shown = f"{median:10.3f} ms" if median is not None else f"{r['status']:>13}"
+        print(f"{r['case']:24s} {r['impl']:24s} {r['mode']:9s} {shown}  {r.get('reason') or ''}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(run, indent=1))
+    bad = [r for r in results if r["status"] == "error"]
+    if bad:
+        print(f"{len(bad)} entr{'y' if len(bad) == 1 else 'ies'} failed", file=sys.stderr)
+    return run
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The benchmark command-line tools: ``benchmarks.run``, ``benchmarks.report``,
+``benchmarks.capacity`` (on a tiny configuration; timings are not asserted)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from benchmarks import capacity, report, run
+
+TINY = ["--batch-size", "16", "--dimensions", "8", "--repeats", "2", "--warmup", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "b16.json"
+    cases = "contrastive,pair-miner,mined-triplet,proxy,anchor-batched-triplet,reused-lp"
+    run.main([*TINY, "--case", cases, "--mode", "eager,cudagraph", "--output", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_run_records_every_entry_with_samples_and_provenance(eager_run):
+    results = eager_run["results"]
+    eager = [r for r in results if r["mode"] == "eager"]
+    assert {r["case"] for r in eager} == {
+        "contrastive", "pair-miner", "mined-triplet", "proxy", "anchor-batched-triplet", "reused-lp"
+    }  # fmt: skip
+    for r in eager:
+        assert r["status"] == "ok", r
+        assert len(r["total_ms"]) == 2 and r["stats"]["median"] > 0
+        assert r["peak_memory_mib"] is not None and r["peak_memory_mib"] > 0
+    kinds = {(r["case"], r["impl"]): r for r in eager}
+    assert kinds[("pair-miner", "pmlfunc")]["backward_ms"] is None  # mining: no backward
+    assert kinds[("anchor-batched-triplet", "pmlfunc-anchor-batched")]["backward_ms"] is None
+    assert len(kinds[("contrastive", "pmlfunc")]["backward_ms"]) == 2
+    assert kinds[("contrastive", "pmlfunc")]["flops"] > 0
+    # the same loss from both libraries
+    for case in ("contrastive", "mined-triplet", "proxy"):
+        ours, theirs = kinds[(case, "pmlfunc")]["loss"], kinds[(case, "pml")]["loss"]
+        assert ours == pytest.approx(theirs, rel=1e-3, abs=1e-6), case
+    assert eager_run["config"]["batch_size"] == 16
+    assert eager_run["environment"]["torch"]
+
+
+def test_cuda_graph_mode_is_skipped_with_a_reason_on_cpu(eager_run):
+    graphed = [r for r in eager_run["results"] if r["mode"] == "cudagraph"]
+    assert graphed and all(r["status"] == "skipped" for r in graphed)
+    reasons = {r["reason"] for r in graphed}
+    assert any("CUDA-graph capture needs CUDA" in x for x in reasons), reasons
+
+
+@pytest.mark.compile
+def test_compile_mode_reports_the_first_step_apart(tmp_path):
+    out = tmp_path / "compiled.json"
+    run.main([*TINY, "--case", "contrastive", "--mode", "compile", "--output", str(out)])
+    results = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["pml"]["status"] == "skipped"
+    assert results["pmlfunc"]["status"] == "ok"
+    assert results["pmlfunc"]["first_step_ms"] > results["pmlfunc"]["stats"]["median"]
+
+
+def test_pml_pair_matrix_guard(tmp_path):
+    assert run.pml_pair_matrix_gib("ntxent", 512, 4) == pytest.approx(
+        512 * 3 * 512 * 508 * 4 / 2**30
+    )
+    assert run.pml_pair_matrix_gib("contrastive", 512, 4) == 0.0
+    out = tmp_path / "guard.json"
+    run.main([*TINY, "--case", "ntxent", "--pml-memory-limit-gib", "0", "--output", str(out)])
+    results = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["pml"]["status"] == "skipped" and "GiB" in results["pml"]["reason"]
+    assert results["pmlfunc"]["status"] == "ok"
+
+
+def test_run_rejects_unknown_cases_and_modes():
+    with pytest.raises(SystemExit):
+        run.main([*TINY, "--case", "no-such-case"])
+    with pytest.raises(SystemExit):
+        run.main([*TINY, "--mode", "jit"])
+
+
+def test_report_writes_tables_csv_and_charts(eager_run, tmp_path):
+    first = tmp_path / "b16.json"
+    first.write_text(json.dumps(eager_run))
+    second = tmp_path / "b32.json"
+    run.main([*TINY[:1], "32", *TINY[2:], "--case", "contrastive", "--output", str(second)])
+    written = report.main([str(first), str(second), "--output", str(tmp_path / "rep")])
+    md = (tmp_path / "rep" / "README.md").read_text()
+    assert "## Batch 16, float32, eager" in md and "## Batch 32, float32, eager" in md
+    assert "| contrastive | pmlfunc |" in md
+    assert "CUDA-graph capture needs CUDA" in md  # skipped entries are listed, not hidden
+    assert "## Provenance" in md
+    with (tmp_path / "rep" / "results.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(eager_run["results"]) + 3
+    svgs = [p for p in written if p.suffix == ".svg"]
+    assert [p.name for p in svgs] == ["contrastive.svg"]  # the only case at two batch sizes
+    assert ET.parse(svgs[0]).getroot().tag.endswith("svg")
+
+
+@pytest.mark.parametrize("limit", [100, 700, 5000])
+def test_capacity_search_brackets_to_128_rows_or_5_percent(limit):
+    result = capacity.search(
+        lambda b: "ok" if b <= limit else "oom", start=512, ceiling=2**20, multiple=4
+    )
+    got = result["batch"]
+    assert got <= limit and got % 4 == 0
+    assert limit - got <= max(128, 0.05 * got) + 4
+    assert result["failure"] == "oom" and not result["lower_bound"]
+    assert sum(t["batch"] == got for t in result["trials"]) >= 3  # confirmed twice more
+
+
+def test_capacity_search_when_nothing_fits():
+    result = capacity.search(lambda b: "oom", start=512, ceiling=2**20, multiple=4)
+    assert result["batch"] == 0 and result["failure"] == "oom"
+    assert min(t["batch"] for t in result["trials"]) == 4  # halved down to one class
+
+
+def test_capacity_search_ceiling_is_a_lower_bound():
+    result = capacity.search(lambda b: "ok", start=512, ceiling=4096, multiple=4)
+    assert result == {**result, "batch": 4096, "lower_bound": True}
+
+
+def test_capacity_needs_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert capacity.main(["--case", "ntxent"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
