@@ -4,6 +4,12 @@ One module per family; every loss is re-exported here by its PML name in snake_c
 losses take a ``params`` dict created by their ``<loss>_init``.
 """
 
+from .contrastive_ext import (
+    decoupled_contrastive,
+    multi_supcon,
+    selectively_contrastive_triplet,
+    vicreg,
+)
 from .margin_softmax import (
     arcface,
     arcface_init,
@@ -33,20 +39,38 @@ from .proxies import (
     soft_triple_init,
 )
 from .softmax import ntxent, supcon
+from .structured import (
+    circle,
+    generalized_lifted_structure,
+    intra_pair_variance,
+    lifted_structure,
+    margin,
+    margin_init,
+    signal_to_noise_ratio_contrastive,
+    tuplet_margin,
+)
 from .triplets import triplet_margin
 
 __all__ = [
     "arcface",
     "arcface_init",
+    "circle",
     "contrastive",
     "cosface",
     "cosface_init",
+    "decoupled_contrastive",
     "dynamic_arcface",
     "dynamic_arcface_init",
     "dynamic_arcface_margins",
+    "generalized_lifted_structure",
+    "intra_pair_variance",
     "large_margin_softmax",
     "large_margin_softmax_init",
+    "lifted_structure",
+    "margin",
+    "margin_init",
     "multi_similarity",
+    "multi_supcon",
     "normalized_softmax",
     "normalized_softmax_init",
     "ntxent",
@@ -56,6 +80,8 @@ __all__ = [
     "proxy_anchor_init",
     "proxy_nca",
     "proxy_nca_init",
+    "selectively_contrastive_triplet",
+    "signal_to_noise_ratio_contrastive",
     "soft_triple",
     "soft_triple_init",
     "sphereface",
@@ -64,4 +90,6 @@ __all__ = [
     "subcenter_arcface_init",
     "supcon",
     "triplet_margin",
+    "tuplet_margin",
+    "vicreg",
 ]
