@@ -106,8 +106,40 @@ CASES: dict[str, Case] = {
                 alpha=C.MS_ALPHA, beta=C.MS_BETA, base=C.MS_BASE
             ),
         ),
+        # Issue 4's losses, PML defaults unless stated.
+        *(
+            Case(name, (lambda n=name, h=hyper: lambda e, y: getattr(pf.losses, n)(e, y, **h)), pml)
+            for name, hyper, pml in (
+                ("lifted_structure", {}, lambda: pml_losses.LiftedStructureLoss()),
+                (
+                    "generalized_lifted_structure",
+                    {},
+                    lambda: pml_losses.GeneralizedLiftedStructureLoss(),
+                ),
+                ("circle", {}, lambda: pml_losses.CircleLoss()),
+                ("intra_pair_variance", {}, lambda: pml_losses.IntraPairVarianceLoss()),
+                ("tuplet_margin", {}, lambda: pml_losses.TupletMarginLoss()),
+                (
+                    "signal_to_noise_ratio_contrastive",
+                    {},
+                    lambda: pml_losses.SignalToNoiseRatioContrastiveLoss(),
+                ),
+                ("margin", {}, lambda: pml_losses.MarginLoss()),
+                ("fast_ap", {}, lambda: pml_losses.FastAPLoss()),
+                ("histogram", {}, lambda: pml_losses.HistogramLoss()),
+                ("pnp", {}, lambda: pml_losses.PNPLoss()),
+            )
+        ),
+        Case(  # its state is explicit: the benchmark measures one step from a fresh state
+            "dynamic_soft_margin",
+            lambda: lambda e, y: pf.losses.dynamic_soft_margin(e, y)[0],
+            lambda: pml_losses.DynamicSoftMarginLoss(),
+        ),
     )
 }
+# PML builds a (positive pairs) x (negative pairs) matrix for these: the untimed run uses
+# SMOKE_NTXENT_BATCH for them (timed runs always use PMLFUNC_BENCH_BATCH).
+PML_PAIR_MATRIX_CASES = frozenset({"ntxent", "lifted_structure", "tuplet_margin"})
 IMPLS = ("pml", "pmlfunc", "floor")  # pml first: its timed step also serves as the reference
 
 
@@ -118,7 +150,7 @@ def make_loss(case: str, impl: str) -> Loss:
 
 
 def case_batch(case: str, disabled: bool) -> int:
-    if disabled and case == "ntxent":
+    if disabled and case in PML_PAIR_MATRIX_CASES:
         return min(BATCH, SMOKE_NTXENT_BATCH)
     return BATCH
 

@@ -67,7 +67,7 @@ def git_revision() -> str | None:
 def pml_pair_matrix_gib(case: str, batch: int, spc: int) -> float:
     """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
     pos, neg = batch * (spc - 1), batch * (batch - spc)
-    if case in ("ntxent", "anchor-batched-ntxent"):
+    if case in ("ntxent", "anchor-batched-ntxent", "lifted_structure", "tuplet_margin"):
         return pos * neg * 4 / 2**30  # float32 logits
     if case == "mined-triplet":
         return pos * neg / 2**30  # a bool comparison of anchors

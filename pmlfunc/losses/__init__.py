@@ -38,6 +38,14 @@ from .proxies import (
     soft_triple,
     soft_triple_init,
 )
+from .ranking import (
+    dynamic_soft_margin,
+    dynamic_soft_margin_init_state,
+    fast_ap,
+    histogram,
+    pnp,
+    smooth_ap,
+)
 from .softmax import ntxent, supcon
 from .structured import (
     circle,
@@ -62,7 +70,11 @@ __all__ = [
     "dynamic_arcface",
     "dynamic_arcface_init",
     "dynamic_arcface_margins",
+    "dynamic_soft_margin",
+    "dynamic_soft_margin_init_state",
+    "fast_ap",
     "generalized_lifted_structure",
+    "histogram",
     "intra_pair_variance",
     "large_margin_softmax",
     "large_margin_softmax_init",
@@ -76,12 +88,14 @@ __all__ = [
     "ntxent",
     "p2s_grad",
     "p2s_grad_init",
+    "pnp",
     "proxy_anchor",
     "proxy_anchor_init",
     "proxy_nca",
     "proxy_nca_init",
     "selectively_contrastive_triplet",
     "signal_to_noise_ratio_contrastive",
+    "smooth_ap",
     "soft_triple",
     "soft_triple_init",
     "sphereface",

@@ -1,0 +1,754 @@
+"""Ranking and histogram losses: FastAP, Histogram, Smooth-AP, PNP, Dynamic Soft Margin.
+
+These losses score a whole ranking or a whole distribution, so none of them is registered for
+:mod:`pmlfunc.chunked`; each calls :func:`~pmlfunc.losses._common.prepare` and reduces itself.
+Nothing of size ``B × M × M`` lives at once:
+
+- ``fast_ap`` and ``histogram`` bin each matrix entry into its two neighbouring histogram nodes
+  (the triangular kernel is non-zero there only): ``O(B·M)`` memory, where PML builds a
+  ``(bins + 1) × B × B`` pulse tensor.
+- ``smooth_ap`` and ``pnp`` need ``Σ_k σ((s_ak − s_aj)/τ)`` for every pair ``(a, j)``; a sigmoid
+  has no prefix-sum form, so the ``M × M`` block of each anchor is computed in anchor chunks by a
+  custom autograd function whose backward recomputes the chunk: ``O(B·M²)`` time,
+  ``O(chunk·M²)`` memory (PML keeps several ``B × B × B`` tensors alive).
+- ``dynamic_soft_margin`` never enumerates triplets: per anchor the negatives are sorted once and
+  every (anchor, positive) pair finds, by binary search, the negatives that fall in each
+  histogram bin of ``d_ap − d_an``; counts and prefix sums give the histogram and the loss:
+  ``O(B·M·(bins + log M))`` instead of ``O(B·P·N)``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .._inputs import matrix
+from ..distances import Distance, cosine, lp
+from ..labels import check_tuple, label_masks
+from ..reducers import DenseTerms, Reducer, _ratio, mean
+from ..tuples import MinedTriplets, TripletMask, TripletWindow, is_mined
+from ._common import (
+    Batch,
+    default_reducer,
+    finish,
+    miner_weights,
+    prepare,
+    regularize,
+    scalar_like,
+)
+
+__all__ = [
+    "dynamic_soft_margin",
+    "dynamic_soft_margin_init_state",
+    "fast_ap",
+    "histogram",
+    "pnp",
+    "smooth_ap",
+]
+
+_LP = type(lp())
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+# ---------------------------------------------------------------------------------------------
+def _int(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _no_ref(ref_emb: Tensor | None, ref_labels: Tensor | None, name: str) -> None:
+    if ref_emb is not None or ref_labels is not None:
+        raise ValueError(f"{name} does not support ref_emb/ref_labels (neither does PML)")
+
+
+def _needs_labels(labels: Tensor | None, name: str) -> None:
+    if labels is None:
+        raise ValueError(f"{name} needs labels (an indices_tuple only weights its terms)")
+
+
+def _check_l2(distance: Distance | None, name: str) -> None:
+    """PML's ``assert_distance_type(LpDistance, normalize_embeddings=True, p=2)``."""
+    if distance is None:
+        return
+    if not (isinstance(distance, _LP) and distance.p == 2 and distance.normalize):
+        raise ValueError(
+            f"{name} needs distance=pmlfunc.distances.lp(p=2, normalize=True, power=...), got "
+            f"{distance!r}"
+        )
+
+
+def _already_reduced(reducer: Reducer | None, name: str) -> None:
+    if reducer is not None:
+        raise ValueError(
+            f"{name} returns an already-reduced value (as in PML, which ignores its reducer); "
+            "reducer must be None"
+        )
+
+
+def _binary_label_masks(batch: Batch, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """0/1 positive/negative masks from the labels (reference-set rule), ignoring any tuple."""
+    ref_labels = None if batch.ref_emb is None else batch.ref_labels
+    return label_masks(batch.labels, ref_labels, dtype=dtype)
+
+
+def _chunk_rows(m: int, budget: int = 1 << 22) -> int:
+    """Anchors per chunk so that a ``chunk × M × M`` block holds about ``budget`` elements."""
+    return max(1, budget // max(1, m * m))
+
+
+class _SigmoidRanks(torch.autograd.Function):
+    r"""``R[q, a, j] = Σ_k W[q, a, k] · σ((s_ak − s_aj) / τ)`` for every ``(a, j)``.
+
+    ``clamp`` (or ``None``) bounds ``(s_ak − s_aj) / τ`` to ``[−clamp, clamp]`` before the
+    sigmoid, with a zero derivative outside (PNP's temperature-controlled sigmoid). Anchors are
+    processed in chunks of ``chunk`` rows, forward and (recomputing) backward, so only a
+    ``chunk × M × M`` block exists at a time. ``W`` holds constant 0/1 weights (no gradient);
+    ``tau`` may be a 0-d tensor and then gets its gradient.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(s: Tensor, w: Tensor, tau, clamp, chunk: int) -> Tensor:
+        out = []
+        for r0 in range(0, s.shape[-2], chunk):
+            sig, _, _ = _SigmoidRanks._block(s, tau, clamp, r0, r0 + chunk)
+            out.append(torch.einsum("ajk,qak->qaj", sig, w[:, r0 : r0 + chunk]))
+        return torch.cat(out, dim=-2)
+
+    @staticmethod
+    def _block(s: Tensor, tau, clamp, r0: int, r1: int):
+        rows = s[r0:r1]
+        x = rows.unsqueeze(-2) - rows.unsqueeze(-1)  # x[a, j, k] = s_ak − s_aj
+        z = x / tau
+        keep = None
+        if clamp is not None:
+            keep = (z >= -clamp) & (z <= clamp)
+            z = z.clamp(-clamp, clamp)
+        return torch.sigmoid(z), x, keep
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        s, w, tau, clamp, chunk = inputs
+        ctx.clamp, ctx.chunk = clamp, chunk
+        ctx.tau_is_tensor = isinstance(tau, Tensor)
+        if ctx.tau_is_tensor:
+            ctx.save_for_backward(s, w, tau)
+        else:
+            ctx.tau = tau
+            ctx.save_for_backward(s, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.tau_is_tensor:
+            s, w, tau = ctx.saved_tensors
+        else:
+            (s, w), tau = ctx.saved_tensors, ctx.tau
+        grads, grad_tau = [], None
+        for r0 in range(0, s.shape[-2], ctx.chunk):
+            r1 = r0 + ctx.chunk
+            sig, x, keep = _SigmoidRanks._block(s, tau, ctx.clamp, r0, r1)
+            # dR[q,a,j]/dx[a,j,k] = W[q,a,k] σ'(x/τ)/τ;  x[a,j,k] = s_ak − s_aj.
+            h = torch.einsum("qaj,qak->ajk", g[:, r0:r1], w[:, r0:r1]) * (sig * (1 - sig)) / tau
+            if keep is not None:
+                h = h * keep
+            grads.append(h.sum(-2) - h.sum(-1))
+            if ctx.tau_is_tensor:
+                part = -(h * x).sum() / tau
+                grad_tau = part if grad_tau is None else grad_tau + part
+        return torch.cat(grads, dim=-2), None, grad_tau, None, None
+
+
+def sigmoid_ranks(s: Tensor, w: Tensor, tau, clamp: float | None = None) -> Tensor:
+    r"""``R[q, a, j] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)`` in anchor chunks (see
+    :class:`_SigmoidRanks`): ``s`` is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, the result
+    ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions; a candidate for ``_common``."""
+    return _SigmoidRanks.apply(s, w.detach(), scalar_like(tau, s), clamp, _chunk_rows(s.shape[-1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# FastAP
+# ---------------------------------------------------------------------------------------------
+def fast_ap(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    num_bins: int = 10,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""FastAP: one minus a histogram-binned average precision per anchor.
+
+    Distances ``d`` (in ``[0, 2^{power}]`` for unit rows) are soft-assigned to ``K + 1`` nodes
+    ``z_e = e·Δ``, ``Δ = 2^{power}/K``, by the triangular kernel ``δ(d, e) = [1 − |d − z_e|/Δ]_+``.
+    Per anchor ``a`` with positives ``P_a`` and negatives ``N_a``:
+
+    .. math::
+        h^+_e = \sum_{p \in P_a} δ(d_{ap}, e),\quad h_e = h^+_e + \sum_{n \in N_a} δ(d_{an}, e),
+        \quad \ell_a = w_a \Big(1 - \frac{1}{|P_a|}\sum_e \frac{h^+_e H^+_e}{H_e}\Big)
+
+    with cumulative ``H^+_e = Σ_{e' ≤ e} h^+_{e'}``, ``H_e = Σ_{e' ≤ e} h_{e'}``; ``w_a`` is the
+    miner weight (the anchor's count in ``indices_tuple`` over the largest count; 1 without one).
+    Anchors without positives are left out. Each distance touches two nodes only, so the
+    histograms are built by a scatter from the ``B × M`` matrix (PML builds a
+    ``(K + 1) × B × B`` tensor).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required: pairs always come from the labels).
+        num_bins: ``K`` (default ``10``).
+        distance: default ``lp(power=2)``; must be ``lp(p=2, normalize=True)`` (any power).
+        reducer: default ``mean()`` over the anchors with positives.
+        ref_emb, ref_labels: a separate reference set to rank (PML does not support one).
+        indices_tuple: only weights the anchors (PML's ``convert_to_weights``).
+        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.ranking.fast_ap(emb, labels, num_bins=10)
+
+    Reference: Cakir et al., "Deep Metric Learning to Rank", CVPR 2019.
+    """
+    num_bins = _int(num_bins, "num_bins")
+    _needs_labels(labels, "fast_ap")
+    _check_l2(distance, "fast_ap")
+    batch = prepare(
+        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp(power=2)
+    )
+    d = batch.mat
+    pos, neg = _binary_label_masks(batch, d.dtype)
+    delta = 2.0**batch.distance.power / num_bins
+    # Triangular kernel: node floor(t) and the next one (t = d/Δ), exactly PML's pulses there.
+    t = d / delta
+    low = torch.floor(t.detach()).clamp(0, num_bins - 1)
+    w_low = F.relu(1 - (t - low).abs())
+    w_high = F.relu(1 - (t - low - 1).abs())
+    idx = low.long()
+
+    def hist(mask: Tensor) -> Tensor:
+        out = torch.zeros(d.shape[0], num_bins + 1, dtype=d.dtype, device=d.device)
+        return out.scatter_add(-1, idx, w_low * mask).scatter_add(-1, idx + 1, w_high * mask)
+
+    h_pos, h_neg = hist(pos), hist(neg)
+    cum_pos = torch.cumsum(h_pos, -1)
+    cum_all = torch.cumsum(h_pos + h_neg, -1)
+    prod = h_pos * cum_pos
+    safe = (prod > 0) & (cum_all > 0)
+    ap_sum = torch.where(safe, prod / torch.where(safe, cum_all, 1.0), 0.0).sum(-1)
+    n_pos = pos.sum(-1)
+    losses = 1 - ap_sum / n_pos.clamp_min(1)
+    mw = miner_weights(indices_tuple, d.shape[0], d.dtype, d.device)
+    if mw is not None:
+        losses = losses * mw
+    has_pos = (n_pos > 0).to(d.dtype)
+    terms = {"loss": DenseTerms(losses, has_pos, "element", d.shape[0])}
+    loss = finish(batch, terms, default_reducer(reducer, mean()))
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Histogram loss
+# ---------------------------------------------------------------------------------------------
+def histogram(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    n_bins: int | None = None,
+    delta: float | None = None,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Histogram loss: the probability that a random negative pair is more similar than a random
+    positive pair, estimated from soft histograms.
+
+    The distinct (unordered) positive pairs ``S^+`` and negative pairs ``S^-`` of the batch's
+    triplets (all triplets from the labels, or those of ``indices_tuple``; PML's
+    ``convert_to_triplets`` then ``filter_pairs``) are binned on the nodes ``t_r = −1 + rΔ``,
+    ``r = 0..R`` (``R = 2/Δ``) by linear interpolation:
+
+    .. math::
+        p^±_r = \frac{1}{|S^±|}\sum_{(i,j) \in S^±} [1 - |s_{ij} - t_r|/Δ]_+,\qquad
+        L = \sum_r p^-_r \sum_{q \le r} p^+_q
+
+    Pairs are held as upper-triangular ``B × B`` masks (no index lists, no ``unique``). A
+    similarity of exactly 1 (duplicates, rounding) falls on the last node; PML indexes past the
+    end there and raises.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` with an ``indices_tuple``).
+        n_bins: number of bins ``R`` (default ``100`` when ``delta`` is not given).
+        delta: bin width ``Δ``; if both are given, ``delta == 2 / n_bins`` is required.
+        distance: default ``cosine()`` (values are expected in ``[−1, 1]``).
+        reducer: must be ``None``: the loss is already reduced (PML ignores any reducer).
+        ref_emb, ref_labels: not supported (as in PML).
+        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``, or a
+            pmlfunc miner result.
+        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype`` (0 when there is no triplet).
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.ranking.histogram(emb, labels, n_bins=50)
+
+    Reference: Ustinova and Lempitsky, "Learning Deep Embeddings with Histogram Loss",
+    NeurIPS 2016.
+    """
+    if n_bins is not None:
+        n_bins = _int(n_bins, "n_bins")
+    if delta is not None:
+        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not delta > 0:
+            raise ValueError(f"delta must be a positive Python number, got {delta!r}")
+        delta = float(delta)
+        if n_bins is not None and delta != 2 / n_bins:
+            raise ValueError(
+                f"delta and n_bins must satisfy delta = 2/n_bins, got {delta}, {n_bins}"
+            )
+    if delta is None:
+        delta = 2 / (100 if n_bins is None else n_bins)
+    size = round(1 + 2 / delta)
+    if size < 2:
+        raise ValueError(f"delta={delta} gives fewer than two histogram nodes")
+    _already_reduced(reducer, "histogram")
+    _no_ref(ref_emb, ref_labels, "histogram")
+    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
+    s = batch.mat
+    pos, neg = batch.masks
+    pos, neg = pos > 0, neg > 0
+    # convert_to_triplets: a listed pair is in a triplet when its anchor has a pair of the other
+    # kind (true for label triplets and for mined pairs sharing an anchor).
+    pos, neg = pos & neg.any(-1, keepdim=True), neg & pos.any(-1, keepdim=True)
+    upper = torch.ones_like(pos).triu()
+    pos_u = ((pos | pos.t()) & upper).to(s.dtype)  # filter_pairs: sorted, unique pairs
+    neg_u = ((neg | neg.t()) & upper).to(s.dtype)
+    t = (s + 1) / delta
+    r = torch.floor(t.detach()).clamp(0, size - 2)
+    a = t - r  # weight of node r + 1
+    idx = r.long().reshape(-1)
+    a, b = a.reshape(-1), (1 - a).reshape(-1)
+
+    def density(mask: Tensor) -> Tensor:
+        m = mask.reshape(-1)
+        out = torch.zeros(size, dtype=s.dtype, device=s.device)
+        out = out.scatter_add(0, idx + 1, a * m).scatter_add(0, idx, b * m)
+        return out / m.sum().clamp_min(1)
+
+    loss = (density(neg_u) * torch.cumsum(density(pos_u), 0)).sum()
+    loss = loss.to(batch.out_dtype)
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Smooth-AP
+# ---------------------------------------------------------------------------------------------
+def smooth_ap(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.01,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Smooth-AP: one minus a sigmoid-relaxed average precision per anchor.
+
+    With similarity ``s`` (a distance enters as ``−d``), ``σ_τ(x) = σ(x/τ)`` and ``G_a`` the
+    samples sharing the anchor's label, the anchor itself included (as in the paper's and PML's
+    code):
+
+    .. math::
+        \ell_a = w_a\Big(1 - \frac{1}{|G_a|}\sum_{l \in G_a}
+            \frac{1 + \sum_{k \in G_a, k \ne l} σ_τ(s_{ak} - s_{al})}
+                 {1 + \sum_{k \ne l} σ_τ(s_{ak} - s_{al})}\Big)
+
+    ``w_a`` is the miner weight (PML's ``convert_to_weights``). The sums run over the ``M × M``
+    block of each anchor, in anchor chunks with a recomputing backward (``O(chunk·B²)`` memory;
+    PML keeps several ``B × B × B`` tensors).
+
+    PML 2.9.0 requires every class to have the same number ``m`` of samples (it raises
+    otherwise) and, beyond that, silently groups the batch into consecutive blocks of
+    ``C = #classes`` rows: it is right only for class-sorted batches with ``m == C``. pmlfunc
+    uses the labels (any layout, any class sizes) and equals PML where PML is right.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        temperature: ``τ`` (default ``0.01``).
+        distance: default ``cosine()`` (PML accepts only cosine).
+        reducer: default ``mean()`` over anchors.
+        ref_emb, ref_labels: not supported (as in PML).
+        indices_tuple: only weights the anchors (PML's ``convert_to_weights``).
+        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(9, 4), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+        >>> loss = pf.losses.ranking.smooth_ap(emb, labels, temperature=0.01)
+
+    Reference: Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale Image
+    Retrieval", ECCV 2020.
+    """
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    _needs_labels(labels, "smooth_ap")
+    _no_ref(ref_emb, ref_labels, "smooth_ap")
+    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
+    s = batch.similarity()
+    pos, _ = _binary_label_masks(batch, s.dtype)
+    group = pos + torch.eye(s.shape[0], dtype=s.dtype, device=s.device)  # G_a, self included
+    ranks = sigmoid_ranks(s, torch.stack([group, torch.ones_like(group)]), temperature)
+    # The k = l term is σ(0) = 1/2 in both sums (l ∈ G_a): remove it.
+    rank_pos, rank_all = ranks[0] + 0.5, ranks[1] + 0.5
+    ap = (group * rank_pos / rank_all).sum(-1) / group.sum(-1)
+    losses = 1 - ap
+    mw = miner_weights(indices_tuple, s.shape[0], s.dtype, s.device)
+    if mw is not None:
+        losses = losses * mw
+    terms = {"ap_loss": DenseTerms(losses, torch.ones_like(losses), "element", s.shape[0])}
+    loss = finish(batch, terms, default_reducer(reducer, mean()))
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# PNP
+# ---------------------------------------------------------------------------------------------
+_PNP_VARIANTS = ("Ds", "Dq", "Iu", "Ib", "O")
+
+
+def pnp(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    b: float | Tensor = 2,
+    alpha: float | Tensor = 1,
+    anneal: float | Tensor = 0.01,
+    variant: str = "O",
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""PNP loss: penalise, for each positive, the (smoothed) number of negatives ranked above it.
+
+    With similarity ``s`` (a distance enters as ``−d``) and PML's clamped sigmoid
+    ``σ_τ(x) = 1/(1 + e^{\mathrm{clamp}(−x/τ, −50, 50)})``, per anchor ``a`` with positives
+    ``P_a`` (the anchor itself included) and negatives ``N_a``:
+
+    .. math::
+        r_{aj} = \sum_{k \in N_a} σ_τ(s_{ak} - s_{aj}),\qquad
+        \ell_a = \frac{1}{|P_a|}\sum_{j \in P_a} f(r_{aj})
+
+    ``f`` by ``variant``: ``"O"`` ``r``; ``"Ds"`` ``log(1 + r)``; ``"Dq"`` ``1 − (1 + r)^{−α}``
+    (the ``1 −`` applied per anchor: the same mean); ``"Iu"`` ``(1 + r) log(1 + r)``; ``"Ib"``
+    ``(b r − log(1 + b r))/b²``. Anchors without another positive are left out. The sums run over
+    each anchor's ``M × M`` block in anchor chunks with a recomputing backward.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        b: the ``"Ib"`` slope (default ``2``).
+        alpha: the ``"Dq"`` exponent (default ``1``).
+        anneal: the temperature ``τ`` (default ``0.01``).
+        variant: one of ``"Ds", "Dq", "Iu", "Ib", "O"`` (default ``"O"``).
+        distance: default ``cosine()`` (PML accepts only cosine).
+        reducer: default ``mean()`` over the anchors with positives, which is PML's
+            (already-reduced) value; another reducer sees those per-anchor terms.
+        ref_emb, ref_labels, indices_tuple: not supported (as in PML).
+        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.ranking.pnp(emb, labels, variant="Dq")
+
+    Reference: Li et al., "Rethinking the Optimization of Average Precision: Only Penalizing
+    Negative Instances before Positive Ones is Enough", AAAI 2022.
+    """
+    if variant not in _PNP_VARIANTS:
+        raise ValueError(f"variant={variant!r} but must be one of {list(_PNP_VARIANTS)}")
+    b = _checks.hyper(b, "b", positive=True)
+    alpha = _checks.hyper(alpha, "alpha")
+    anneal = _checks.hyper(anneal, "anneal", positive=True)
+    _needs_labels(labels, "pnp")
+    _no_ref(ref_emb, ref_labels, "pnp")
+    if indices_tuple is not None:
+        raise ValueError("pnp does not support indices_tuple (neither does PML)")
+    batch = prepare(embeddings, labels, None, None, None, mat, distance, cosine())
+    s = batch.similarity()
+    pos, neg = _binary_label_masks(batch, s.dtype)
+    has_pos = (pos.sum(-1) > 0).to(s.dtype)
+    pos = pos + torch.diag(has_pos)  # PML: I_pos[a, a] = 1 for anchors with positives
+    rk = sigmoid_ranks(s, neg.unsqueeze(0), anneal, clamp=50.0)[0]
+    if variant == "Ds":
+        rk = torch.log1p(rk)
+    elif variant == "Dq":
+        rk = 1 / (1 + rk) ** scalar_like(alpha, rk)
+    elif variant == "Iu":
+        rk = (1 + rk) * torch.log1p(rk)
+    elif variant == "Ib":
+        bb = scalar_like(b, rk)
+        rk = (bb * rk - torch.log1p(bb * rk)) / bb**2
+    losses = (rk * pos).sum(-1) / pos.sum(-1).clamp_min(1)
+    if variant == "Dq":
+        losses = 1 - losses
+    terms = {"loss": DenseTerms(losses, has_pos, "element", s.shape[0])}
+    loss = finish(batch, terms, default_reducer(reducer, mean()))
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic Soft Margin
+# ---------------------------------------------------------------------------------------------
+def dynamic_soft_margin_init_state(
+    num_bins: int = 10, *, dtype: torch.dtype = torch.float32, device=None
+) -> dict[str, Tensor]:
+    """The initial state of :func:`dynamic_soft_margin`: ``{"hist": zeros(num_bins)}`` (PML's
+    ``hist_`` buffer; an all-zero histogram means "no batch seen yet").
+
+    Example:
+        >>> pf.losses.ranking.dynamic_soft_margin_init_state(10)["hist"].shape
+        torch.Size([10])
+    """
+    num_bins = _int(num_bins, "num_bins", 2)
+    return {"hist": torch.zeros(num_bins, dtype=dtype, device=device)}
+
+
+def _dsm_state(state: object, num_bins: int, like: Tensor) -> Tensor:
+    if state is None:
+        return torch.zeros(num_bins, dtype=like.dtype, device=like.device)
+    if not isinstance(state, dict) or not isinstance(state.get("hist"), Tensor):
+        raise TypeError(
+            "state must be a dict {'hist': Tensor} from dynamic_soft_margin_init_state(...)"
+        )
+    hist = state["hist"]
+    if tuple(hist.shape) != (num_bins,) or not hist.dtype.is_floating_point:
+        raise ValueError(
+            f"state['hist'] must be a float tensor of shape ({num_bins},) (num_bins), got "
+            f"{hist.dtype} {tuple(hist.shape)}"
+        )
+    if hist.device != like.device:
+        raise ValueError(f"state['hist'] is on {hist.device} but embeddings are on {like.device}")
+    return hist
+
+
+def _dsm_list(v: Tensor, w: Tensor, lo, delta, k: int):
+    """Histogram and loss parts of explicitly listed values ``v = d_ap − d_an`` (weights ``w``)."""
+    t = (v - lo) / delta
+    tc = t.clamp(0, k - 1)
+    i0 = torch.floor(tc.detach()).clamp(max=k - 2)
+    a = tc - i0
+    i0 = i0.long()
+    zero = torch.zeros(k, dtype=v.dtype, device=v.device)
+    hist = zero.scatter_add(0, i0, w * (1 - a)).scatter_add(0, i0 + 1, w * a)
+    seg = torch.floor(t.detach()).clamp(0, k - 1).long()
+    return hist, w.sum(), lambda cdf: (w * cdf[seg] * v).sum()
+
+
+def _dsm_product(d: Tensor, pos: Tensor, neg: Tensor, lo, delta, k: int):
+    """The same over every triplet ``(a, p, n)`` with weight ``pos[a, p] · neg[a, n]``, without
+    enumerating them: one sort of each anchor's negatives, then for every (anchor, positive)
+    the negatives in each bin of ``t = (d_ap − d_an − lo)/Δ`` by binary search (``t ≥ j`` iff
+    ``d_an ≤ d_ap − lo − jΔ``), and their count and sum of ``d_an`` from prefix sums."""
+    b, m = d.shape
+    key = torch.where(neg > 0, d.detach(), torch.finfo(d.dtype).max)
+    keys, order = key.sort(-1)
+    dn, wn = d.gather(-1, order), neg.gather(-1, order)
+    zero = d.new_zeros(b, 1)
+    ccount = torch.cat([zero, wn.cumsum(-1)], -1)  # (B, M + 1)
+    csum = torch.cat([zero, (wn * dn).cumsum(-1)], -1)
+    steps = torch.arange(k, dtype=d.dtype, device=d.device)
+    bounds = d.unsqueeze(-1) - lo - delta * steps  # (B, M, K): c_j = d_ap − lo − jΔ
+    at = torch.searchsorted(keys.contiguous(), bounds.detach().reshape(b, m * k), right=True)
+    n_ge = ccount.gather(-1, at).view(b, m, k)  # negatives with t ≥ j
+    s_ge = csum.gather(-1, at).view(b, m, k)
+    tot_n = ccount[:, -1:].unsqueeze(-1).expand(b, m, 1)
+    tot_s = csum[:, -1:].unsqueeze(-1).expand(b, m, 1)
+    end = d.new_zeros(b, m, 1)
+    nf, sf = torch.cat([tot_n, n_ge, end], -1), torch.cat([tot_s, s_ge, end], -1)
+    # Segments: t < 0, [0, 1), ..., [K−2, K−1), t ≥ K−1 (K + 1 of them).
+    cnt, ssum = nf[..., :-1] - nf[..., 1:], sf[..., :-1] - sf[..., 1:]
+    u = ((d - lo) / delta).unsqueeze(-1)
+    inner = torch.arange(k - 1, dtype=d.dtype, device=d.device)
+    alpha = cnt[..., 1:k] * (u - inner) - ssum[..., 1:k] / delta  # Σ α over [j, j + 1)
+    node = F.pad(cnt[..., 1:k] - alpha, (0, 1)) + F.pad(alpha, (1, 0))
+    edges = torch.cat([cnt[..., :1], end.expand(b, m, k - 2), cnt[..., k:]], -1)
+    hist = (pos.unsqueeze(-1) * (node + edges)).sum((0, 1))
+    total = (pos.sum(-1) * ccount[:, -1]).sum()
+    vsum = cnt * d.unsqueeze(-1) - ssum  # Σ (d_ap − d_an) per segment
+
+    def loss_sum(cdf: Tensor) -> Tensor:
+        cdf_seg = torch.cat([cdf[:1], cdf[: k - 1], cdf[k - 1 :]])
+        return (pos.unsqueeze(-1) * vsum * cdf_seg).sum()
+
+    return hist, total, loss_sum
+
+
+def dynamic_soft_margin(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    state: dict[str, Tensor] | None = None,
+    *,
+    min_val: float | Tensor = -2.0,
+    num_bins: int = 10,
+    momentum: float | Tensor = 0.01,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""Dynamic Soft Margin loss: triplet differences weighted by their running CDF.
+
+    Each triplet gives ``v = d_ap − d_an``. A ``K``-bin histogram over ``[min_val, −min_val]``
+    (bin width ``Δ = 2|min_val|/K``, linear interpolation between the two nearest nodes) is
+    updated with momentum ``μ`` (``μ = 1`` on the first batch, when the histogram is all zero)
+    and renormalised; with its cumulative sum ``F``:
+
+    .. math::
+        h \leftarrow \frac{(1 - μ)h + μ \hat h}{\lVert (1 - μ)h + μ \hat h \rVert_1},\qquad
+        L = \frac{1}{T}\sum_{(a,p,n)} F\big[\lfloor (v_{apn} - \mathrm{min\_val})/Δ \rfloor\big]
+            \, v_{apn}
+
+    Triplets: all from the labels (with a reference set: every query against every reference),
+    or those of ``indices_tuple`` (pairs sharing an anchor, as PML's ``convert_to_triplets``).
+    Without labels and tuple, row ``i`` of ``embeddings`` matches row ``i`` of ``ref_emb`` (or of
+    the batch): ``d_pos = d_ii`` and ``d_neg`` the smallest other entry of row or column ``i``.
+    All-triplet sets are never enumerated (see :func:`_dsm_product`).
+
+    The running histogram is explicit state: pass the returned ``state`` to the next call. It is
+    returned detached; within one call the gradient also flows through this batch's histogram
+    contribution, as in PML. PML's module keeps the graph in its ``hist_`` buffer, so its second
+    ``backward`` fails; values at ``K``-bin edges where PML indexes out of range (``v`` beyond
+    ``min_val + (K−1)Δ`` raises, ``v < min_val`` wraps around) are clamped into the first/last
+    bin here. Without labels and ``B ≠ M``, PML pads with ``|B − M|`` zero terms; pmlfunc uses
+    the ``min(B, M)`` matched rows only.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids, or ``None`` (matched rows, see above).
+        state: ``{"hist": (K,)}`` from :func:`dynamic_soft_margin_init_state` (``None``: a
+            fresh one).
+        min_val: lower end of the histogram range (default ``-2.0``).
+        num_bins: ``K`` (default ``10``; at least 2).
+        momentum: ``μ`` (default ``0.01``).
+        distance: default ``lp()``; must be ``lp(p=2, normalize=True)``.
+        reducer: must be ``None``: the value is the mean over triplets (PML ignores reducers).
+        ref_emb, ref_labels: a separate reference set.
+        indices_tuple: PML pairs or triplets, ``MinedPairs`` or ``MinedTriplets``.
+        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+
+    Returns:
+        ``(loss, new_state)``: a 0-d tensor in ``embeddings.dtype`` (0 without triplets; the
+        state is then unchanged) and the updated state (the input state's dtype).
+
+    Example:
+        >>> state = pf.losses.ranking.dynamic_soft_margin_init_state(10)
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss, state = pf.losses.ranking.dynamic_soft_margin(emb, labels, state)
+
+    Reference: Zhang and Rusinkiewicz, "Learning Local Descriptors with a CDF-Based Dynamic
+    Soft Margin", ICCV 2019.
+    """
+    k = _int(num_bins, "num_bins", 2)
+    min_val = _checks.hyper(min_val, "min_val")
+    momentum = _checks.hyper(momentum, "momentum")
+    _check_l2(distance, "dynamic_soft_margin")
+    _already_reduced(reducer, "dynamic_soft_margin")
+    if isinstance(indices_tuple, (TripletWindow, TripletMask)):
+        raise ValueError(
+            "dynamic_soft_margin takes MinedPairs or MinedTriplets as indices_tuple; pass "
+            "tuples_per_anchor to the miner (or result.to_indices() in eager mode)"
+        )
+    if labels is None and indices_tuple is None:
+        _checks.embeddings(embeddings)
+        if ref_emb is not None:
+            _checks.embeddings(ref_emb, "ref_emb")
+            _checks.same_space(embeddings, ref_emb)
+        if ref_labels is not None:
+            raise ValueError("ref_labels was given without labels")
+        dist = lp() if distance is None else distance
+        d = matrix(embeddings, ref_emb, mat, dist)
+        out_dtype = embeddings.dtype
+        r, c = d.shape
+        n = min(r, c)
+        diag = torch.eye(r, c, dtype=torch.bool, device=d.device)
+        off = torch.where(diag, torch.inf, d)
+        d_neg = torch.minimum(off.amin(-1)[:n], off.amin(-2)[:n])
+        ok = torch.isfinite(d_neg)  # a 1 × 1 matrix has no negative
+        v = torch.where(ok, d.diagonal()[:n] - torch.where(ok, d_neg, 0.0), 0.0)
+        parts = (v, ok.to(d.dtype))
+        product = None
+    else:
+        batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
+        d, out_dtype = batch.mat, batch.out_dtype
+        triplets = None
+        if isinstance(indices_tuple, MinedTriplets):
+            triplets = (*indices_tuple[:3], indices_tuple.valid.to(d.dtype))
+        elif indices_tuple is not None and not is_mined(indices_tuple):
+            t = check_tuple(indices_tuple)
+            if len(t) == 3:
+                triplets = (*t, torch.ones(t[0].shape, dtype=d.dtype, device=d.device))
+        if triplets is not None:
+            a, p, n_, w = triplets
+            a, p, n_ = a.long(), p.long(), n_.long()
+            parts, product = (d[a, p] - d[a, n_], w), None
+        else:
+            parts, product = None, batch.masks
+    hist_in = _dsm_state(state, k, embeddings)
+    hist_old = hist_in.to(d.dtype)
+    lo = scalar_like(min_val, d)
+    delta = 2 * (lo.abs() if isinstance(lo, Tensor) else abs(lo)) / k
+    if product is not None:
+        h_batch, total, loss_sum = _dsm_product(d, product.pos, product.neg, lo, delta, k)
+    else:
+        h_batch, total, loss_sum = _dsm_list(*parts, lo, delta, k)
+    one = torch.ones((), dtype=d.dtype, device=d.device)
+    mu = torch.where(hist_old.sum() != 0, one * scalar_like(momentum, d), one)
+    new = (1 - mu) * hist_old + mu * h_batch
+    norm = new.sum()
+    new = _ratio(new, norm.expand_as(new))
+    new = torch.where(total > 0, new, hist_old)
+    loss = _ratio(loss_sum(torch.cumsum(new, 0)), total)
+    loss = regularize(loss.to(out_dtype), embeddings, embedding_regularizer, embedding_reg_weight)
+    return loss, {"hist": new.detach().to(hist_in.dtype)}

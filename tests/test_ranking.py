@@ -1,0 +1,884 @@
+"""Tests for ``pmlfunc.losses.ranking``: fast_ap, histogram, smooth_ap, pnp, dynamic_soft_margin.
+
+Each loss is checked against a naive float64 loop reference written here (values and
+gradients), PML 2.9.0 (values and full gradients, float64 and float32), ``gradcheck``,
+``torch.compile(fullgraph=True)``, the meta device, legal edge cases and bad input.
+
+Known PML 2.9.0 problems (tested against the reference instead of PML):
+  (a) SmoothAP groups the batch into consecutive blocks of ``#classes`` rows: right only for
+      class-sorted batches with as many samples per class as classes;
+  (b) HistogramLoss indexes past its last node for a similarity of exactly 1 (duplicates);
+  (c) DynamicSoftMarginLoss keeps the autograd graph in ``hist_`` (a second ``backward`` fails:
+      the PML module's ``hist_`` is detached between steps here) and indexes out of range for
+      ``d_ap − d_an ≥ min_val + (K−1)Δ``;
+  (d) PML computes SmoothAP's AP in a float32 buffer and HistogramLoss's bin offsets in float32,
+      so their float64 parity holds to ~1e-7 only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import reference as ref_impl
+import torch
+from pytorch_metric_learning import distances as pml_distances
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from pytorch_metric_learning import reducers as pml_reducers
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+
+import pmlfunc as pf
+import pmlfunc.losses.ranking as ranking
+from pmlfunc.losses.ranking import (
+    dynamic_soft_margin,
+    dynamic_soft_margin_init_state,
+    fast_ap,
+    histogram,
+    pnp,
+    smooth_ap,
+)
+
+F64, F32 = torch.float64, torch.float32
+UNEVEN = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4]
+SINGLETONS = [5, 5, 1, 7, 7, 3]
+REF_LABELS = [0, 1, 1, 5, 3, 3, 0, 2]
+TOL = {F64: {"rtol": 1e-9, "atol": 1e-12}, F32: {"rtol": 2e-4, "atol": 2e-6}}
+TOL_F32_BUFFER = {"rtol": 1e-5, "atol": 1e-7}  # PML's own float32 internals, see (d)
+
+
+def randn(gen, *shape, dtype=F64):
+    return torch.randn(*shape, generator=gen, dtype=F64).to(dtype)
+
+
+def lab(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def value_and_grads(fn, *tensors):
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    if isinstance(out, tuple):
+        out = out[0]
+    assert out.ndim == 0
+    grads = torch.autograd.grad(out, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    return out.detach(), grads
+
+
+def assert_same(got, want, **tol):
+    (gv, gg), (wv, wg) = got, want
+    torch.testing.assert_close(gv, wv.to(gv.dtype), **tol, msg=lambda m: f"value: {m}")
+    for k, (a, b) in enumerate(zip(gg, wg, strict=True)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, k=k: f"grad {k}: {m}")
+
+
+def pml_pairs(emb, labels):
+    return pml_miners.PairMarginMiner(pos_margin=0.2, neg_margin=0.8)(emb, labels)
+
+
+def pml_triplets(emb, labels):
+    return pml_miners.TripletMarginMiner(margin=0.2, type_of_triplets="all")(emb, labels)
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 loop references (from the papers / PML semantics; no pmlfunc)
+# ----------------------------------------------------------------------------------------------
+def _d(x, y, distance):
+    return ref_impl.pair_distance(x, y, distance)
+
+
+def _relu(x):
+    return x.clamp_min(0)
+
+
+def _weights(tup, n):
+    """PML's convert_to_weights: count in the tuple over the largest count."""
+    if tup is None or all(len(t) == 0 for t in tup):
+        return [1.0] * n
+    counts = [0] * n
+    for t in tup:
+        for i in t.tolist():
+            counts[i] += 1
+    top = max(counts)
+    return [c / top for c in counts]
+
+
+def ref_fast_ap(emb, labels, ref=None, ref_labels=None, num_bins=10, power=2, tup=None):
+    self_mode = ref is None
+    refs, rl = (emb, labels) if self_mode else (ref, ref_labels)
+    lab_, rlab = labels.tolist(), rl.tolist()
+    delta = 2**power / num_bins
+    w = _weights(tup, len(lab_))
+    out = []
+    for a in range(emb.shape[0]):
+        hp, hn, npos = [0.0] * (num_bins + 1), [0.0] * (num_bins + 1), 0
+        for j in range(refs.shape[0]):
+            if self_mode and j == a:
+                continue
+            d = _d(emb[a], refs[j], ("lp", {"power": power}))
+            same = lab_[a] == rlab[j]
+            npos += same
+            for e in range(num_bins + 1):
+                pulse = _relu(1 - (d - e * delta).abs() / delta)
+                if same:
+                    hp[e] = hp[e] + pulse
+                else:
+                    hn[e] = hn[e] + pulse
+        if npos == 0:
+            continue
+        cum_p, cum, total = 0.0, 0.0, 0.0
+        for e in range(num_bins + 1):
+            cum_p, cum = cum_p + hp[e], cum + hp[e] + hn[e]
+            if float((hp[e] * cum_p).detach()) > 0 and float(cum.detach()) > 0:
+                total = total + hp[e] * cum_p / cum
+        out.append((1 - total / npos) * w[a])
+    return sum(out) / len(out) if out else emb.sum() * 0
+
+
+def _triplets(labels, tup):
+    if tup is None:
+        y = labels.tolist()
+        return [
+            (a, p, n)
+            for a in range(len(y))
+            for p in range(len(y))
+            for n in range(len(y))
+            if a != p and y[a] == y[p] and y[a] != y[n]
+        ]
+    if len(tup) == 3:
+        return list(zip(*[t.tolist() for t in tup], strict=True))
+    a1, p, a2, n = (t.tolist() for t in tup)
+    return [
+        (a, pp, nn)
+        for a, pp in zip(a1, p, strict=True)
+        for b, nn in zip(a2, n, strict=True)
+        if a == b
+    ]
+
+
+def ref_histogram(emb, labels, n_bins=100, tup=None):
+    trip = _triplets(labels, tup)
+    if not trip:
+        return emb.sum() * 0
+    pos = sorted({tuple(sorted((a, p))) for a, p, _ in trip})
+    neg = sorted({tuple(sorted((a, n))) for a, _, n in trip})
+    delta = 2 / n_bins
+
+    def density(pairs):
+        out = []
+        for r in range(n_bins + 1):
+            node = -1 + r * delta
+            out.append(
+                sum(
+                    _relu(1 - (_d(emb[i], emb[j], ("cosine", {})) - node).abs() / delta)
+                    for i, j in pairs
+                )
+                / len(pairs)
+            )
+        return out
+
+    pp, pn = density(pos), density(neg)
+    total, cum = 0.0, 0.0
+    for r in range(n_bins + 1):
+        cum = cum + pp[r]
+        total = total + pn[r] * cum
+    return total
+
+
+def ref_smooth_ap(emb, labels, temperature, tup=None):
+    y = labels.tolist()
+    n = len(y)
+    s = [[_d(emb[i], emb[j], ("cosine", {})) for j in range(n)] for i in range(n)]
+    w = _weights(tup, n)
+
+    def sig(x):
+        return torch.sigmoid(x / temperature)
+
+    losses = []
+    for a in range(n):
+        group = [k for k in range(n) if y[k] == y[a]]
+        ap = 0.0
+        for pos in group:
+            rp = 1 + sum(sig(s[a][k] - s[a][pos]) for k in group if k != pos)
+            ra = 1 + sum(sig(s[a][k] - s[a][pos]) for k in range(n) if k != pos)
+            ap = ap + rp / ra
+        losses.append((1 - ap / len(group)) * w[a])
+    return sum(losses) / n
+
+
+def ref_pnp(emb, labels, anneal=0.01, variant="O", b=2.0, alpha=1.0):
+    y = labels.tolist()
+    n = len(y)
+    s = [[_d(emb[i], emb[j], ("cosine", {})) for j in range(n)] for i in range(n)]
+
+    def sig(x):
+        return 1 / (1 + torch.exp((-x / anneal).clamp(-50, 50)))
+
+    losses = []
+    for a in range(n):
+        pos = [j for j in range(n) if y[j] == y[a]]
+        if len(pos) < 2:
+            continue
+        terms = []
+        for j in pos:
+            r = sum((sig(s[a][k] - s[a][j]) for k in range(n) if y[k] != y[a]), emb.sum() * 0)
+            terms.append(
+                {
+                    "O": r,
+                    "Ds": torch.log(1 + r),
+                    "Dq": 1 / (1 + r) ** alpha,
+                    "Iu": (1 + r) * torch.log(1 + r),
+                    "Ib": (b * r - torch.log(1 + b * r)) / b**2,
+                }[variant]
+            )
+        losses.append(sum(terms) / len(pos))
+    if not losses:
+        return emb.sum() * 0
+    loss = sum(losses) / len(losses)
+    return 1 - loss if variant == "Dq" else loss
+
+
+def ref_dsm(
+    emb, labels, hist, ref=None, ref_labels=None, tup=None, min_val=-2.0, k=10, momentum=0.01
+):
+    """One PML step (values in range): returns (loss, new_hist)."""
+    refs = emb if ref is None else ref
+    dist = ("lp", {})
+    if labels is None:
+        n = min(emb.shape[0], refs.shape[0])
+        vals = []
+        for i in range(n):
+            others = [_d(emb[i], refs[j], dist) for j in range(refs.shape[0]) if j != i]
+            others += [_d(emb[j], refs[i], dist) for j in range(emb.shape[0]) if j != i]
+            d_pos = emb.sum() * 0 if ref is None else _d(emb[i], refs[i], dist)  # d(x, x) = 0
+            vals.append(d_pos - min(others, key=float))
+    else:
+        if tup is None and ref is not None:
+            y, ry = labels.tolist(), ref_labels.tolist()
+            trip = [
+                (a, p, n)
+                for a in range(len(y))
+                for p in range(len(ry))
+                for n in range(len(ry))
+                if y[a] == ry[p] and y[a] != ry[n]
+            ]
+        else:
+            trip = _triplets(labels, tup)
+        vals = [_d(emb[a], refs[p], dist) - _d(emb[a], refs[n], dist) for a, p, n in trip]
+    if not vals:
+        return emb.sum() * 0, hist
+    delta = 2 * abs(min_val) / k
+    mu = momentum if float(hist.sum()) != 0 else 1.0
+    new = [(1 - mu) * hist[i] for i in range(k)]
+    for v in vals:
+        t = (v - min_val) / delta
+        i = math.floor(float(t))
+        frac = t - i
+        new[i] = new[i] + mu * (1 - frac)
+        new[i + 1] = new[i + 1] + mu * frac
+    total = sum(new)
+    new = [h / total for h in new]
+    cdf = [sum(new[: i + 1]) for i in range(k)]
+    loss = sum(cdf[math.floor(float((v - min_val) / delta))] * v for v in vals) / len(vals)
+    return loss, torch.stack(new).detach()
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. loop references: values and gradients
+# ----------------------------------------------------------------------------------------------
+def test_fast_ap_matches_reference(gen):
+    labels, ref_labels = lab(SINGLETONS), lab(REF_LABELS)
+    emb, ref = randn(gen, 6, 4), randn(gen, 8, 4)
+    assert_same(
+        value_and_grads(lambda e: fast_ap(e, labels, num_bins=5), emb),
+        value_and_grads(lambda e: ref_fast_ap(e, labels, num_bins=5), emb),
+        **TOL[F64],
+    )
+    # A reference set (PML does not support one): rank the references for each query.
+    assert_same(
+        value_and_grads(
+            lambda e, r: fast_ap(
+                e, labels, ref_emb=r, ref_labels=ref_labels, distance=pf.distances.lp(power=1)
+            ),
+            emb,
+            ref,
+        ),
+        value_and_grads(lambda e, r: ref_fast_ap(e, labels, r, ref_labels, power=1), emb, ref),
+        **TOL[F64],
+    )
+
+
+def test_histogram_matches_reference(gen):
+    labels = lab([0, 0, 1, 1, 1, 2, 3])
+    emb = randn(gen, 7, 4)
+    assert_same(
+        value_and_grads(lambda e: histogram(e, labels, n_bins=8), emb),
+        value_and_grads(lambda e: ref_histogram(e, labels, 8), emb),
+        **TOL[F64],
+    )
+    tup = lmu.get_all_pairs_indices(labels)
+    tup = tuple(t[::2] for t in tup)  # a subset of the pairs
+    assert_same(
+        value_and_grads(lambda e: histogram(e, labels, n_bins=8, indices_tuple=tup), emb),
+        value_and_grads(lambda e: ref_histogram(e, labels, 8, tup), emb),
+        **TOL[F64],
+    )
+
+
+def test_histogram_duplicates_fall_on_last_node(gen):
+    """(b): a similarity of 1 makes PML index past its last node; here it is the last node."""
+    labels = lab([0, 0, 1, 1])
+    emb = randn(gen, 4, 3)
+    emb = torch.cat([emb[:1], emb[:1], emb[2:]])  # two identical positives: s = 1
+    with pytest.raises((IndexError, RuntimeError)):
+        pml_losses.HistogramLoss(n_bins=10)(emb, labels)
+    got = value_and_grads(lambda e: histogram(e, labels, n_bins=10), emb)
+    want = value_and_grads(lambda e: ref_histogram(e, labels, 10), emb)
+    assert_same(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout", [[0, 1, 0, 2, 1, 1, 2], [3, 3, 3, 3, 1, 1]])
+def test_smooth_ap_matches_reference_any_layout(layout, gen):
+    """Unsorted labels and unequal class sizes (PML rejects or mis-groups them: (a))."""
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 4)
+    tup = pml_pairs(emb, labels)
+    for t in (None, tup):
+        assert_same(
+            value_and_grads(
+                lambda e, t=t: smooth_ap(e, labels, temperature=0.2, indices_tuple=t), emb
+            ),
+            value_and_grads(lambda e, t=t: ref_smooth_ap(e, labels, 0.2, t), emb),
+            **TOL[F64],
+        )
+
+
+def test_smooth_ap_pml_grouping_bug(gen):
+    """(a): 2 classes × 4 samples: PML's blocks of 2 rows are not the classes."""
+    labels = lab([0, 0, 0, 0, 1, 1, 1, 1])
+    emb = randn(gen, 8, 5)
+    ours = smooth_ap(emb, labels, temperature=0.1)
+    torch.testing.assert_close(ours, ref_smooth_ap(emb, labels, 0.1), **TOL[F64])
+    assert abs(float(pml_losses.SmoothAPLoss(temperature=0.1)(emb, labels)) - float(ours)) > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["O", "Ds", "Dq", "Iu", "Ib"])
+def test_pnp_matches_reference(variant, gen):
+    labels = lab([*SINGLETONS, 1])
+    emb = randn(gen, 7, 4)
+    hp = {"anneal": 0.2, "b": 3.0, "alpha": 1.5}
+    assert_same(
+        value_and_grads(lambda e: pnp(e, labels, variant=variant, **hp), emb),
+        value_and_grads(lambda e: ref_pnp(e, labels, variant=variant, **hp), emb),
+        **TOL[F64],
+    )
+
+
+def test_dynamic_soft_margin_matches_reference(gen):
+    labels, ref_labels = lab([0, 0, 1, 1, 1, 2]), lab([1, 0, 2, 2, 3])
+    hist = torch.zeros(10, dtype=F64)
+    for step in range(3):
+        emb, ref = randn(gen, 6, 16), randn(gen, 5, 16)
+        state = {"hist": hist}
+        got = value_and_grads(
+            lambda e, r, s=state: dynamic_soft_margin(
+                e, labels, s, ref_emb=r, ref_labels=ref_labels
+            ),
+            emb,
+            ref,
+        )
+        want = value_and_grads(
+            lambda e, r, h=hist: ref_dsm(e, labels, h, r, ref_labels)[0], emb, ref
+        )
+        assert_same(got, want, **TOL[F64])
+        _, new = dynamic_soft_margin(emb, labels, state, ref_emb=ref, ref_labels=ref_labels)
+        _, want_hist = ref_dsm(emb, labels, hist, ref, ref_labels)
+        torch.testing.assert_close(new["hist"], want_hist, **TOL[F64])
+        hist = new["hist"]
+        assert step == 0 or float(hist.sum()) == pytest.approx(1.0)
+
+
+def test_dynamic_soft_margin_unlabelled_unequal_sizes(gen):
+    """Matched rows without labels, B ≠ M: PML pads zero terms; here only the matched rows."""
+    emb, ref = randn(gen, 5, 16), randn(gen, 7, 16)
+    hist = torch.zeros(10, dtype=F64)
+    got = value_and_grads(
+        lambda e, r: dynamic_soft_margin(e, None, {"hist": hist}, ref_emb=r), emb, ref
+    )
+    want = value_and_grads(lambda e, r: ref_dsm(e, None, hist, r)[0], emb, ref)
+    assert_same(got, want, **TOL[F64])
+
+
+def test_dynamic_soft_margin_product_equals_listed_triplets(gen):
+    """The closed form over all triplets equals the same triplets listed explicitly."""
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 3)  # low dimension: values spread over many bins, both clamps hit
+    state = {"hist": torch.rand(10, generator=gen, dtype=F64)}
+    trip = lmu.get_all_triplets_indices(labels)
+    for min_val in (-2.0, -0.5):
+        kw = {"min_val": min_val, "momentum": 0.3}
+        got = value_and_grads(lambda e, kw=kw: dynamic_soft_margin(e, labels, state, **kw), emb)
+        want = value_and_grads(
+            lambda e, kw=kw: dynamic_soft_margin(e, labels, state, indices_tuple=trip, **kw), emb
+        )
+        assert_same(got, want, **TOL[F64])
+        h1 = dynamic_soft_margin(emb, labels, state, **kw)[1]["hist"]
+        h2 = dynamic_soft_margin(emb, labels, state, indices_tuple=trip, **kw)[1]["hist"]
+        torch.testing.assert_close(h1, h2, **TOL[F64])
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. PML parity
+# ----------------------------------------------------------------------------------------------
+def _mined(kind, emb, labels):
+    """(pmlfunc indices_tuple, PML indices_tuple)."""
+    if kind is None:
+        return None, None
+    if kind == "pml_pairs":
+        t = pml_pairs(emb, labels)
+        return t, t
+    if kind == "pml_triplets":
+        t = pml_triplets(emb, labels)
+        return t, t
+    if kind == "pf_pairs":
+        r = pf.miners.pair_margin(emb, labels, pos_margin=0.2, neg_margin=0.8)
+        return r, r.to_indices()
+    r = pf.miners.batch_hard(emb, labels)
+    return r, r.to_indices()
+
+
+MINED = [None, "pml_pairs", "pml_triplets", "pf_pairs", "pf_triplets"]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("mined", MINED)
+@pytest.mark.parametrize("layout", [UNEVEN, SINGLETONS])
+def test_fast_ap_pml(layout, mined, dtype, gen):
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 5, dtype=dtype)
+    ours_t, pml_t = _mined(mined, emb, labels)
+    got = value_and_grads(lambda e: fast_ap(e, labels, indices_tuple=ours_t), emb)
+    want = value_and_grads(lambda e: pml_losses.FastAPLoss()(e, labels, pml_t), emb)
+    assert_same(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("dist", "red"),
+    [("power1", "sum"), ("power2", "avg_nonzero"), ("power2", "threshold")],
+)
+def test_fast_ap_pml_distances_reducers(dist, red, gen):
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 5)
+    power = 1 if dist == "power1" else 2
+    reducers = {
+        "sum": (pf.reducers.sum(), pml_reducers.SumReducer()),
+        "avg_nonzero": (pf.reducers.avg_nonzero(), pml_reducers.AvgNonZeroReducer()),
+        "threshold": (pf.reducers.threshold(low=0.3), pml_reducers.ThresholdReducer(low=0.3)),
+    }[red]
+    got = value_and_grads(
+        lambda e: fast_ap(
+            e, labels, num_bins=7, distance=pf.distances.lp(power=power), reducer=reducers[0]
+        ),
+        emb,
+    )
+    pml = pml_losses.FastAPLoss(
+        num_bins=7, distance=pml_distances.LpDistance(power=power), reducer=reducers[1]
+    )
+    assert_same(got, value_and_grads(lambda e: pml(e, labels), emb), **TOL[F64])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("mined", MINED)
+@pytest.mark.parametrize("layout", [UNEVEN, SINGLETONS])
+def test_histogram_pml(layout, mined, dtype, gen):
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 5, dtype=dtype)
+    ours_t, pml_t = _mined(mined, emb, labels)
+    got = value_and_grads(lambda e: histogram(e, labels, n_bins=20, indices_tuple=ours_t), emb)
+    want = value_and_grads(lambda e: pml_losses.HistogramLoss(n_bins=20)(e, labels, pml_t), emb)
+    assert_same(got, want, **TOL[F32])  # (d): PML bins in float32 even for float64 input
+
+
+def test_histogram_pml_defaults_and_delta(gen):
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 5)
+    for ours, pml in [({}, {}), ({"delta": 0.05}, {"delta": 0.05})]:
+        got = value_and_grads(lambda e, o=ours: histogram(e, labels, **o), emb)
+        want = value_and_grads(lambda e, p=pml: pml_losses.HistogramLoss(**p)(e, labels), emb)
+        assert_same(got, want, **TOL[F32])  # (d)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("mined", [None, "pml_pairs", "pf_triplets"])
+@pytest.mark.parametrize(
+    "layout", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [4, 4, 9, 9], [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4]
+)
+def test_smooth_ap_pml(layout, mined, dtype, gen):
+    """Class-sorted batches with m samples per class = #classes (where PML is right: (a))."""
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 5, dtype=dtype)
+    ours_t, pml_t = _mined(mined, emb, labels)
+    got = value_and_grads(
+        lambda e: smooth_ap(e, labels, temperature=0.1, indices_tuple=ours_t), emb
+    )
+    want = value_and_grads(
+        lambda e: pml_losses.SmoothAPLoss(temperature=0.1)(e, labels, pml_t), emb
+    )
+    assert_same(got, want, **(TOL_F32_BUFFER if dtype == F64 else TOL[dtype]))
+
+
+def test_smooth_ap_pml_default_temperature_and_sum(gen):
+    labels = lab([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    emb = randn(gen, 9, 5)
+    got = value_and_grads(lambda e: smooth_ap(e, labels, reducer=pf.reducers.sum()), emb)
+    pml = pml_losses.SmoothAPLoss(reducer=pml_reducers.SumReducer())
+    assert_same(got, value_and_grads(lambda e: pml(e, labels), emb), **TOL_F32_BUFFER)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("variant", ["O", "Ds", "Dq", "Iu", "Ib"])
+@pytest.mark.parametrize("layout", [UNEVEN, SINGLETONS])
+def test_pnp_pml(layout, variant, dtype, gen):
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 5, dtype=dtype)
+    hp = {"anneal": 0.05, "b": 3.0, "alpha": 2.0}
+    got = value_and_grads(lambda e: pnp(e, labels, variant=variant, **hp), emb)
+    want = value_and_grads(lambda e: pml_losses.PNPLoss(variant=variant, **hp)(e, labels), emb)
+    assert_same(got, want, **TOL[dtype])
+
+
+def test_pnp_pml_defaults(gen):
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 5)
+    got = value_and_grads(lambda e: pnp(e, labels), emb)
+    assert_same(got, value_and_grads(lambda e: pml_losses.PNPLoss()(e, labels), emb), **TOL[F64])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("mined", MINED)
+def test_dynamic_soft_margin_pml_steps(mined, dtype, gen):
+    labels = lab(UNEVEN)
+    pml = pml_losses.DynamicSoftMarginLoss()
+    inputs = []
+    for _ in range(3):
+        emb = randn(gen, 11, 32, dtype=dtype)
+        ours_t, pml_t = _mined(mined, emb, labels)
+        inputs.append(((emb,), {"indices_tuple": ours_t}, (pml_t,)))
+
+    def ours(e, state, indices_tuple):
+        return dynamic_soft_margin(e, labels, state, indices_tuple=indices_tuple)
+
+    def pml_call(e, t):
+        return pml(e, labels, t)
+
+    state = dynamic_soft_margin_init_state(dtype=dtype)
+    for (emb,), kw, (pml_t,) in inputs:
+        pml.hist_ = pml.hist_.detach()
+        want = value_and_grads(lambda e, t=pml_t: pml_call(e, t), emb)
+        got = value_and_grads(lambda e, s=state, kw=kw: ours(e, s, **kw), emb)
+        assert_same(got, want, **TOL[dtype])
+        state = ours(emb, state, **kw)[1]
+        assert state["hist"].dtype == dtype
+        torch.testing.assert_close(state["hist"], pml.hist_.detach(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("setting", ["ref_labels", "no_labels", "no_labels_self", "power2"])
+def test_dynamic_soft_margin_pml_settings(setting, gen):
+    labels, ref_labels = lab(UNEVEN), lab(REF_LABELS)
+    kw = {"min_val": -1.5, "num_bins": 12, "momentum": 0.2}
+    dist = (
+        (pf.distances.lp(power=2), pml_distances.LpDistance(power=2))
+        if setting == "power2"
+        else (None, None)
+    )
+    pml = pml_losses.DynamicSoftMarginLoss(**kw, **({"distance": dist[1]} if dist[1] else {}))
+    state = dynamic_soft_margin_init_state(12, dtype=F64)
+    for _ in range(3):
+        emb = randn(gen, 11, 32)
+        ref = randn(gen, 8 if setting == "ref_labels" else 11, 32)
+        pml.hist_ = pml.hist_.detach()
+        if setting == "ref_labels":
+            args, ours_kw, pml_call = (
+                (emb, ref),
+                {"ref_labels": ref_labels},
+                lambda e, r: pml(e, labels, None, r, ref_labels),
+            )
+            lbl = labels
+        elif setting == "no_labels":
+            args, ours_kw, pml_call = (emb, ref), {}, lambda e, r: pml(e, None, None, r)
+            lbl = None
+        else:
+            args, ours_kw, lbl = (emb,), {}, None if setting == "no_labels_self" else labels
+            pml_call = (lambda e, y=lbl: pml(e, y)) if setting == "power2" else (lambda e: pml(e))
+
+        def f(*t, s=state, lbl=lbl, ours_kw=ours_kw):
+            extra = {"ref_emb": t[1], **ours_kw} if len(t) == 2 else {}
+            return dynamic_soft_margin(t[0], lbl, s, distance=dist[0], **extra, **kw)
+
+        got = value_and_grads(f, *args)
+        if lbl is None:
+            # PML fills the diagonal of its distance matrix in place: its backward fails, so
+            # values come from PML and gradients from the loop reference.
+            h0 = pml.hist_
+            with pytest.raises(RuntimeError, match="inplace"):
+                value_and_grads(pml_call, *args)
+            pml.hist_ = h0
+            with torch.no_grad():
+                want_v = pml_call(*args)
+            r = args[1] if len(args) == 2 else None
+            want = (
+                want_v,
+                value_and_grads(
+                    lambda *t, h=state["hist"], r=r: ref_dsm(
+                        t[0],
+                        None,
+                        h,
+                        t[1] if r is not None else None,
+                        min_val=-1.5,
+                        k=12,
+                        momentum=0.2,
+                    )[0],
+                    *args,
+                )[1],
+            )
+        else:
+            want = value_and_grads(pml_call, *args)
+        assert_same(got, want, **TOL[F64])
+        state = f(*args)[1]
+        torch.testing.assert_close(state["hist"], pml.hist_.detach(), **TOL[F64])
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. gradcheck (float64; hyper-parameters as 0-d tensors where differentiable)
+# ----------------------------------------------------------------------------------------------
+def test_gradcheck(gen):
+    labels = lab([0, 0, 1, 1, 1, 2])
+    emb = randn(gen, 6, 3).requires_grad_(True)
+    temp = torch.tensor(0.3, dtype=F64, requires_grad=True)
+    state = {"hist": torch.rand(10, generator=gen, dtype=F64)}
+    checks = [
+        (lambda e: fast_ap(e, labels, num_bins=6), (emb,)),
+        (lambda e: histogram(e, labels, n_bins=10), (emb,)),
+        (lambda e, t: smooth_ap(e, labels, temperature=t), (emb, temp)),
+        (lambda e, t: pnp(e, labels, anneal=t, variant="Ds"), (emb, temp)),
+        (lambda e: dynamic_soft_margin(e, labels, state, momentum=0.5)[0], (emb,)),
+    ]
+    for fn, args in checks:
+        assert torch.autograd.gradcheck(fn, args, eps=1e-7, atol=1e-6)
+
+
+def test_sigmoid_ranks_chunks_equal_direct(gen, monkeypatch):
+    """The chunked function (any chunk size) equals the direct B × M × M autograd formula."""
+    s = randn(gen, 7, 9).requires_grad_(True)
+    w = (torch.rand(2, 7, 9, generator=gen, dtype=F64) > 0.4).to(F64)
+    tau = torch.tensor(0.2, dtype=F64, requires_grad=True)
+    g = randn(gen, 2, 7, 9)
+
+    def direct(s, tau, clamp=None):
+        z = (s.unsqueeze(-2) - s.unsqueeze(-1)) / tau
+        if clamp is not None:
+            z = z.clamp(-clamp, clamp)
+        return torch.einsum("ajk,qak->qaj", torch.sigmoid(z), w)
+
+    for clamp in (None, 1.5):
+        want = value_and_grads(lambda s, t, c=clamp: (direct(s, t, c) * g).sum(), s, tau)
+        for chunk in (1, 2, 7):
+            monkeypatch.setattr(ranking, "_chunk_rows", lambda m, c=chunk: c)
+            got = value_and_grads(
+                lambda s, t, c=clamp: (ranking.sigmoid_ranks(s, w, t, clamp=c) * g).sum(), s, tau
+            )
+            assert_same(got, want, **TOL[F64])
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. torch.compile(fullgraph=True)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "name", ["fast_ap", "histogram", "smooth_ap", "pnp", "dynamic_soft_margin"]
+)
+def test_compile_fullgraph_equals_eager(name, gen):
+    torch._dynamo.reset()
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 6, dtype=F32)
+    state = {"hist": torch.rand(10, generator=gen)}
+    mined = pf.miners.pair_margin(emb, labels, pos_margin=0.2, neg_margin=0.8)
+    fns = {
+        "fast_ap": lambda e: fast_ap(e, labels, indices_tuple=mined),
+        "histogram": lambda e: histogram(e, labels, indices_tuple=mined),
+        "smooth_ap": lambda e: smooth_ap(e, labels, temperature=torch.tensor(0.1)),
+        "pnp": lambda e: pnp(e, labels, variant="Iu"),
+        "dynamic_soft_margin": lambda e: dynamic_soft_margin(e, labels, state),
+    }
+    f = fns[name]
+    compiled = torch.compile(f, fullgraph=True)
+    leaf = emb.clone().requires_grad_(True)
+    out = compiled(leaf)
+    loss = out[0] if isinstance(out, tuple) else out
+    got = (loss.detach(), list(torch.autograd.grad(loss, leaf)))
+    assert_same(got, value_and_grads(f, emb), rtol=1e-5, atol=1e-6)
+    if name == "dynamic_soft_margin":
+        torch.testing.assert_close(out[1]["hist"], f(emb)[1]["hist"])
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. meta device, dtypes
+# ----------------------------------------------------------------------------------------------
+def test_meta_device():
+    emb = torch.empty(9, 4, device="meta")
+    labels = torch.empty(9, dtype=torch.int64, device="meta")
+    state = dynamic_soft_margin_init_state(device="meta")
+    outs = [
+        fast_ap(emb, labels),
+        histogram(emb, labels),
+        smooth_ap(emb, labels),
+        pnp(emb, labels),
+        *dynamic_soft_margin(emb, labels, state),
+        dynamic_soft_margin(emb, None, state)[0],
+    ]
+    for out in outs:
+        out = out["hist"] if isinstance(out, dict) else out
+        assert out.device.type == "meta"
+    assert all(o.ndim == 0 for o in outs[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_returns_input_dtype(dtype, gen):
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 8)
+    for fn in (fast_ap, histogram, smooth_ap, pnp):
+        out = fn(emb.to(dtype), labels)
+        assert out.dtype == dtype
+        torch.testing.assert_close(
+            out.float(), fn(emb.to(dtype).float(), labels).float(), rtol=1e-2, atol=1e-2
+        )
+    loss, state = dynamic_soft_margin(emb.to(dtype), labels)
+    assert loss.dtype == dtype and state["hist"].dtype == dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. legal edge cases
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "layout",
+    [[0, 1, 2, 3, 4], [2, 2, 2, 2, 2], [7], [0, 0, 1, 1, 2]],
+    ids=["no_pos", "one_class", "one", "dup"],
+)
+def test_edge_cases_finite(layout, gen):
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 4)
+    if len(layout) == 5:
+        emb[1] = emb[0]  # duplicates
+    fns = {
+        "fast_ap": lambda e: fast_ap(e, labels),
+        "histogram": lambda e: histogram(e, labels),
+        "smooth_ap": lambda e: smooth_ap(e, labels),
+        "pnp": lambda e: pnp(e, labels, variant="Dq"),
+        "dsm": lambda e: dynamic_soft_margin(e, labels),
+        "dsm_unlabelled": lambda e: dynamic_soft_margin(e, None),
+    }
+    for name, fn in fns.items():
+        v, (g,) = value_and_grads(fn, emb)
+        assert torch.isfinite(v) and torch.isfinite(g).all(), name
+        if len(set(layout)) == len(layout) or len(set(layout)) == 1:  # no pos or no neg pair
+            if name in ("fast_ap", "histogram", "pnp", "dsm"):
+                assert float(v) == pytest.approx(0.0, abs=1e-12), name
+
+
+def test_dynamic_soft_margin_without_triplets_keeps_state(gen):
+    state = {"hist": torch.rand(10, generator=gen)}
+    loss, new = dynamic_soft_margin(randn(gen, 4, 4, dtype=F32), lab([0, 1, 2, 3]), state)
+    assert float(loss) == 0.0
+    torch.testing.assert_close(new["hist"], state["hist"])
+
+
+def test_dynamic_soft_margin_out_of_range_is_clamped(gen):
+    """(c): d_ap − d_an near +2 (PML raises) lands in the last bin; the loss stays finite."""
+    emb = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 1e-3]], dtype=F64)
+    labels = lab([0, 0, 1])
+    with pytest.raises(RuntimeError):
+        pml_losses.DynamicSoftMarginLoss()(emb, labels)
+    loss, state = dynamic_soft_margin(emb, labels)
+    assert torch.isfinite(loss) and float(state["hist"][-1]) > 0.4
+
+
+def test_inputs_not_modified(gen):
+    labels = lab(UNEVEN)
+    emb = randn(gen, 11, 4)
+    state = dynamic_soft_margin_init_state(dtype=F64)
+    before = (emb.clone(), state["hist"].clone())
+    mat = pf.distances.lp()(emb)
+    mat_before = mat.clone()
+    dynamic_soft_margin(emb, None, state, mat=mat)
+    fast_ap(emb, labels)
+    torch.testing.assert_close(emb, before[0])
+    torch.testing.assert_close(state["hist"], before[1])
+    torch.testing.assert_close(mat, mat_before)  # PML fills the diagonal of mat in place
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. bad input
+# ----------------------------------------------------------------------------------------------
+def test_bad_input(gen):
+    labels = lab([0, 0, 1, 1])
+    emb = randn(gen, 4, 3)
+    ref = randn(gen, 4, 3)
+    cases = [
+        (ValueError, "distance", lambda: fast_ap(emb, labels, distance=pf.distances.cosine())),
+        (
+            ValueError,
+            "labels",
+            lambda: fast_ap(emb, None, indices_tuple=lmu.get_all_pairs_indices(labels)),
+        ),
+        (ValueError, "num_bins", lambda: fast_ap(emb, labels, num_bins=0)),
+        (TypeError, "num_bins", lambda: fast_ap(emb, labels, num_bins=2.5)),
+        (ValueError, "delta", lambda: histogram(emb, labels, n_bins=10, delta=0.3)),
+        (ValueError, "reducer", lambda: histogram(emb, labels, reducer=pf.reducers.mean())),
+        (ValueError, "ref_emb", lambda: histogram(emb, labels, ref_emb=ref, ref_labels=labels)),
+        (ValueError, "ref_emb", lambda: smooth_ap(emb, labels, ref_emb=ref, ref_labels=labels)),
+        (ValueError, "temperature", lambda: smooth_ap(emb, labels, temperature=0.0)),
+        (ValueError, "variant", lambda: pnp(emb, labels, variant="X")),
+        (
+            ValueError,
+            "indices_tuple",
+            lambda: pnp(emb, labels, indices_tuple=lmu.get_all_pairs_indices(labels)),
+        ),
+        (ValueError, "ref_emb", lambda: pnp(emb, labels, ref_emb=ref, ref_labels=labels)),
+        (ValueError, "embeddings", lambda: pnp(emb[0], labels)),
+        (TypeError, "labels", lambda: smooth_ap(emb, labels.float())),
+        (
+            ValueError,
+            "state",
+            lambda: dynamic_soft_margin(emb, labels, {"hist": torch.zeros(5, dtype=F64)}),
+        ),
+        (TypeError, "state", lambda: dynamic_soft_margin(emb, labels, torch.zeros(10))),
+        (ValueError, "num_bins", lambda: dynamic_soft_margin(emb, labels, num_bins=1)),
+        (
+            ValueError,
+            "reducer",
+            lambda: dynamic_soft_margin(emb, labels, reducer=pf.reducers.sum()),
+        ),
+        (
+            ValueError,
+            "distance",
+            lambda: dynamic_soft_margin(emb, labels, distance=pf.distances.lp(normalize=False)),
+        ),
+        (
+            ValueError,
+            "ref_labels",
+            lambda: dynamic_soft_margin(emb, None, ref_emb=ref, ref_labels=labels),
+        ),
+        (ValueError, "ref_emb", lambda: dynamic_soft_margin(emb, None, ref_emb=ref[:, :2])),
+        (
+            ValueError,
+            "MinedPairs",
+            lambda: dynamic_soft_margin(
+                emb, labels, indices_tuple=pf.miners.triplet_margin(emb, labels)
+            ),
+        ),
+    ]
+    for exc, word, fn in cases:
+        with pytest.raises(exc, match=word):
+            fn()
