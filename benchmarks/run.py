@@ -28,9 +28,11 @@ turns runs into tables and charts. ``extra`` per entry: peak memory (CPU: the pe
 tensor storage one step adds, ``pmlfunc.memory``; CUDA: allocated memory above the pre-forward
 baseline), FLOPs of one step (``torch.utils.flop_counter``), and the case's settings.
 
-Some PML 2.9.0 steps cannot run at large batches: its NT-Xent and mined-pairs-to-triplets
-conversion build a (positive pairs) × (negative pairs) matrix. Entries whose estimate exceeds
-``--pml-memory-limit-gib`` (8) are skipped with the estimate as the reason.
+Some PML 2.9.0 steps cannot run at large batches: its NT-Xent, lifted-structure, tuplet-margin
+and mined-pairs-to-triplets paths build a (positive pairs) × (negative pairs) matrix. Entries
+whose estimate exceeds ``--pml-memory-limit-gib`` (8) are skipped with the estimate as the
+reason, and any entry whose first (checking) step takes more than ``--max-step-seconds`` (60)
+is skipped with its time.
 """
 
 from __future__ import annotations
@@ -217,8 +219,17 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
     step = _Step(entry, fn, params, emb, labels)
     try:
         with C.set_threads(args.threads):
+            t0 = time.perf_counter()
             out = step.forward()
             record["loss"] = step.check(out, step.backward(out))
+            first = time.perf_counter() - t0
+            if first > args.max_step_seconds:
+                return {
+                    **record,
+                    "status": "skipped",
+                    "reason": f"one step took {first:,.1f} s (> --max-step-seconds "
+                    f"{args.max_step_seconds:g})",
+                }
             record["flops"] = _flops(step)
             record["peak_memory_mib"] = _peak_mib(step, device)
             if mode == "compile":
@@ -292,6 +303,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="eager", help=f"comma-separated, from {MODES}")
     p.add_argument("--anchor-batch-size", type=int, default=256)
     p.add_argument("--pml-memory-limit-gib", type=float, default=8.0)
+    p.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=60.0,
+        help="skip an entry whose first (checking) step takes longer",
+    )
     p.add_argument("--output", default=None, help="JSON file to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
