@@ -1,11 +1,12 @@
 """Turn ``benchmarks.run`` JSON files into Markdown tables, a CSV and SVG scaling charts.
 
-    python -m benchmarks.report RUN.json [RUN.json ...] --output DIR [--title TITLE]
+    python -m benchmarks.report RUN.json [RUN.json ...] --output DIR [--name NAME] [--title T]
+        [--command "how the runs were made"]
 
-Writes ``DIR/README.md`` (one table per batch size, dtype and mode: each case's median
+Writes ``DIR/NAME.md`` (default ``README.md``; one table per batch size, dtype and mode: each case's median
 forward+backward time per implementation, ``PML / pmlfunc`` and ``pmlfunc / floor``, the
 peak memory one step adds, and every skipped or failed entry with its reason), ``DIR/results.csv``
-(one row per measured entry, with the spread) and ``DIR/<case>.svg`` (median time against batch
+(``DIR/NAME.csv``; one row per measured entry, with the spread) and ``DIR/[NAME-]<case>.svg`` (median time against batch
 size, log-log, one line per implementation; only when the runs cover several batch sizes).
 The provenance (versions, git revision, configuration) of every run is listed at the end.
 """
@@ -82,12 +83,14 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:,.1f}×" if a / b < 1000 else f"{a / b:,.0f}×"
 
 
-def markdown(runs: list[dict[str, Any]], title: str) -> str:
+def markdown(runs: list[dict[str, Any]], title: str, command: str | None = None) -> str:
     table = rows(runs)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in table:
         groups[(row["batch"], row["dtype"], row["mode"])].append(row)
     lines = [f"# {title}", ""]
+    if command:
+        lines += ["Produced by:", "", "```bash", command.strip(), "```", ""]
     lines += [
         "Median forward+backward time per step in ms (mining alone for `pair-miner`), pmlfunc",
         "beside PML 2.9.0 and the matmul floor `(E @ E.T).sum()` in the same process. Peak: the",
@@ -152,7 +155,7 @@ def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
             writer.writerow(row)
 
 
-def charts(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+def charts(runs: list[dict[str, Any]], out_dir: Path, prefix: str = "") -> list[Path]:
     """One SVG per (case, dtype, mode) measured at two or more batch sizes."""
     import matplotlib
 
@@ -181,7 +184,7 @@ def charts(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         suffix = "" if (dtype, mode) == ("float32", "eager") else f"-{dtype}-{mode}"
-        path = out_dir / f"{case}{suffix}.svg"
+        path = out_dir / f"{prefix}{case}{suffix}.svg"
         fig.savefig(path, format="svg", metadata={"Date": None})
         plt.close(fig)
         written.append(path)
@@ -192,19 +195,22 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="benchmarks.run JSON files")
     p.add_argument("--output", type=Path, required=True, help="directory to write")
+    p.add_argument("--name", default=None, help="file stem (default: README.md, results.csv)")
     p.add_argument("--title", default="pmlfunc benchmarks")
+    p.add_argument("--command", default=None, help="the commands that made the runs (shown)")
     args = p.parse_args(argv)
     runs = load(args.runs)
     args.output.mkdir(parents=True, exist_ok=True)
-    md = args.output / "README.md"
-    text = markdown(runs, args.title)
-    svgs = charts(runs, args.output)
+    md = args.output / (f"{args.name}.md" if args.name else "README.md")
+    table = args.output / (f"{args.name}.csv" if args.name else "results.csv")
+    text = markdown(runs, args.title, args.command)
+    svgs = charts(runs, args.output, f"{args.name}-" if args.name else "")
     if svgs:
         text += "\n## Scaling\n\n" + "\n".join(f"![{s.stem}]({s.name})" for s in svgs) + "\n"
     md.write_text(text)
-    write_csv(runs, args.output / "results.csv")
-    print(f"wrote {md}, {args.output / 'results.csv'} and {len(svgs)} chart(s)")
-    return [md, args.output / "results.csv", *svgs]
+    write_csv(runs, table)
+    print(f"wrote {md}, {table} and {len(svgs)} chart(s)")
+    return [md, table, *svgs]
 
 
 if __name__ == "__main__":
