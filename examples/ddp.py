@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     gap = float((got - want).abs().max() / want.abs().max())
     optimizer.zero_grad()
     if rank == 0:
-        print(f"{world} rank(s); DDP gradient vs single-process gradient: max relative gap {gap:.1e}")
+        print(
+            f"{world} rank(s); DDP gradient vs single-process gradient: max relative gap {gap:.1e}"
+        )
         assert gap < 1e-4, gap
 
     gen = torch.Generator().manual_seed(1)  # the same shuffles on every rank
