@@ -140,7 +140,26 @@ CASES: dict[str, Case] = {
                 ("fast_ap", {}, lambda: pml_losses.FastAPLoss()),
                 ("histogram", {}, lambda: pml_losses.HistogramLoss()),
                 ("pnp", {}, lambda: pml_losses.PNPLoss()),
+                ("nca", {}, lambda: pml_losses.NCALoss()),
+                ("npairs", {}, lambda: pml_losses.NPairsLoss()),
+                ("angular", {}, lambda: pml_losses.AngularLoss()),
+                ("instance", {}, lambda: pml_losses.InstanceLoss()),
+                (
+                    "ranked_list",
+                    {"margin": 0.4, "Tn": 10.0},
+                    lambda: pml_losses.RankedListLoss(margin=0.4, Tn=10.0),
+                ),
+                (
+                    "threshold_consistent_margin",
+                    {},
+                    lambda: pml_losses.ThresholdConsistentMarginLoss(),
+                ),
             )
+        ),
+        Case(  # two views: the batch and the same rows rolled by one
+            "vicreg",
+            lambda: lambda e, y: pf.losses.vicreg(e, e.roll(1, 0)),
+            lambda: lambda e, y: pml_losses.VICRegLoss()(e, ref_emb=e.roll(1, 0)),
         ),
         Case(  # its state is explicit: the benchmark measures one step from a fresh state
             "dynamic_soft_margin",

@@ -178,9 +178,7 @@ class TripletWindow(NamedTuple):
         return has, has
 
     def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
-        return MinedPairs(*self.pair_masks(None, dtype)).sample_counts(
-            batch_size, dtype, anchors_only
-        )
+        return _triplet_sample_counts(*self.pair_masks(None, dtype), anchors_only)
 
     def select(self, start: int, stop: int) -> Tensor:
         """The ``(stop − start, M, M)`` boolean block of the triplet cube for anchors
@@ -219,9 +217,7 @@ class TripletMask(NamedTuple):
         return has, has
 
     def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
-        return MinedPairs(*self.pair_masks(None, dtype)).sample_counts(
-            batch_size, dtype, anchors_only
-        )
+        return _triplet_sample_counts(*self.pair_masks(None, dtype), anchors_only)
 
     def select(self, start: int, stop: int) -> Tensor:
         return self.mask[start:stop]
@@ -233,6 +229,16 @@ class TripletMask(NamedTuple):
 
 
 MINED_TYPES = (MinedPairs, MinedTriplets, TripletWindow, TripletMask)
+
+
+def _triplet_sample_counts(pos: Tensor, neg: Tensor, anchors_only: bool) -> Tensor:
+    """Each sample's count in the triplet list ``(a, p, n)`` (PML's ``convert_to_weights`` of a
+    triplet tuple: every triplet lists its anchor once), from the pair multiplicities: an
+    anchor's triplets are the sum of its positive pairs' multiplicities."""
+    anchors = pos.sum(-1)
+    if anchors_only:
+        return anchors
+    return anchors + pos.sum(0) + neg.sum(0)
 
 
 def is_mined(x: object) -> bool:

@@ -25,6 +25,17 @@ from .margin_softmax import (
     subcenter_arcface,
     subcenter_arcface_init,
 )
+from .neighbors import (
+    angular,
+    instance,
+    manifold,
+    manifold_init,
+    manifold_meta_classes,
+    nca,
+    npairs,
+    ranked_list,
+    threshold_consistent_margin,
+)
 from .pairs import contrastive, multi_similarity
 from .proxies import (
     normalized_softmax,
@@ -60,6 +71,7 @@ from .structured import (
 from .triplets import triplet_margin
 
 __all__ = [
+    "angular",
     "arcface",
     "arcface_init",
     "circle",
@@ -75,16 +87,22 @@ __all__ = [
     "fast_ap",
     "generalized_lifted_structure",
     "histogram",
+    "instance",
     "intra_pair_variance",
     "large_margin_softmax",
     "large_margin_softmax_init",
     "lifted_structure",
+    "manifold",
+    "manifold_init",
+    "manifold_meta_classes",
     "margin",
     "margin_init",
     "multi_similarity",
     "multi_supcon",
+    "nca",
     "normalized_softmax",
     "normalized_softmax_init",
+    "npairs",
     "ntxent",
     "p2s_grad",
     "p2s_grad_init",
@@ -93,6 +111,7 @@ __all__ = [
     "proxy_anchor_init",
     "proxy_nca",
     "proxy_nca_init",
+    "ranked_list",
     "selectively_contrastive_triplet",
     "signal_to_noise_ratio_contrastive",
     "smooth_ap",
@@ -103,6 +122,7 @@ __all__ = [
     "subcenter_arcface",
     "subcenter_arcface_init",
     "supcon",
+    "threshold_consistent_margin",
     "triplet_margin",
     "tuplet_margin",
     "vicreg",

@@ -1,0 +1,884 @@
+r"""Neighbourhood losses: each anchor scored against the rest of the batch (or a reference set).
+
+| loss | PML class | per-row form |
+|---|---|---|
+| :func:`nca` | ``NCALoss`` | two masked log-sum-exps per row |
+| :func:`npairs` | ``NPairsLoss`` | one pair per class, chosen without ``unique``; a ``(B, B)`` softmax |
+| :func:`angular` | ``AngularLoss`` | a log-sum-exp over negatives per (anchor, positive) from Gram matrices |
+| :func:`instance` | ``InstanceLoss`` | cross entropy per row, targets by a sort (no ``unique``) |
+| :func:`ranked_list` | ``RankedListLoss`` | weighted sums over the selected entries of each row |
+| :func:`threshold_consistent_margin` | ``ThresholdConsistentMarginLoss`` | pair terms with a window |
+| :func:`manifold` | ``ManifoldLoss`` | a random walk over batch + proxies (one ``(B+K)²`` inverse) |
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks, _random
+from .. import params as _params
+from ..distances import Distance, cosine, lp
+from ..labels import PairMasks, label_masks
+from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
+from ..tuples import MinedTriplets, is_mined
+from ._common import (
+    Batch,
+    LossSpec,
+    default_reducer,
+    masked_logsumexp,
+    miner_weights,
+    prepare,
+    register,
+    regularize,
+    run,
+    scalar_like,
+)
+
+__all__ = [
+    "angular",
+    "instance",
+    "manifold",
+    "manifold_init",
+    "manifold_meta_classes",
+    "nca",
+    "npairs",
+    "ranked_list",
+    "threshold_consistent_margin",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+def _label_masks_of(batch: Batch, name: str) -> PairMasks:
+    """Label masks of the batch (its rows), whatever ``indices_tuple`` says: for losses whose
+    negatives (NCA: whole rows) come from the labels even when a tuple is given, as in PML."""
+    if batch.all_labels is None:
+        raise ValueError(f"{name} needs labels (PML: labels are required for this loss)")
+    if batch.indices_tuple is None:
+        return batch.masks
+    ref_labels = None
+    if batch.ref_emb is not None:
+        if batch.ref_labels is None:
+            raise ValueError(f"{name} needs ref_labels with ref_emb")
+        ref_labels = batch.ref_labels
+    cd = _checks.compute_dtype(batch.embeddings.dtype)
+    return label_masks(batch.all_labels, ref_labels, dtype=cd, rows=batch.rows)
+
+
+def _not_supported(name: str, **given) -> None:
+    """``ValueError`` for the inputs a loss does not take (as PML raises for them)."""
+    for arg, value in given.items():
+        if value is not None:
+            raise ValueError(f"{name} does not support {arg} (PML raises for it too)")
+
+
+def _require_distance(distance: Distance | None, ok: bool, name: str, what: str) -> None:
+    if distance is not None and not ok:
+        raise ValueError(f"{name} needs distance={what} (PML asserts it), got {distance!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# NCA
+# ---------------------------------------------------------------------------------------------
+def nca(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    softmax_scale: float | Tensor = 1,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Neighbourhood component analysis loss: each sample should pick a same-class neighbour.
+
+    With ``z_{ij} = -σ d_{ij}`` (``σ s_{ij}`` for a similarity), the anchor's own entry excluded
+    in self mode, and ``P(i)`` the references of ``i``'s class:
+
+    .. math::
+        \ell_i = -\log \sum_{j \in P(i)} \frac{e^{z_{ij}}}{\sum_k e^{z_{ik}}}
+               = \operatorname{lse}_{k}\, z_{ik} - \operatorname{lse}_{j \in P(i)} z_{ij}
+
+    two masked log-sum-exps per row. As in PML, an anchor whose probability is exactly 0 (it has
+    no positive, or it underflows) is left out of the mean; with ``indices_tuple`` each term is
+    multiplied by the anchor's count in the tuple over the largest count (PML's
+    ``convert_to_weights``; the tuple does not change the pairs, which come from the labels).
+
+    Unlike PML 2.9.0, which returns NaN (the mean of an empty tensor) when no anchor has a
+    positive, the loss is then 0 with zero gradients; and a single query row against a reference
+    set is scored (PML returns 0 for any batch of one).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        softmax_scale: ``σ`` (default ``1``).
+        distance: default ``lp(power=2)`` (squared Euclidean between normalised rows).
+        reducer: default ``mean()`` over the kept anchors.
+        ref_emb, ref_labels: a separate reference set (nothing excluded).
+        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result (weights only).
+        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.nca(emb, labels, softmax_scale=2.0)
+
+    Reference: Goldberger et al., "Neighbourhood Components Analysis", NeurIPS 2004.
+    """
+    return run(
+        NCA,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
+        softmax_scale=softmax_scale,
+    )
+
+
+def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
+    softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
+    pos, neg = _label_masks_of(batch, "nca")
+    z = batch.similarity() * scalar_like(softmax_scale, batch.mat)
+    log_p = masked_logsumexp(z, pos) - masked_logsumexp(z, pos + neg)
+    keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops anchors whose p is exactly 0
+    losses = torch.where(keep > 0, -log_p, torch.zeros_like(log_p))
+    b = batch.embeddings.shape[0]
+    mw = miner_weights(
+        batch.indices_tuple, b, z.dtype, z.device, anchors_only=batch.ref_emb is not None
+    )
+    if mw is not None:
+        r0, r1 = (0, b) if batch.rows is None else batch.rows
+        losses = losses * mw[r0:r1]
+    return {"loss": DenseTerms(losses, keep, "element", batch.num_anchors)}
+
+
+NCA = LossSpec("nca", _nca_terms, lp(power=2), mean())
+register(nca, NCA)
+
+
+# ---------------------------------------------------------------------------------------------
+# N-pairs
+# ---------------------------------------------------------------------------------------------
+def npairs(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Multi-class N-pair loss: one (anchor, positive) pair per class, the other classes'
+    positives as negatives.
+
+    PML's choice of pairs, without ``unique``: of the positive pairs in order (row-major from the
+    labels; the tuple's order for an ``indices_tuple``), the first one whose anchor has a given
+    label. With those ``K`` pairs ``(a_k, p_k)`` and similarity ``s`` (a distance enters as
+    ``-d``):
+
+    .. math::
+        \ell_k = -\log \frac{e^{s(a_k, p_k)}}{\sum_{k'=1}^{K} e^{s(a_k, p_{k'})}}
+
+    computed in ``B`` fixed slots (one per possible class representative, empty ones weighted 0):
+    a ``(B, B)`` matrix whatever the tuple's length, no host sync.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required, as in PML).
+        distance: default ``cosine()``: PML 2.9.0's default ``DotProductSimilarity()``
+            normalises both sides, which is the cosine (use ``dot()`` for the paper's raw inner
+            product, PML's ``DotProductSimilarity(normalize_embeddings=False)``).
+        reducer: default ``mean()`` over the chosen pairs.
+        ref_emb, ref_labels: not supported (``ValueError``, as in PML).
+        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result: the candidate
+            positive pairs.
+        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.npairs(emb, labels)
+
+    Reference: Sohn, "Improved Deep Metric Learning with Multi-class N-pair Loss Objective",
+    NeurIPS 2016.
+    """
+    _not_supported("npairs", ref_emb=ref_emb, ref_labels=ref_labels)
+    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
+    if labels is None:
+        raise ValueError("npairs needs labels (PML: labels are required for this loss)")
+    b = embeddings.shape[0]
+    anchor_slot, pos_slot, occupied = _npairs_slots(batch, labels)
+    occupied = occupied.to(batch.mat.dtype)
+    s = batch.similarity().index_select(0, anchor_slot).index_select(1, pos_slot)  # (B, B)
+    lse = masked_logsumexp(s, occupied.unsqueeze(0).expand(b, b).contiguous())
+    losses = torch.where(occupied > 0, lse - s.diagonal(), torch.zeros_like(lse))
+    terms = {"loss": DenseTerms(losses, occupied, "element", b)}
+    loss = reduce(default_reducer(reducer, mean()), terms, labels[anchor_slot], batch.out_dtype)
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+
+
+def _npairs_slots(batch: Batch, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(anchor, positive, occupied)`` per slot ``r``: slot ``r`` holds the chosen pair of the
+    class whose first batch index is ``r`` (PML's ``convert_to_pos_pairs_with_unique_labels``)."""
+    b = labels.shape[0]
+    dev = labels.device
+    idx = torch.arange(b, device=dev)
+    same = labels.unsqueeze(1) == labels.unsqueeze(0)
+    big = torch.full((), b, device=dev, dtype=idx.dtype)
+    rep = torch.where(same, idx, big).amin(1)  # first index of each sample's class
+    t = batch.indices_tuple
+    if t is None:  # row-major pairs: the class's first member with its second member
+        later = same & (idx.unsqueeze(0) > idx.unsqueeze(1))
+        second = torch.where(later, idx, big).amin(1)
+        occupied = (rep == idx) & (second < b)
+        return idx, second.clamp_max(b - 1), occupied
+    if isinstance(t, MinedTriplets):
+        a, p, valid = t.anchors.long(), t.positives.long(), t.valid > 0
+    elif is_mined(t):  # pair multiplicities: each row's first positive column, row-major
+        pos = t.pair_masks((b, b), torch.float32)[0] > 0
+        a = idx
+        p = torch.where(pos, idx, big).amin(1).clamp_max(b - 1)
+        valid = pos.any(1)
+    else:
+        a, p = t[0].long().to(dev), t[1].long().to(dev)
+        valid = torch.ones(a.shape, dtype=torch.bool, device=dev)
+    n = a.shape[0]
+    if n == 0:  # a static case: no candidate pair
+        return idx, idx, torch.zeros(b, dtype=torch.bool, device=dev)
+    order = torch.arange(n, device=dev)
+    cand = torch.where(valid, order, torch.full_like(order, n))
+    first = torch.full((b,), n, dtype=order.dtype, device=dev)
+    first = first.scatter_reduce(0, rep[a], cand, reduce="amin")
+    occupied = first < n
+    k = first.clamp_max(n - 1)
+    return a[k], p[k], occupied
+
+
+# ---------------------------------------------------------------------------------------------
+# Angular
+# ---------------------------------------------------------------------------------------------
+def angular(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    alpha: float | Tensor = 40,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Angular loss: the angle at the negative of the triangle (anchor, positive, negative).
+
+    With ``t = tan²α``, unit anchors and positives ``x̂_a``, ``x̂_p`` and references ``x_n``
+    (PML uses the references as given, not normalised, in this term), one term per positive pair:
+
+    .. math::
+        \ell_{ap} = \log\Big(1 + \sum_{n \in N(a)}
+            e^{4t\,(\hat x_a + \hat x_p)^\top x_n - 2(1 + t)\,\hat x_a^\top \hat x_p}\Big)
+
+    over the negatives ``N(a)`` of the anchor by label (also with an ``indices_tuple``, whose
+    positive pairs are the terms; as in PML). PML builds a ``(pairs × M)`` tensor (100 GB in its
+    issue #329); here the log-sum-exp of every pair comes from Gram matrices:
+    ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max}`` and
+    ``B = e^{v_pn − max}``, ``u = 4t x̂_a·x_n``, ``v = 4t x̂_p·x_n``: one matmul, ``O(B·M + M²)``
+    memory. Exact unless a pair's largest term is more than ~80 (float32; ~700 in float64)
+    below the row maxima used as shifts, i.e. ``8t·max‖x_n‖ ≳ 80`` (e.g. α ≳ 72° with unit
+    embeddings in float32); such terms underflow to 0 instead.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        alpha: the angle α in degrees (default ``40``).
+        distance: ``lp()`` only (PML asserts ``LpDistance(p=2, power=1, normalize=True)``).
+        reducer: default ``mean()`` over positive pairs.
+        ref_emb, ref_labels: a separate reference set (nothing excluded).
+        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result.
+        mat: a precomputed ``(B, M)`` ``lp()`` distance matrix (the cosines are ``1 − d²/2``).
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.angular(emb, labels, alpha=45)
+
+    Reference: Wang et al., "Deep Metric Learning with Angular Loss", ICCV 2017.
+    """
+    _require_distance(
+        distance,
+        distance is not None
+        and not distance.is_similarity
+        and getattr(distance, "p", None) == 2
+        and getattr(distance, "power", None) == 1
+        and getattr(distance, "normalize", False),
+        "angular",
+        "lp() (p=2, power=1, normalize=True)",
+    )
+    return run(
+        ANGULAR,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
+        alpha=alpha,
+    )
+
+
+def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
+    alpha = _checks.hyper(alpha, "alpha")
+    _, neg = _label_masks_of(batch, "angular")
+    pos = batch.masks.pos
+    d = batch.mat  # normalised Euclidean distances: cos = 1 − d²/2
+    cos_ar = 1.0 - 0.5 * d * d  # x̂_a · x̂_r, (rows, M)
+    cd = d.dtype
+    ref = (batch.embeddings if batch.ref_emb is None else batch.ref_emb).to(cd)
+    ref_norm = torch.linalg.vector_norm(ref, dim=-1)
+    ref_hat = F.normalize(ref, dim=-1)
+    if isinstance(alpha, Tensor):
+        t = torch.tan(torch.deg2rad(alpha.to(torch.float64))).square().to(cd)
+    else:
+        t = math.tan(math.radians(alpha)) ** 2
+    u = (4 * t) * (cos_ar * ref_norm)  # 4t x̂_a·x_n, (rows, M)
+    v = (4 * t) * (ref_hat @ ref.transpose(-1, -2))  # 4t x̂_p·x_n, (M, M)
+    low = torch.finfo(cd).min
+    u_max = torch.where(neg > 0, u, low).amax(-1, keepdim=True)
+    has_neg = u_max > low
+    u_max = torch.where(has_neg, u_max, 0.0).detach()
+    v_max = v.amax(-1, keepdim=True).detach()
+    a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
+    w = a @ torch.exp(v - v_max).transpose(-1, -2)  # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
+    lse = torch.log(w.clamp_min(torch.finfo(cd).tiny)) + u_max + v_max.transpose(-1, -2)
+    f = lse - (2 * (1 + t)) * cos_ar
+    losses = torch.where(has_neg, torch.logaddexp(f, f.new_zeros(())), torch.zeros_like(f))
+    weights = pos
+    if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
+        has_p, has_n = batch.any_pairs()
+        weights = weights * (has_p & has_n).to(pos.dtype)
+    return {"loss": DenseTerms(losses, weights, "pos_pair", batch.num_anchors)}
+
+
+ANGULAR = LossSpec(
+    "angular",
+    _angular_terms,
+    lp(),
+    mean(),
+    # chunking normalises the batch once up front; the negative term needs the raw references
+    unchunkable=lambda **hyper: "its negative term uses the unnormalised references",
+)
+register(angular, ANGULAR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance
+# ---------------------------------------------------------------------------------------------
+def instance(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    gamma: float | Tensor = 64,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Instance loss (PML's form): cross entropy of the scaled cosine-similarity rows.
+
+    With ``c_i`` the rank of ``labels_i`` among the distinct labels (PML's
+    ``unique(return_inverse=True)``, computed here by a sort: no host sync) and scale ``γ``:
+
+    .. math::
+        \ell_i = -\log \frac{e^{γ s_{i c_i}}}{\sum_{j=1}^{B} e^{γ s_{ij}}}
+
+    over every column, the anchor's own included: as in PML, the target is *column* ``c_i`` of the
+    batch's similarity matrix (with distinct labels ``0..B−1`` in order, each sample's own).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        gamma: ``γ`` (default ``64``).
+        distance: ``cosine()`` only (PML asserts ``CosineSimilarity``).
+        reducer: default ``mean()`` over the samples.
+        ref_emb, ref_labels, indices_tuple: not supported (``ValueError``, as in PML).
+        mat: a precomputed ``(B, B)`` cosine matrix.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.instance(emb, labels, gamma=32)
+
+    Reference: Zheng et al., "Dual-Path Convolutional Image-Text Embeddings with Instance
+    Loss", ACM TOMM 2020.
+    """
+    _not_supported("instance", ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple)
+    _require_distance(distance, _is_cosine(distance), "instance", "cosine()")
+    if labels is None:
+        raise ValueError("instance needs labels (PML: labels are required for this loss)")
+    return run(
+        INSTANCE,
+        embeddings,
+        labels,
+        None,
+        None,
+        None,
+        mat,
+        distance,
+        reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
+        gamma=gamma,
+    )
+
+
+def _is_cosine(distance: Distance | None) -> bool:
+    return distance is not None and distance.is_similarity and getattr(distance, "normalize", False)
+
+
+def _dense_rank(labels: Tensor) -> Tensor:
+    """Each label's rank among the distinct labels (``unique(return_inverse=True)[1]``)."""
+    s = labels.sort().values
+    new = torch.cat([torch.zeros_like(s[:1]), (s[1:] != s[:-1]).to(s.dtype)])
+    return new.cumsum(0)[torch.searchsorted(s, labels)]
+
+
+def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
+    gamma = _checks.hyper(gamma, "gamma")
+    z = batch.mat * scalar_like(gamma, batch.mat)
+    target = _dense_rank(batch.all_labels)
+    if batch.rows is not None:
+        target = target[batch.rows[0] : batch.rows[1]]
+    lse = torch.logsumexp(z, -1)
+    return {"loss": elements(lse - z.gather(-1, target.unsqueeze(-1)).squeeze(-1))}
+
+
+INSTANCE = LossSpec("instance", _instance_terms, cosine(), mean())
+register(instance, INSTANCE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranked list
+# ---------------------------------------------------------------------------------------------
+def ranked_list(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    margin: float | Tensor,
+    Tn: float | Tensor,
+    imbalance: float | Tensor = 0.5,
+    alpha: float | Tensor | None = None,
+    Tp: float | Tensor = 0,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Ranked list loss: positives beyond ``α − m`` and negatives within ``α``, each weighted.
+
+    Per anchor ``i`` with distances ``d`` (the rule is applied to the matrix as given, also for a
+    similarity, as PML does), ``P*`` the positives with ``d > α − m`` and ``N*`` the negatives
+    with ``d < α`` (entries with ``d ≤ 0`` never count, as in PML), ``M`` columns:
+
+    .. math::
+        L_P = \frac{\sum_{j \in P^*} w_j (d_{ij} - (α - m))}{\sum_{j \in P^*} w_j + 10^{-5} M},
+        \quad w_j = e^{T_p (d_{ij} - (α - m))}
+
+    .. math::
+        L_N = \frac{\sum_{j \in N^*} w_j (α - d_{ij})}{\sum_{j \in N^*} w_j + 10^{-5} M},
+        \quad w_j = e^{T_n (α - d_{ij})}
+
+    and ``ℓ_i = (1 − λ) L_P + λ L_N`` with ``λ = imbalance``. The weights are differentiated
+    too, as in PML.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (required).
+        margin: ``m`` (required, as in PML).
+        Tn: negative temperature ``T_n`` (required, as in PML).
+        imbalance: ``λ`` in ``[0, 1]`` (default ``0.5``).
+        alpha: ``α`` (default ``None``: ``1 + m/2``).
+        Tp: positive temperature ``T_p`` (default ``0``).
+        distance: default ``lp()``.
+        reducer: default ``mean()`` over anchors.
+        ref_emb, ref_labels, indices_tuple: not supported (``ValueError``, as in PML).
+        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.ranked_list(emb, labels, margin=0.4, Tn=10.0)
+
+    Reference: Wang et al., "Ranked List Loss for Deep Metric Learning", CVPR 2019.
+    """
+    _not_supported(
+        "ranked_list", ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
+    )
+    if labels is None:
+        raise ValueError("ranked_list needs labels (PML: labels are required for this loss)")
+    return run(
+        RANKED_LIST,
+        embeddings,
+        labels,
+        None,
+        None,
+        None,
+        mat,
+        distance,
+        reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
+        margin=margin,
+        Tn=Tn,
+        imbalance=imbalance,
+        alpha=alpha,
+        Tp=Tp,
+    )
+
+
+def _ranked_list_terms(batch: Batch, *, margin, Tn, imbalance, alpha, Tp) -> dict[str, Terms]:
+    margin = _checks.hyper(margin, "margin")
+    Tn = _checks.hyper(Tn, "Tn")
+    Tp = _checks.hyper(Tp, "Tp")
+    imbalance = _checks.hyper(imbalance, "imbalance")
+    if isinstance(imbalance, float) and not 0.0 <= imbalance <= 1.0:
+        raise ValueError(f"imbalance must be in [0, 1], got {imbalance}")
+    alpha = 1 + margin / 2 if alpha is None else _checks.hyper(alpha, "alpha")
+    d = batch.mat
+    margin, Tn, Tp, imbalance, alpha = (
+        scalar_like(v, d) for v in (margin, Tn, Tp, imbalance, alpha)
+    )
+    pos, neg = batch.masks
+    low = alpha - margin
+    above = (d > 0).to(d.dtype)
+    sel_p = pos * (d > low).to(d.dtype) * above
+    sel_n = neg * (d < alpha).to(d.dtype) * above
+    gap_p, gap_n = d - low, alpha - d
+    w_p = sel_p * torch.exp(torch.where(sel_p > 0, Tp * gap_p, 0.0))
+    w_n = sel_n * torch.exp(torch.where(sel_n > 0, Tn * gap_n, 0.0))
+    pad = 1e-5 * batch.shape[1]  # PML: sum(w + 1e-5) over every column
+    loss_p = (w_p * gap_p).sum(-1) / (w_p.sum(-1) + pad)
+    loss_n = (w_n * gap_n).sum(-1) / (w_n.sum(-1) + pad)
+    return {"loss": elements((1 - imbalance) * loss_p + imbalance * loss_n)}
+
+
+RANKED_LIST = LossSpec("ranked_list", _ranked_list_terms, lp(), mean())
+register(ranked_list, RANKED_LIST)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threshold-consistent margin
+# ---------------------------------------------------------------------------------------------
+def threshold_consistent_margin(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    lambda_plus: float | Tensor = 1.0,
+    lambda_minus: float | Tensor = 1.0,
+    margin_plus: float | Tensor = 0.9,
+    margin_minus: float | Tensor = 0.5,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+    mat: Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
+) -> Tensor:
+    r"""Threshold-consistent margin (TCM) loss: penalise positives below ``m⁺`` and negatives above
+    ``m⁻`` in cosine similarity.
+
+    .. math::
+        L = λ^+ \frac{\sum_{(a,p):\, s_{ap} \le m^+} (m^+ - s_{ap})}{|\{(a,p): s_{ap} \le m^+\}|}
+          + λ^- \frac{\sum_{(a,n):\, s_{an} \ge m^-} (s_{an} - m^-)}{|\{(a,n): s_{an} \ge m^-\}|}
+
+    over positive and negative pairs (listed pairs count with their multiplicity); an empty part
+    is 0. PML returns this as an already-reduced value and ignores its reducer: here the two
+    parts are pair terms (``pos_loss``, ``neg_loss``) whose default reducer ``mean()`` over the
+    selected pairs gives exactly the formula; another reducer acts on the same selected terms.
+    With ``ref_emb`` the pairs' second members are the reference rows (PML 2.9.0 indexes the
+    batch with the reference indices there, a bug).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` with ``indices_tuple``).
+        lambda_plus, lambda_minus: weights ``λ⁺``, ``λ⁻`` (default ``1``).
+        margin_plus: ``m⁺`` (default ``0.9``); margin_minus: ``m⁻`` (default ``0.5``).
+        distance: ``cosine()`` only (PML asserts ``CosineSimilarity``).
+        reducer: default ``mean()`` (see above).
+        ref_emb, ref_labels: a separate reference set (nothing excluded).
+        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result.
+        mat: a precomputed ``(B, M)`` cosine matrix.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.threshold_consistent_margin(emb, labels)
+
+    Reference: Zhang et al., "Threshold-Consistent Margin Loss for Open-World Deep Metric
+    Learning", ICLR 2024.
+    """
+    _require_distance(distance, _is_cosine(distance), "threshold_consistent_margin", "cosine()")
+    return run(
+        TCM,
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        indices_tuple,
+        mat,
+        distance,
+        reducer,
+        embedding_regularizer=embedding_regularizer,
+        embedding_reg_weight=embedding_reg_weight,
+        lambda_plus=lambda_plus,
+        lambda_minus=lambda_minus,
+        margin_plus=margin_plus,
+        margin_minus=margin_minus,
+    )
+
+
+def _tcm_terms(
+    batch: Batch, *, lambda_plus, lambda_minus, margin_plus, margin_minus
+) -> dict[str, Terms]:
+    hp = [
+        _checks.hyper(v, n)
+        for v, n in (
+            (lambda_plus, "lambda_plus"),
+            (lambda_minus, "lambda_minus"),
+            (margin_plus, "margin_plus"),
+            (margin_minus, "margin_minus"),
+        )
+    ]
+    s = batch.mat
+    lp_, lm, mp, mm = (scalar_like(v, s) for v in hp)
+    pos, neg = batch.masks
+    w_pos = pos * (s <= mp).to(s.dtype)
+    w_neg = neg * (s >= mm).to(s.dtype)
+    b = batch.num_anchors
+    return {
+        "pos_loss": DenseTerms(lp_ * (mp - s), w_pos, "pos_pair", b),
+        "neg_loss": DenseTerms(lm * (s - mm), w_neg, "neg_pair", b),
+    }
+
+
+TCM = LossSpec("threshold_consistent_margin", _tcm_terms, cosine(), mean())
+register(threshold_consistent_margin, TCM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifold
+# ---------------------------------------------------------------------------------------------
+def manifold(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    params: dict[str, Tensor] | None = None,
+    *,
+    lambdaC: float | Tensor = 1.0,
+    alpha: float | Tensor = 0.8,
+    margin: float | Tensor = 5e-4,
+    distance: Distance | None = None,
+    reducer: Reducer | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple: Tensor | None = None,
+    generator: torch.Generator | Tensor | None = None,
+) -> Tensor:
+    r"""Manifold (ensemble manifold similarity with hard proxies) loss.
+
+    With the batch's ``N`` embeddings and the ``K`` proxies stacked (``n = N + K`` nodes), the
+    affinities ``S_{ij} = e^{2 \max(s_{ij}, 0)}`` (``S_{ii} = 0``), ``\bar S = D^{-1/2} S D^{-1/2}``
+    and the random-walk similarity ``F = (1 − α)(I − α\bar S)^{-1}``, each sample ``i`` with
+    meta-class (proxy) ``c_i``:
+
+    .. math::
+        \ell^{int}_i = \log\Big(1 + \sum_{k \ne c_i,\; x_{ik} \ge 0} e^{x_{ik}}\Big),
+        \quad x_{ik} = F_{ik} - F_{ic_i} + m
+
+    over the proxy columns ``k`` of ``F``, and ``ℓ^{ctx}_i`` the same with
+    ``x_{ik} = \cos(F_i, F_k) - \cos(F_i, F_{c_i}) + m`` (cosines of whole rows of ``F``).
+    ``L = mean(ℓ^{int}) + λ_C mean(ℓ^{ctx})``. With ``lambdaC=math.inf`` only the context loss
+    is used (PML 2.9.0 multiplies it by ``inf``).
+
+    Meta-classes: ``indices_tuple`` (PML's convention: an ``(N,)`` integer tensor of proxy
+    indices), else drawn from ``generator`` (required then) as PML does: every proxy once plus
+    ``N − K`` uniform draws, shuffled (needs ``N ≥ K``); the draws are counter-based
+    (``pmlfunc._random``), not PML's global RNG, so only the distribution matches PML.
+
+    The inverse is taken in the compute dtype (PML 2.9.0 inverts in float32 even for float64
+    input). PML returns an already-reduced value and ignores its reducer: here ``ℓ^{int}`` and
+    ``λ_C ℓ^{ctx}`` are per-sample terms whose default reducer ``mean()`` gives ``L``.
+
+    Args:
+        embeddings: ``(N, D)`` float tensor.
+        labels: must be ``None`` (PML: labels are not supported).
+        params: ``{"proxies": (K, D)}`` from :func:`manifold_init`.
+        lambdaC: ``λ_C ≥ 0`` (default ``1``).
+        alpha: random-walk parameter ``α`` in ``(0, 1)`` (default ``0.8``).
+        margin: ``m`` (default ``5e-4``).
+        distance: default ``cosine()``.
+        reducer: default ``mean()`` (see above).
+        ref_emb, ref_labels: not supported (``ValueError``, as in PML).
+        indices_tuple: optional ``(N,)`` meta-class indices in ``[0, K)``.
+        generator: a ``torch.Generator`` or a 0-d integer seed tensor, for the meta-classes.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = pf.losses.manifold_init(4, num_proxies=3, generator=torch.Generator().manual_seed(0))
+        >>> emb = torch.randn(8, 4)
+        >>> loss = pf.losses.manifold(emb, None, params, generator=torch.Generator().manual_seed(1))
+
+    Reference: Aziere and Todorovic, "Ensemble Deep Manifold Similarity Learning using Hard
+    Proxies", CVPR 2019.
+    """
+    _not_supported("manifold", ref_emb=ref_emb, ref_labels=ref_labels)
+    if labels is not None:
+        raise ValueError("manifold does not take labels (PML: labels are not supported)")
+    _checks.embeddings(embeddings)
+    proxies = _params.check(params, "proxies", embeddings)
+    lam = _checks.hyper(lambdaC, "lambdaC", nonnegative=True)
+    alpha = _checks.hyper(alpha, "alpha")
+    margin = _checks.hyper(margin, "margin")
+    distance = cosine() if distance is None else distance
+    if not isinstance(distance, Distance):
+        raise TypeError(f"distance must be a pmlfunc distance, got {type(distance).__name__}")
+    n, k = embeddings.shape[0], proxies.shape[0]
+    meta = _meta_classes(indices_tuple, generator, n, k, embeddings.device)
+    cd = _checks.compute_dtype(embeddings.dtype)
+    nodes = torch.cat([embeddings.to(cd), proxies.to(cd)])
+    s = torch.exp(distance.matrix(nodes).clamp_min(0.0) / 0.5)
+    eye = torch.eye(n + k, dtype=cd, device=s.device)
+    s = s - s * eye
+    d_inv_half = s.sum(-1).pow(-0.5)
+    s_bar = d_inv_half.unsqueeze(-1) * s * d_inv_half
+    a = scalar_like(alpha, s)
+    f = (1 - a) * torch.linalg.inv(eye - a * s_bar)
+    f_e, f_p = f[:n], f[n:]
+    own = F.one_hot(meta, k).to(cd)
+    m = scalar_like(margin, s)
+    terms: dict[str, Terms] = {}
+    if not (isinstance(lam, float) and lam == math.inf):
+        terms["loss_int"] = elements(_manifold_part(f_e[:, n:], own, m))
+    eps = 1e-8  # F.cosine_similarity's
+    e_hat = f_e / torch.linalg.vector_norm(f_e, dim=-1, keepdim=True).clamp_min(eps)
+    p_hat = f_p / torch.linalg.vector_norm(f_p, dim=-1, keepdim=True).clamp_min(eps)
+    ctx = _manifold_part(e_hat @ p_hat.transpose(-1, -2), own, m)
+    if isinstance(lam, float) and lam == math.inf:
+        terms["loss_ctx"] = elements(ctx)
+    else:
+        terms["loss_ctx"] = elements(scalar_like(lam, ctx) * ctx)
+    return reduce(default_reducer(reducer, mean()), terms, None, embeddings.dtype)
+
+
+def _manifold_part(x: Tensor, own: Tensor, margin: float | Tensor) -> Tensor:
+    """Per row ``log(1 + Σ_{k ≠ own, x_k − x_own + m ≥ 0} e^{x_k − x_own + m})``."""
+    z = x - (x * own).sum(-1, keepdim=True) + margin
+    keep = (1.0 - own) * (z.detach() >= 0).to(z.dtype)
+    return torch.logaddexp(masked_logsumexp(z, keep), z.new_zeros(()))
+
+
+def _meta_classes(indices_tuple, generator, n: int, k: int, device) -> Tensor:
+    """The ``(N,)`` meta-class of each sample: given, or drawn as PML does (see :func:`manifold`)."""
+    if indices_tuple is not None:
+        t = indices_tuple
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                "manifold's indices_tuple is the (N,) tensor of meta-classes (PML's convention), "
+                f"got {type(t).__name__}"
+            )
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"indices_tuple (meta-classes) must be integer, got {t.dtype}")
+        if tuple(t.shape) != (n,):
+            raise ValueError(
+                f"indices_tuple (meta-classes) must have shape ({n},), got {tuple(t.shape)}"
+            )
+        if t.device != device:
+            raise ValueError(f"indices_tuple is on {t.device} but embeddings are on {device}")
+        return t.long()
+    if n < k:
+        raise ValueError(
+            f"manifold draws every proxy at least once: needs batch size >= number of proxies, "
+            f"got {n} < {k} (or pass indices_tuple)"
+        )
+    seed = _random.seed_tensor(generator, device)
+    return manifold_meta_classes(seed, n, k)
+
+
+def manifold_meta_classes(seed: Tensor, n: int, k: int) -> Tensor:
+    """The meta-classes :func:`manifold` draws from a 0-d int64 ``seed``: ``arange(K)`` and
+    ``N − K`` uniform proxy indices, shuffled (PML's scheme, counter-based draws)."""
+    draws = _random.uniform(seed, 0, (n - k,)).mul(k).floor().long().clamp_max(k - 1)
+    meta = torch.cat([torch.arange(k, device=seed.device), draws])
+    perm = _random.uniform(seed, 1, (n,)).argsort()
+    return meta[perm]
+
+
+def manifold_init(
+    embedding_size: int,
+    num_proxies: int = 50,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`manifold`: ``{"proxies": (K, D)}`` with ``N(0, 1)`` entries (PML's
+    ``ManifoldLoss(l, K=50)``: ``torch.randn(K, l)``; same seed, same values).
+
+    Example:
+        >>> pf.losses.manifold_init(4, num_proxies=3)["proxies"].shape
+        torch.Size([3, 4])
+    """
+    for v, name in ((embedding_size, "embedding_size"), (num_proxies, "num_proxies")):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    shape = (int(num_proxies), int(embedding_size))
+    return {"proxies": _params.init_normal(shape, generator=generator, dtype=dtype, device=device)}
