@@ -522,12 +522,8 @@ def batch_hard(
     _tuples_per_anchor(tuples_per_anchor)  # validated; there is one triplet per anchor already
     s = _Setup(embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), None, None)
     (p, p_keep), (n, n_keep) = _easy_hard(s, "hard", "hard", None, None)
-    a = torch.arange(s.mat.shape[0], device=s.mat.device)
-    keep = p_keep & n_keep
-    zero = torch.zeros_like(p)
-    return MinedTriplets(
-        a, torch.where(keep, p, zero), torch.where(keep, n, zero), keep.to(s.mat.dtype)
-    )
+    keep = (p_keep & n_keep).unsqueeze(-1)
+    return _per_anchor_triplets(p.unsqueeze(-1), n.unsqueeze(-1), keep, s.mat.dtype)
 
 
 def triplet_margin(
@@ -589,25 +585,31 @@ def triplet_margin(
     return _sample_window(window, s.k, s.seed)
 
 
+def _per_anchor_triplets(p: Tensor, n: Tensor, valid: Tensor, dtype: torch.dtype) -> MinedTriplets:
+    """``(B, k)`` positives, negatives and validity of each anchor's slots as a flat
+    :class:`~pmlfunc.tuples.MinedTriplets` (invalid slots: index 0, weight 0)."""
+    a = torch.arange(p.shape[0], device=p.device).unsqueeze(-1).expand_as(p)
+    zero = torch.zeros_like(p)
+    return MinedTriplets(
+        a.reshape(-1),
+        torch.where(valid, p, zero).reshape(-1),
+        torch.where(valid, n, zero).reshape(-1),
+        valid.reshape(-1).to(dtype),
+    )
+
+
 def _sample_window(window: TripletWindow, k: int, seed: Tensor) -> MinedTriplets:
     """``k`` triplets per anchor, uniform without replacement, from the implicit window list
     (anchor ``a``'s triplets listed by positive column, then by sorted negative)."""
     order, first, _, count, _ = window.search()
-    b, m = count.shape
+    m = count.shape[-1]
     cum = count.cumsum(-1)
     idx, valid = sample_without_replacement(cum[:, -1], k, seed, 201)
     p = torch.searchsorted(cum, idx, right=True).clamp_max(m - 1)
     offset = idx - (cum.gather(-1, p) - count.gather(-1, p))
     rank = (first.gather(-1, p) + offset).clamp(0, m - 1)
     n = order.gather(-1, rank)
-    a = torch.arange(b, device=count.device).unsqueeze(-1).expand(b, k)
-    zero = torch.zeros_like(p)
-    return MinedTriplets(
-        a.reshape(-1),
-        torch.where(valid, p, zero).reshape(-1),
-        torch.where(valid, n, zero).reshape(-1),
-        valid.reshape(-1).to(window.e.dtype),
-    )
+    return _per_anchor_triplets(p, n, valid, window.e.dtype)
 
 
 def angular(
@@ -766,14 +768,7 @@ def distance_weighted(
     u = uniform(s.seed, 402, tuple(p.shape), torch.float64, w.device)
     n = torch.searchsorted(cdf, (u * total).contiguous(), right=True).clamp_max(m - 1)
     valid = p_valid & has_neg.unsqueeze(-1)
-    a = torch.arange(b, device=w.device).unsqueeze(-1).expand_as(p)
-    zero = torch.zeros_like(p)
-    return MinedTriplets(
-        a.reshape(-1),
-        torch.where(valid, p, zero).reshape(-1),
-        torch.where(valid, n, zero).reshape(-1),
-        valid.reshape(-1).to(s.mat.dtype),
-    )
+    return _per_anchor_triplets(p, n, valid, s.mat.dtype)
 
 
 def embeddings_already_packaged_as_triplets(
