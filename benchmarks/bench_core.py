@@ -24,7 +24,6 @@ Configuration (environment variables):
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,12 +35,7 @@ import pmlfunc as pf
 
 from . import common as C
 
-BATCH = C.bench_batch()
-DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)
-SAMPLES_PER_CLASS = C.env_int("PMLFUNC_BENCH_SAMPLES_PER_CLASS", C.DEFAULT_SAMPLES_PER_CLASS)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
-DTYPE = getattr(torch, os.environ.get("PMLFUNC_BENCH_DTYPE", "float32") or "float32")
-DEVICE = torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "cpu") or "cpu")
+BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 
 # With --benchmark-disable (the normal test run) every body runs once. PML 2.9.0 NT-Xent
 # materialises a (positive pairs) x (negative pairs) matrix: at batch 512 with 4 per class
@@ -52,7 +46,7 @@ DEVICE = torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "cpu") or "cpu")
 # use PMLFUNC_BENCH_BATCH.
 SMOKE_NTXENT_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_NTXENT_BATCH", 128)
 
-RTOL = 1e-3 if DTYPE in (torch.float32, torch.float64) else 2e-2
+RTOL = C.parity_rtol(DTYPE)
 ATOL = 1e-6
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

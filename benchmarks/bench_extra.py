@@ -18,7 +18,6 @@ agree (rtol 1e-3) and, for the anchor-batched members, that the gradient equals 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,15 +30,10 @@ import pmlfunc as pf
 
 from . import common as C
 
-BATCH = C.bench_batch()
-DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)
-SAMPLES_PER_CLASS = C.env_int("PMLFUNC_BENCH_SAMPLES_PER_CLASS", C.DEFAULT_SAMPLES_PER_CLASS)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
-DTYPE = getattr(torch, os.environ.get("PMLFUNC_BENCH_DTYPE", "float32") or "float32")
-DEVICE = torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "cpu") or "cpu")
+BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 ANCHOR_BATCH = C.env_int("PMLFUNC_BENCH_ANCHOR_BATCH", 256)
 PROXY_TEMPERATURE = 0.1
-RTOL = 1e-3 if DTYPE in (torch.float32, torch.float64) else 2e-2
+RTOL = C.parity_rtol(DTYPE)
 
 Fn = Callable[[torch.Tensor, torch.Tensor], Any]
 

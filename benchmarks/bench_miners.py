@@ -35,7 +35,6 @@ class, threads, dtype, device).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,14 +50,9 @@ from pmlfunc import miners
 
 from . import common as C
 
-BATCH = C.bench_batch()
-DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)
-SAMPLES_PER_CLASS = C.env_int("PMLFUNC_BENCH_SAMPLES_PER_CLASS", C.DEFAULT_SAMPLES_PER_CLASS)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
-DTYPE = getattr(torch, os.environ.get("PMLFUNC_BENCH_DTYPE", "float32") or "float32")
-DEVICE = torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "cpu") or "cpu")
+BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 
-RTOL = 1e-3 if DTYPE in (torch.float32, torch.float64) else 2e-2
+RTOL = C.parity_rtol(DTYPE)
 ATOL = 1e-6
 
 # Hyper-parameters (reference "Development measurements": miner margins 0.2 and 1.4).

@@ -52,6 +52,26 @@ def env_int(name: str, default: int) -> int:
     return value
 
 
+def env_settings() -> tuple[int, int, int, int, torch.dtype, torch.device]:
+    """``(batch, dim, samples_per_class, threads, dtype, device)`` of the pytest-benchmark suite,
+    from ``PMLFUNC_BENCH_BATCH``, ``_DIM``, ``_SAMPLES_PER_CLASS``, ``_THREADS``, ``_DTYPE`` (a
+    torch dtype name) and ``_DEVICE``."""
+    dtype = getattr(torch, os.environ.get("PMLFUNC_BENCH_DTYPE", "") or "float32")
+    return (
+        bench_batch(),
+        env_int("PMLFUNC_BENCH_DIM", DEFAULT_DIM),
+        env_int("PMLFUNC_BENCH_SAMPLES_PER_CLASS", DEFAULT_SAMPLES_PER_CLASS),
+        env_int("PMLFUNC_BENCH_THREADS", DEFAULT_THREADS),
+        dtype,
+        torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "") or "cpu"),
+    )
+
+
+def parity_rtol(dtype: torch.dtype) -> float:
+    """Relative tolerance for pmlfunc-vs-PML loss agreement in a benchmark body."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
 def bench_batch() -> int:
     """Batch size for timed runs: ``PMLFUNC_BENCH_BATCH`` (default 512)."""
     return env_int("PMLFUNC_BENCH_BATCH", DEFAULT_BATCH)
