@@ -241,7 +241,9 @@ def test_none_reducer_keeps_the_regularizer_as_an_entry():
     out = pf.losses.contrastive(
         x, labels, reducer=pf.reducers.none(), embedding_regularizer=R.lp, embedding_reg_weight=2.0
     )
-    torch.testing.assert_close(out["embedding_reg_loss"], 2.0 * R.lp(x))
+    entry = out["embedding_reg_loss"]
+    assert entry["kind"] == "already_reduced"
+    torch.testing.assert_close(entry["losses"], 2.0 * R.lp(x))
 
 
 def test_errors():

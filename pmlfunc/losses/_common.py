@@ -175,7 +175,8 @@ def regularize(
 
     ``name`` is ``"embedding"`` (``embedding_regularizer`` on the embeddings) or ``"weight"``
     (``weight_regularizer`` on a class-major weight matrix). With the ``none()`` reducer the loss
-    is a dict of terms: the regularizer becomes its ``"<name>_reg_loss"`` entry.
+    is a dict of terms: the regularizer becomes its ``"<name>_reg_loss"`` entry, ``{"losses":
+    w·reg, "weights": 1, "kind": "already_reduced"}``.
     """
     if regularizer is None:
         return loss
@@ -189,8 +190,9 @@ def regularize(
     if not isinstance(reg, Tensor) or reg.ndim != 0:
         raise ValueError(f"{name}_regularizer must return a 0-d tensor")
     term = scalar_like(weight, reg) * reg
-    if isinstance(loss, dict):
-        return {**loss, f"{name}_reg_loss": term}
+    if isinstance(loss, dict):  # none(): an already-reduced entry, in the terms' format
+        entry = {"losses": term, "weights": torch.ones_like(term), "kind": "already_reduced"}
+        return {**loss, f"{name}_reg_loss": entry}
     return loss + term.to(loss.dtype)
 
 

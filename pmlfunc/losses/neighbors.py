@@ -730,6 +730,8 @@ def manifold(
     ref_labels: Tensor | None = None,
     indices_tuple: Tensor | None = None,
     generator: torch.Generator | Tensor | None = None,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
+    embedding_reg_weight: float | Tensor = 1.0,
 ) -> Tensor:
     r"""Manifold (ensemble manifold similarity with hard proxies) loss.
 
@@ -816,7 +818,8 @@ def manifold(
         terms["loss_ctx"] = elements(ctx)
     else:
         terms["loss_ctx"] = elements(scalar_like(lam, ctx) * ctx)
-    return reduce(default_reducer(reducer, mean()), terms, None, embeddings.dtype)
+    loss = reduce(default_reducer(reducer, mean()), terms, None, embeddings.dtype)
+    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
 
 
 def _manifold_part(x: Tensor, own: Tensor, margin: float | Tensor) -> Tensor:
