@@ -168,7 +168,15 @@ def _worker(rank: int, port: int, scenario: str, sizes, out_dir: str) -> None:
         result["traceback"] = traceback.format_exc()
     finally:
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        # Both ranks finish their collectives before the group goes; then leave without the
+        # interpreter's teardown, where gloo's worker threads have aborted ("terminate called
+        # without an active exception") on a loaded 2-core machine. Results are already saved,
+        # and any failure of the work itself is in them (the traceback above).
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        finally:
+            os._exit(0)
 
 
 def _spawn(scenario: str, sizes, tmp_path) -> list[dict]:
