@@ -226,7 +226,7 @@ def bench_loss(benchmark, request, case: str, impl: str) -> None:
 
     with C.set_threads(THREADS):
         C.reset_peak_memory(DEVICE)
-        loss = C.measure(benchmark, request, step)
+        loss = C.measure(benchmark, request, step, DEVICE)
         grad = base_step.last_grad  # type: ignore[attr-defined]
         C.fill_extra_info(
             benchmark.extra_info,

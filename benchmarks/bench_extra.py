@@ -187,7 +187,7 @@ def bench_extra(benchmark, request, case: str, impl: str) -> None:
     step = make_step(spec.members[impl], emb, labels)
     with C.set_threads(THREADS):
         C.reset_peak_memory(DEVICE)
-        out = C.measure(benchmark, request, step)
+        out = C.measure(benchmark, request, step, DEVICE)
         C.fill_extra_info(
             benchmark.extra_info,
             emb,

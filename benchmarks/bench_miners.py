@@ -440,7 +440,7 @@ def bench_miner(benchmark, request, case: str, impl: str) -> None:
 
     with C.set_threads(THREADS):
         C.reset_peak_memory(DEVICE)
-        out = C.measure(benchmark, request, step)
+        out = C.measure(benchmark, request, step, DEVICE)
         C.fill_extra_info(
             benchmark.extra_info,
             emb,

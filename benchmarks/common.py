@@ -199,6 +199,37 @@ def fill_extra_info(
         extra_info["loss"] = float(loss_value)
 
 
+def step_flops(call: Callable[[], Any]) -> int | None:
+    """FLOPs of one call (``torch.utils.flop_counter``: matmuls and the like), or ``None`` when
+    the counter cannot follow it (some PML steps register autograd hooks it rejects)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            call()
+    except RuntimeError:
+        return None
+    return int(counter.get_total_flops())
+
+
+def step_peak_mib(call: Callable[[], Any], device: torch.device) -> float:
+    """Peak memory one call adds, in MiB: on CUDA the allocated memory above the pre-call
+    baseline; elsewhere the peak of live tensor storage (``pmlfunc.memory``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    from pmlfunc.memory import TensorMemoryTracker
+
+    with TensorMemoryTracker() as tracker:
+        call()
+    return tracker.peak / 2**20
+
+
 # Timed runs: steps slower than SLOW_STEP_S (PML NT-Xent at 512, chunked at 16,384) get
 # SLOW_ROUNDS rounds and no extra warmup (the sizing call is the warmup); faster ones get
 # ceil(--benchmark-max-time / step) rounds, at least --benchmark-min-rounds.
@@ -215,12 +246,21 @@ def plan_rounds(step_s: float, max_time: float, min_rounds: int) -> tuple[int, i
     return rounds, min(10, max(1, rounds // 10))
 
 
-def measure(benchmark, request, step):
+def measure(
+    benchmark,
+    request,
+    step,
+    device: torch.device | None = None,
+    cost_step: Callable[[], Any] | None = None,
+):
     """Run ``step`` under pytest-benchmark and return its result.
 
     Untimed (``--benchmark-disable``): one call. Timed: untimed calls size the run (and warm up
     caches and the allocator; the first call is often slower, so a fast step is sized from a
-    second one), then ``benchmark.pedantic`` with one iteration per round.
+    second one), then ``benchmark.pedantic`` with one iteration per round, then two more calls
+    record ``extra_info["flops"]`` and ``extra_info["peak_added_mib"]`` (:func:`step_flops`,
+    :func:`step_peak_mib`) of ``cost_step`` (default ``step``; a compiled step passes its eager
+    twin, since counting modes do not trace).
     """
     if benchmark.disabled:
         return benchmark(step)
@@ -236,4 +276,10 @@ def measure(benchmark, request, step):
         float(request.config.getoption("benchmark_max_time")),
         int(request.config.getoption("benchmark_min_rounds")),
     )
-    return benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    out = benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # Timed runs only (two more calls): what one step costs besides its time.
+    device = device or torch.device("cpu")
+    cost_step = cost_step or step
+    benchmark.extra_info["flops"] = step_flops(cost_step)
+    benchmark.extra_info["peak_added_mib"] = round(step_peak_mib(cost_step, device), 3)
+    return out

@@ -19,6 +19,9 @@ Modes:
 - ``cudagraph``: forward and backward captured in one CUDA graph and replayed (CUDA only;
   elsewhere ``status: skipped`` with the reason).
 
+``--case distributed`` runs the DDP case of ``benchmarks.distributed`` (one process per device,
+under ``torchrun --standalone --nproc_per_node=2 -m benchmarks.run --case distributed``).
+
 Every measured step builds a fresh graph; ``forward_ms`` covers the call, ``backward_ms`` the
 gradient (``None`` for mining and anchor-batched entries, which do all their work in the
 forward). CUDA synchronises around both intervals. Before timing, each entry is checked once:
@@ -132,36 +135,8 @@ class _Step:
         return float(loss.detach())
 
 
-def _flops(step: _Step) -> int | None:
-    try:
-        from torch.utils.flop_counter import FlopCounterMode
-    except ImportError:  # pragma: no cover
-        return None
-    counter = FlopCounterMode(display=False)
-    try:
-        with counter:
-            out = step.forward()
-            step.backward(out)
-    except RuntimeError:  # some PML steps register autograd hooks the counter cannot follow
-        return None
-    return int(counter.get_total_flops())
-
-
-def _peak_mib(step: _Step, device: torch.device) -> float | None:
-    if device.type == "cuda":
-        _sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = step.forward()
-        step.backward(out)
-        _sync(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    from pmlfunc.memory import TensorMemoryTracker
-
-    with TensorMemoryTracker() as tracker:
-        out = step.forward()
-        step.backward(out)
-    return tracker.peak / 2**20
+def _one_step(step: _Step):
+    return lambda: step.backward(step.forward())
 
 
 def _graphed(step: _Step, device: torch.device):
@@ -230,8 +205,8 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
                     "reason": f"one step took {first:,.1f} s (> --max-step-seconds "
                     f"{args.max_step_seconds:g})",
                 }
-            record["flops"] = _flops(step)
-            record["peak_memory_mib"] = _peak_mib(step, device)
+            record["flops"] = C.step_flops(_one_step(step))
+            record["peak_memory_mib"] = C.step_peak_mib(_one_step(step), device)
             if mode == "compile":
                 step.fn = torch.compile(fn, fullgraph=True)
                 _sync(device)
@@ -321,8 +296,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _distributed(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--case distributed`` (under torchrun): the DDP case of ``benchmarks.distributed``."""
+    from . import distributed
+
+    flags = ["--batch-size", args.batch_size, "--dimensions", args.dimensions,
+             "--samples-per-class", args.samples_per_class, "--dtype", args.dtype,
+             "--threads", args.threads, "--repeats", args.repeats, "--warmup", args.warmup,
+             "--device", args.device]  # fmt: skip
+    if args.output:
+        flags += ["--output", args.output]
+    return distributed.main([str(f) for f in flags])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse(argv)
+    if args.case == "distributed":
+        return _distributed(args)
     from . import bench_extra
 
     bench_extra.ANCHOR_BATCH = args.anchor_batch_size  # read when an entry is made

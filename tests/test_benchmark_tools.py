@@ -130,3 +130,26 @@ def test_capacity_needs_cuda(capsys):
         pytest.skip("this machine has CUDA")
     assert capacity.main(["--case", "ntxent"]) == 2
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.compile
+def test_compiled_members_join_the_pytest_benchmark_groups():
+    """``PMLFUNC_BENCH_MODES=compile`` adds ``<impl>-compile`` bodies (run untimed here)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PMLFUNC_BENCH_MODES": "compile,cudagraph", "PMLFUNC_BENCH_BATCH": "16"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "contrastive-",
+         "benchmarks/bench_modes.py"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "passed" in out.stdout
+    # -k contrastive- selects contrastive and signal_to_noise_ratio_contrastive: two compiled
+    # members each (pmlfunc, floor); their CUDA-graph members are skipped on CPU
+    if not __import__("torch").cuda.is_available():
+        assert "4 passed, 4 skipped" in out.stdout, out.stdout[-2000:]

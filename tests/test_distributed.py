@@ -312,9 +312,9 @@ def test_distributed_benchmark_under_torchrun(tmp_path):
     import json
 
     path = tmp_path / "gloo.json"
-    _torchrun(
-        "-m", "benchmarks.distributed", "--batch-size", "16", "--dimensions", "8",
-        "--repeats", "2", "--warmup", "1", "--output", str(path),
+    _torchrun(  # through the runner's --case distributed, as the reference runner does
+        "-m", "benchmarks.run", "--case", "distributed", "--batch-size", "16",
+        "--dimensions", "8", "--repeats", "2", "--warmup", "1", "--output", str(path),
     )  # fmt: skip
     report = json.loads(path.read_text())
     assert report["world_size"] == 2 and report["global_batch_size"] == 32
