@@ -43,7 +43,12 @@ __all__ = [
 
 
 def is_active(group=None) -> bool:
-    """Whether a process group with more than one rank is initialised."""
+    """Whether a process group with more than one rank is initialised.
+
+    Example:
+        >>> is_active()  # a plain process
+        False
+    """
     return (
         dist.is_available()
         and dist.is_initialized()
@@ -52,7 +57,12 @@ def is_active(group=None) -> bool:
 
 
 def world_size(group=None) -> int:
-    """The number of ranks (1 outside a process group)."""
+    """The number of ranks (1 outside a process group).
+
+    Example:
+        >>> world_size()
+        1
+    """
     return dist.get_world_size(group or dist.group.WORLD) if is_active(group) else 1
 
 

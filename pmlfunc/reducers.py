@@ -147,7 +147,12 @@ class DenseTerms(Terms):
 
 
 def elements(losses: Tensor, **kwargs: Any) -> DenseTerms:
-    """Element terms: one loss per row of ``losses`` (anchors, samples or classes), weight 1."""
+    """Element terms: one loss per row of ``losses`` (anchors, samples or classes), weight 1.
+
+    Example:
+        >>> reduce(mean(), {"loss": elements(torch.tensor([1.0, 3.0]))}, None, torch.float32)
+        tensor(2.)
+    """
     return DenseTerms(losses, torch.ones_like(losses), "element", losses.shape[-1], **kwargs)
 
 
@@ -287,7 +292,13 @@ def sum() -> Reducer:
 
 
 def divisor() -> Reducer:
-    """Sum of all terms divided by the divisor the loss supplies (PML ``DivisorReducer``)."""
+    """Sum of all terms divided by the divisor the loss supplies (PML ``DivisorReducer``).
+
+    Example:
+        >>> terms = {"loss": elements(torch.tensor([1.0, 3.0]), divisor=4.0)}
+        >>> reduce(divisor(), terms, None, torch.float32)
+        tensor(1.)
+    """
     return _Divisor()
 
 
@@ -309,6 +320,10 @@ def per_anchor(reducer: Reducer | None = None) -> Reducer:
     listed several times in an index tuple counts once, as in PML.
 
     Unlike PML, triplet terms are supported (each anchor's mean over its triplets).
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.contrastive(emb, labels, reducer=per_anchor())
     """
     if reducer is None:
         reducer = mean()
@@ -324,6 +339,11 @@ def class_weighted(weights: Tensor) -> Reducer:
 
     Args:
         weights: ``(num_classes,)`` tensor of per-class weights.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> w = torch.tensor([1.0, 2.0, 1.0, 0.5])
+        >>> loss = pf.losses.multi_similarity(emb, labels, reducer=class_weighted(w))
     """
     if not isinstance(weights, Tensor) or weights.ndim != 1:
         raise TypeError("class_weighted(weights) needs a 1-D tensor of per-class weights")
@@ -332,14 +352,27 @@ def class_weighted(weights: Tensor) -> Reducer:
 
 def none() -> Reducer:
     """No reduction: the loss returns ``{sub_loss_name: {"losses", "weights", "kind"}}``
-    (PML ``DoNothingReducer``). All-triplet terms are materialised as ``(B, M, M)`` here."""
+    (PML ``DoNothingReducer``). All-triplet terms are materialised as ``(B, M, M)`` here.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> sorted(pf.losses.contrastive(emb, labels, reducer=none()))
+        ['neg_loss', 'pos_loss']
+    """
     return _None()
 
 
 def reduce(
     reducer: Reducer, terms: dict[str, Terms], labels: Tensor | None, out_dtype: torch.dtype
 ):
-    """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``)."""
+    """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``); the
+    result in ``out_dtype`` (a dict of unreduced terms for :func:`none`).
+
+    Example:
+        >>> reduce(sum(), {"a": elements(torch.ones(3)), "b": elements(torch.ones(2))}, None,
+        ...        torch.float32)
+        tensor(5.)
+    """
     if not isinstance(reducer, Reducer):
         raise TypeError(
             f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}"

@@ -4,6 +4,7 @@ Each returns a 0-d tensor reduced by its ``reducer`` (PML's default: ``mean()``;
 :func:`sparse_centers`). A loss adds one as PML does, ``loss + embedding_reg_weight ·
 embedding_regularizer(embeddings)``:
 
+    >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     >>> loss = pf.losses.contrastive(emb, labels, embedding_regularizer=pf.regularizers.lp)
 
 Use ``functools.partial`` for a regularizer's own arguments

@@ -38,10 +38,6 @@ __all__ = [
     "TripletWindow",
     "WindowSearch",
     "is_mined",
-    "random_subset",
-    "sample_pairs",
-    "sample_without_replacement",
-    "window_cover",
 ]
 
 
@@ -242,7 +238,12 @@ def _triplet_sample_counts(pos: Tensor, neg: Tensor, anchors_only: bool) -> Tens
 
 
 def is_mined(x: object) -> bool:
-    """Whether ``x`` is one of pmlfunc's fixed-shape miner results."""
+    """Whether ``x`` is one of pmlfunc's fixed-shape miner results (not a PML index tuple).
+
+    Example:
+        >>> is_mined(MinedPairs(torch.zeros(2, 2), torch.zeros(2, 2)))
+        True
+    """
     return isinstance(x, MINED_TYPES)
 
 

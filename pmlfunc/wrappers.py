@@ -6,6 +6,7 @@ batches' embeddings. PML keeps the queue and its fill position as module state (
 index, so a compiled step would recompile as it moves). Here the memory is a plain dict of
 tensors that the step takes and returns:
 
+    >>> emb, labels = torch.randn(8, 128), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     >>> memory = cross_batch_memory_init(memory_size=1024, embedding_size=128)
     >>> loss, memory = cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
 
@@ -108,7 +109,10 @@ def enqueue(
     not modified.
 
     Example:
-        >>> memory, slots = enqueue(memory, emb, labels)
+        >>> memory = cross_batch_memory_init(4, 2)
+        >>> memory, slots = enqueue(memory, torch.randn(3, 2), torch.tensor([5, 6, 7]))
+        >>> slots.tolist(), memory["labels"].tolist()
+        ([0, 1, 2], [5, 6, 7, 0])
     """
     _checks.embeddings(embeddings)
     _checks.labels(labels, embeddings.shape[0], embeddings.device)
@@ -178,6 +182,7 @@ def cross_batch_memory(
     first ``memory_size / batch_size`` steps; once the memory is full they agree.
 
     Example:
+        >>> emb, labels = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
         >>> memory = cross_batch_memory_init(256, 16)
         >>> loss, memory = cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
 
@@ -231,6 +236,7 @@ def self_supervised(
         **loss_kwargs: passed to ``loss_fn``.
 
     Example:
+        >>> view1, view2 = torch.randn(8, 4), torch.randn(8, 4)
         >>> loss = self_supervised(pf.losses.ntxent, view1, view2, temperature=0.1)
 
     Reference: PML issue #411; Chen et al., "A Simple Framework for Contrastive Learning of
@@ -278,6 +284,7 @@ def multiple_losses(
         >>> fn = multiple_losses(
         ...     {"tri": pf.losses.triplet_margin, "con": pf.losses.contrastive},
         ...     miners={"tri": pf.miners.batch_hard}, weights={"tri": 1.0, "con": 0.5})
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
         >>> loss = fn(emb, labels)
     """
     is_dict = isinstance(losses, dict)
