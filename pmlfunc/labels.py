@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .tuples import is_mined
+from .tuples import grid_counts, is_mined
 
 __all__ = [
     "PairMasks",
@@ -61,30 +61,6 @@ def label_masks(
     if ref_labels is None:  # a fresh mask: in place is safe
         pos.diagonal(offset=r0, dim1=-2, dim2=-1).zero_()
     return PairMasks(pos, neg)
-
-
-def _counts(
-    anchors: Tensor,
-    cols: Tensor,
-    shape: tuple[int, int],
-    dtype: torch.dtype,
-    device,
-    rows: tuple[int, int] | None,
-) -> Tensor:
-    """Pair multiplicities over the grid; with ``rows``, only pairs whose anchor is in the chunk
-    (the others are counted into one spare cell that is dropped: shapes stay static)."""
-    anchors, cols = anchors.reshape(-1).long(), cols.reshape(-1).long()
-    n_rows, n_cols = shape
-    ones = torch.ones(anchors.shape, dtype=dtype, device=device)
-    if rows is None:
-        out = torch.zeros(n_rows * n_cols, dtype=dtype, device=device)
-        return out.index_add(0, anchors * n_cols + cols, ones).view(shape)
-    r0, r1 = rows
-    inside = (anchors >= r0) & (anchors < r1)
-    spare = (r1 - r0) * n_cols
-    flat = torch.where(inside, (anchors - r0) * n_cols + cols, spare)
-    out = torch.zeros(spare + 1, dtype=dtype, device=device).index_add(0, flat, ones)
-    return out[:spare].view(r1 - r0, n_cols)
 
 
 def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
@@ -136,9 +112,8 @@ def tuple_masks(
     if device is None:
         device = t[0].device
     a1, p, a2, n = (t[0], t[1], t[0], t[2]) if len(t) == 3 else t
-    return PairMasks(
-        _counts(a1, p, shape, dtype, device, rows), _counts(a2, n, shape, dtype, device, rows)
-    )
+    a1, p, a2, n = (x.to(device) for x in (a1, p, a2, n))
+    return PairMasks(grid_counts(a1, p, shape, dtype, rows), grid_counts(a2, n, shape, dtype, rows))
 
 
 def pair_masks(

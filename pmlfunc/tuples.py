@@ -37,6 +37,7 @@ __all__ = [
     "TripletMask",
     "TripletWindow",
     "WindowSearch",
+    "grid_counts",
     "is_mined",
 ]
 
@@ -50,6 +51,34 @@ def _counts_by_index(
 ) -> Tensor:
     out = torch.zeros(size, dtype=dtype, device=device)
     return out.index_add(0, index.reshape(-1).long(), weights.reshape(-1).to(dtype))
+
+
+def grid_counts(
+    anchors: Tensor,
+    cols: Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    rows: tuple[int, int] | None = None,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Pair multiplicities over the ``(B, M)`` grid: ``Σ_k weights_k`` at ``(anchors_k,
+    cols_k)`` (weight 1 when ``weights`` is ``None``). With ``rows = (r0, r1)`` only the pairs of
+    the chunk's anchors, as a ``(r1 − r0, M)`` grid: the others are counted into one spare cell
+    that is dropped, so shapes stay static."""
+    anchors, cols = anchors.reshape(-1).long(), cols.reshape(-1).long()
+    n_rows, n_cols = shape
+    w = (
+        torch.ones(anchors.shape, dtype=dtype, device=anchors.device)
+        if weights is None
+        else weights.reshape(-1).to(dtype)
+    )
+    r0, r1 = (0, n_rows) if rows is None else rows
+    flat = (anchors - r0) * n_cols + cols
+    spare = (r1 - r0) * n_cols
+    if rows is not None:
+        flat = torch.where((anchors >= r0) & (anchors < r1), flat, spare)
+    out = torch.zeros(spare + 1, dtype=dtype, device=anchors.device).index_add(0, flat, w)
+    return out[:spare].view(r1 - r0, n_cols)
 
 
 def _eager_only(name: str) -> None:
@@ -107,19 +136,11 @@ class MinedTriplets(NamedTuple):
     valid: Tensor
 
     def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
-        n_rows, n_cols = shape
-        a = self.anchors.long()
-        w = self.valid.to(dtype)
-        r0, r1 = (0, n_rows) if rows is None else rows
-        if rows is not None:  # the chunk's anchors; the others go to a spare row, dropped
-            inside = ((a >= r0) & (a < r1)).to(dtype)
-            w = w * inside
-            a = torch.where(inside > 0, a - r0, r1 - r0)
-        size = (r1 - r0 + 1) * n_cols
-        pos = _counts_by_index(a * n_cols + self.positives.long(), w, size, dtype, a.device)
-        neg = _counts_by_index(a * n_cols + self.negatives.long(), w, size, dtype, a.device)
-        cut = (r1 - r0) * n_cols
-        return pos[:cut].view(r1 - r0, n_cols), neg[:cut].view(r1 - r0, n_cols)
+        a, w = self.anchors, self.valid
+        return (
+            grid_counts(a, self.positives, shape, dtype, rows, w),
+            grid_counts(a, self.negatives, shape, dtype, rows, w),
+        )
 
     def any_pairs(self) -> tuple[Tensor, Tensor]:
         has = self.valid.sum() > 0

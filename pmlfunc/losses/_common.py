@@ -163,6 +163,22 @@ def run(
     return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
 
 
+def regularize_params(
+    loss,
+    embeddings: Tensor,
+    weights: Tensor,
+    embedding_regularizer: Callable[[Tensor], Tensor] | None,
+    embedding_reg_weight: float | Tensor,
+    weight_regularizer: Callable[[Tensor], Tensor] | None,
+    weight_reg_weight: float | Tensor,
+):
+    """A learnable loss's two regularizers, as PML's mixins add them: on the embeddings, and on
+    the class-major weights flattened to ``(C[·K], D)`` rows (sub-centres one row each)."""
+    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    flat = weights.reshape(-1, weights.shape[-1])
+    return regularize(loss, flat, weight_regularizer, weight_reg_weight, name="weight")
+
+
 def regularize(
     loss,
     x: Tensor,

@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import _checks
 from .. import params as _params
 from ..reducers import Reducer, elements, mean, reduce
-from ._common import cross_entropy, default_reducer, miner_weights, regularize, scalar_like
+from ._common import cross_entropy, default_reducer, miner_weights, regularize_params, scalar_like
 
 __all__ = [
     "arcface",
@@ -111,9 +111,7 @@ def _margin_softmax(
         losses = losses * miner
     terms = {"loss": elements(losses)}
     loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
-    emb_reg, emb_w, w_reg, w_w = regularizers  # PML passes the class-major (C[·K], D) weights
-    loss = regularize(loss, embeddings, emb_reg, emb_w)
-    return regularize(loss, weight.reshape(-1, weight.shape[-1]), w_reg, w_w, name="weight")
+    return regularize_params(loss, embeddings, weight, *regularizers)
 
 
 def _cos_sin(margin: float | Tensor, ref: Tensor) -> tuple[float | Tensor, float | Tensor]:

@@ -41,6 +41,7 @@ from ._common import (
     masked_logsumexp,
     miner_weights,
     regularize,
+    regularize_params,
     scalar_like,
 )
 
@@ -186,8 +187,15 @@ def proxy_anchor(
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
     loss = reduce(default_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
-    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return regularize(loss, params["proxies"], weight_regularizer, weight_reg_weight, name="weight")
+    return regularize_params(
+        loss,
+        embeddings,
+        params["proxies"],
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
 
 
 def proxy_anchor_init(
@@ -276,8 +284,15 @@ def proxy_nca(
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
     loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
-    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return regularize(loss, params["proxies"], weight_regularizer, weight_reg_weight, name="weight")
+    return regularize_params(
+        loss,
+        embeddings,
+        params["proxies"],
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
 
 
 def proxy_nca_init(
@@ -366,8 +381,15 @@ def normalized_softmax(
     )
     terms = {"loss": elements(losses)}
     loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
-    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return regularize(loss, params["weight"], weight_regularizer, weight_reg_weight, name="weight")
+    return regularize_params(
+        loss,
+        embeddings,
+        params["weight"],
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
 
 
 def normalized_softmax_init(
@@ -480,13 +502,14 @@ def soft_triple(
     )
     terms = {"loss": elements(losses)}
     loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
-    loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return regularize(
+    return regularize_params(
         loss,
-        params["weight"].reshape(-1, params["weight"].shape[-1]),
+        embeddings,
+        params["weight"],
+        embedding_regularizer,
+        embedding_reg_weight,
         weight_regularizer,
         weight_reg_weight,
-        name="weight",
     )
 
 
