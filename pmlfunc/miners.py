@@ -85,6 +85,7 @@ class _Setup:
         generator,
         *,
         stochastic=False,
+        need_matrix=True,
     ):
         if labels is None:
             raise ValueError("labels is required by a miner")
@@ -94,7 +95,12 @@ class _Setup:
         self.k = _tuples_per_anchor(tuples_per_anchor)
         device = embeddings.device
         self.seed = seed_tensor(generator, device) if (stochastic or self.k is not None) else None
-        self.mat = matrix(embeddings, ref_emb, mat, self.distance, needs_grad=False).detach()
+        # (angular works on the embeddings themselves: no matrix)
+        self.mat = (
+            matrix(embeddings, ref_emb, mat, self.distance, needs_grad=False).detach()
+            if need_matrix
+            else None
+        )
         self.sign = self.distance.sign()
         self.is_similarity = self.distance.is_similarity
         ref = labels if ref_emb is None else ref_labels
@@ -646,12 +652,21 @@ def angular(
     if isinstance(angle, bool) or not isinstance(angle, (int, float)):
         raise TypeError(f"angle must be a number of degrees, got {type(angle).__name__}")
     s = _Setup(
-        embeddings, labels, ref_emb, ref_labels, None, lp(), lp(), tuples_per_anchor, generator
+        embeddings,
+        labels,
+        ref_emb,
+        ref_labels,
+        None,
+        lp(),
+        lp(),
+        tuples_per_anchor,
+        generator,
+        need_matrix=False,
     )
-    cd = s.mat.dtype
+    cd = _checks.compute_dtype(embeddings.dtype)
     x = embeddings.detach().to(cd)
     y = x if ref_emb is None else ref_emb.detach().to(cd)
-    b, m = s.mat.shape
+    b, m = s.pos.shape
     chunk = max(1, _CUBE_BLOCK // max(1, m * max(m, x.shape[1])))
     threshold = math.radians(angle)
     blocks = []
