@@ -37,7 +37,6 @@ __all__ = [
     "TripletMask",
     "TripletWindow",
     "WindowSearch",
-    "grid_counts",
     "is_mined",
 ]
 

@@ -316,3 +316,13 @@ def test_pairs_low_precision_computes_in_float32():
 def test_pairs_bad_shapes():
     with pytest.raises(ValueError, match="pairs needs two"):
         pf.distances.lp().pairs(torch.randn(3, 4), torch.randn(2, 4))
+
+
+def test_pairs_on_meta_and_under_compile():
+    d = pf.distances.lp()
+    out = d.pairs(torch.randn(5, 4, device="meta"), torch.randn(5, 4, device="meta"))
+    assert out.device.type == "meta" and out.shape == (5,)
+    x, y = torch.randn(6, 4, generator=_gen(8)), torch.randn(6, 4, generator=_gen(9))
+    for dist in (pf.distances.lp(), pf.distances.cosine()):
+        compiled = torch.compile(dist.pairs, fullgraph=True)
+        torch.testing.assert_close(compiled(x, y), dist.pairs(x, y))
