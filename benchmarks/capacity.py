@@ -109,8 +109,8 @@ def run_probe(args: argparse.Namespace) -> str:
     import torch
 
     from . import common as C
+    from .cases import entries
     from .run import _Step
-    from .suite import entries
 
     device = torch.device(args.device)
     torch.cuda.set_per_process_memory_fraction(args.budget_fraction, device)

@@ -21,7 +21,7 @@ from . import common as C
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .bench_core import CASES, make_loss
+    from .cases.bench_core_losses import CASES, make_loss
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("case", choices=sorted(CASES))

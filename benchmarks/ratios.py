@@ -1,8 +1,8 @@
-"""Speed ratios of a benchmark run (bench_core, bench_miners) against the project's targets.
+"""Speed ratios of a benchmark run (bench_core_losses, bench_miners) against the project's targets.
 
 Usage::
 
-    pytest benchmarks/bench_core.py --benchmark-enable --benchmark-only \\
+    pytest benchmarks/cases/bench_core_losses.py --benchmark-enable --benchmark-only \\
         --benchmark-json=/tmp/pmlfunc-bench.json
     python -m benchmarks.ratios /tmp/pmlfunc-bench.json [--check]
 

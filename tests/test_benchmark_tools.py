@@ -144,7 +144,7 @@ def test_compiled_members_join_the_pytest_benchmark_groups():
     env = {**os.environ, "PMLFUNC_BENCH_MODES": "compile,cudagraph", "PMLFUNC_BENCH_BATCH": "16"}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "contrastive-",
-         "benchmarks/bench_modes.py"],
+         "benchmarks/cases/bench_compile_and_cudagraph.py"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:]

@@ -27,9 +27,9 @@ import time
 import pytest
 import torch
 
-from . import common as C
-from .run import _graphed, _one_step, _Step
-from .suite import entries
+from .. import common as C
+from ..run import _graphed, _one_step, _Step
+from . import entries
 
 BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 MODES = tuple(

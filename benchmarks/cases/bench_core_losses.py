@@ -33,7 +33,7 @@ from pytorch_metric_learning import losses as pml_losses
 
 import pmlfunc as pf
 
-from . import common as C
+from .. import common as C
 
 BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 

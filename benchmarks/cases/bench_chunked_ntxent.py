@@ -40,8 +40,8 @@ import torch
 import pmlfunc as pf
 import pmlfunc.chunked  # pf.chunked, whether or not pmlfunc imports it
 
-from . import common as C
-from .memory_report import rss_added_bytes, tensor_peak
+from .. import common as C
+from ..memory_report import rss_added_bytes, tensor_peak
 
 CASE = "chunked-ntxent"
 DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)

@@ -48,7 +48,7 @@ from pytorch_metric_learning import miners as pml_miners
 import pmlfunc as pf
 from pmlfunc import miners
 
-from . import common as C
+from .. import common as C
 
 BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from . import bench_core, bench_extra, bench_miners
+from . import bench_anchor_batched as bench_extra
+from . import bench_core_losses as bench_core
+from . import bench_miners
 
 Make = Callable[[torch.Tensor, torch.Tensor], tuple[Callable[..., Any], list[torch.Tensor]]]
 
