@@ -109,18 +109,18 @@ def run_probe(args: argparse.Namespace) -> str:
     import torch
 
     from . import common as C
-    from .cases import entries
+    from .cases import registry
     from .run import _Step
 
     device = torch.device(args.device)
     torch.cuda.set_per_process_memory_fraction(args.budget_fraction, device)
-    entry = entries()[args.case][args.impl]
+    member = registry()[args.case].members[args.impl]
     emb, labels = C.make_inputs(
         args.probe, args.dimensions, args.samples_per_class,
         dtype=getattr(torch, args.dtype), device=device,
     )  # fmt: skip
-    fn, params = entry.make(emb, labels)
-    step = _Step(entry, fn, params, emb, labels)
+    fn, params = member.make(emb, labels)
+    step = _Step(member, fn, params, emb, labels)
     try:
         for _ in range(5):  # first step, one warmup, three measured
             out = step.forward()

@@ -4,9 +4,8 @@ Settings follow the reference "Development measurements" protocol
 (shared/reference/000_*.txt): standard-normal embeddings from a seeded CPU
 generator, balanced contiguous labels (``arange(B) // samples_per_class``, four
 per class by default), contrastive ``neg_margin=1.4``, triplet ``margin=0.2``,
-NT-Xent ``temperature=0.07``. Every measured step builds a fresh autograd graph
-and returns fresh gradients (``torch.autograd.grad`` on a leaf tensor, so no
-``.grad`` accumulates between rounds).
+NT-Xent ``temperature=0.07``. Used by the case files (``benchmarks.cases``) and
+the command-line tools alike.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ SUPCON_TEMPERATURE = 0.1
 MS_ALPHA = 2.0
 MS_BETA = 50.0
 MS_BASE = 0.5
-
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def env_int(name: str, default: int) -> int:
@@ -127,25 +124,18 @@ def set_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def make_step(
-    loss_fn: Loss, embeddings: torch.Tensor, labels: torch.Tensor
-) -> Callable[[], torch.Tensor]:
-    """A forward+backward step for ``loss_fn``.
+def synced(step: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """``step``, followed on a CUDA device by a synchronisation, so that a timed call covers its
+    kernels; elsewhere ``step`` itself."""
+    if device.type != "cuda":
+        return step
 
-    Each call builds a fresh graph, takes the gradient with respect to the leaf
-    ``embeddings`` through ``torch.autograd.grad`` (nothing accumulates in
-    ``.grad``) and returns the detached loss.
-    """
-    if not embeddings.requires_grad or embeddings.grad_fn is not None:
-        raise ValueError("embeddings must be a leaf tensor with requires_grad=True")
+    def call() -> Any:
+        out = step()
+        torch.cuda.synchronize(device)
+        return out
 
-    def step() -> torch.Tensor:
-        loss = loss_fn(embeddings, labels)
-        (grad,) = torch.autograd.grad(loss, embeddings)
-        step.last_grad = grad  # type: ignore[attr-defined]
-        return loss.detach()
-
-    return step
+    return call
 
 
 def floor_loss(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

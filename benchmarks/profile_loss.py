@@ -6,8 +6,9 @@ Usage::
         [--steps 20] [--rows 25]
 
 Prints the profiler's operator table (self CPU time, sorted), for the same inputs and
-settings as ``bench_core``. Cases: contrastive, all-triplet, ntxent, supcon,
-multi_similarity; implementations: pmlfunc, pml, floor.
+settings as the benchmark suite. Cases: every case of ``benchmarks.cases.registry`` (the core
+and other losses, miners, proxy, anchor-batched); implementations: the case's members
+(``pmlfunc``, ``pml``, ``floor``, variants such as ``pmlfunc-full``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from . import common as C
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .cases.bench_core_losses import CASES, make_loss
+    from .cases import make_step, registry
 
+    cases = registry()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=sorted(CASES))
-    parser.add_argument("--impl", default="pmlfunc", choices=("pmlfunc", "pml", "floor"))
+    parser.add_argument("case", choices=sorted(cases))
+    parser.add_argument("--impl", default="pmlfunc", help="a member of the case")
     parser.add_argument("--batch", type=int, default=C.DEFAULT_BATCH)
     parser.add_argument("--dim", type=int, default=C.DEFAULT_DIM)
     parser.add_argument("--samples-per-class", type=int, default=C.DEFAULT_SAMPLES_PER_CLASS)
@@ -34,9 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--sort", default="self_cpu_time_total")
     args = parser.parse_args(argv)
+    members = cases[args.case].members
+    if args.impl not in members:
+        parser.error(f"--impl: {args.case} has members {list(members)}, not {args.impl!r}")
 
     emb, labels = C.make_inputs(args.batch, args.dim, args.samples_per_class)
-    step = C.make_step(make_loss(args.case, args.impl), emb, labels)
+    step = make_step(members[args.impl], emb, labels)
     with C.set_threads(args.threads):
         for _ in range(3):
             step()

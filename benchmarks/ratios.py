@@ -1,4 +1,4 @@
-"""Speed ratios of a benchmark run (bench_core_losses, bench_miners) against the project's targets.
+"""Speed ratios of a benchmark run (core losses, miners) against the project's targets.
 
 Usage::
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases
         for impl in _ours(medians[case]) or ["pmlfunc"]
     ]
-    width = max([17, *(len(label) for _, _, label in rows)])  # 17: the bench_core layout
+    width = max([17, *(len(label) for _, _, label in rows)])  # 17: the core losses' layout
     header = (
         f"{'case':<{width}} {'pmlfunc ms':>11} {'pml ms':>11} {'floor ms':>9} "
         f"{'pml/pmlfunc':>12} {'target':>7} {'pmlfunc/floor':>14} {'target':>7}  verdict"

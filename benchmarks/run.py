@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from . import common as C
+from .cases import Case, library, registry
 
 MODES = ("eager", "compile", "cudagraph")
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def git_revision() -> str | None:
 def pml_pair_matrix_gib(case: str, batch: int, spc: int) -> float:
     """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
     pos, neg = batch * (spc - 1), batch * (batch - spc)
-    if case in ("ntxent", "anchor-batched-ntxent", "lifted_structure", "tuplet_margin"):
+    if registry()[case].pml_pair_matrix:
         return pos * neg * 4 / 2**30  # float32 logits
     if case == "mined-triplet":
         return pos * neg / 2**30  # a bool comparison of anchors
@@ -99,24 +100,24 @@ def _stats(samples: list[float]) -> dict[str, float] | None:
 
 
 class _Step:
-    """Forward / backward of one entry on fixed inputs (a fresh graph each call)."""
+    """Forward / backward of one member on fixed inputs (a fresh graph each call)."""
 
-    def __init__(self, entry, fn, params, emb, labels):
-        self.entry, self.fn, self.params, self.emb, self.labels = entry, fn, params, emb, labels
+    def __init__(self, member, fn, params, emb, labels):
+        self.member, self.fn, self.params, self.emb, self.labels = member, fn, params, emb, labels
 
     def forward(self):
-        if self.entry.kind == "mine":
+        if self.member.kind == "mine":
             with torch.no_grad():
                 return self.fn(self.emb, self.labels)
         return self.fn(self.emb, self.labels)
 
     def backward(self, out):
-        if self.entry.kind != "loss":
+        if self.member.kind != "loss":
             return None
         return torch.autograd.grad(out, [self.emb, *self.params])
 
     def check(self, out, grads) -> float | None:
-        kind = self.entry.kind
+        kind = self.member.kind
         if kind == "mine":
             mined = out.to_indices() if hasattr(out, "to_indices") else out
             if isinstance(mined, torch.Tensor):  # the mining floor
@@ -154,32 +155,33 @@ def _graphed(step: _Step, device: torch.device):
     return graph.replay, out
 
 
-def measure(entry, args, mode: str) -> dict[str, Any]:
-    """Time one entry in one mode; the record written to the JSON."""
+def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
+    """Time one member of ``case`` in one mode; the record written to the JSON."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    member, lib = case.members[impl], library(impl)
     record: dict[str, Any] = {
-        "case": entry.case,
-        "impl": entry.impl,
-        "library": entry.library,
+        "case": case.name,
+        "impl": impl,
+        "library": lib,
         "mode": mode,
-        "kind": entry.kind,
+        "kind": member.kind,
         "status": "ok",
         "reason": None,
-        "extra": dict(entry.extra),
+        "extra": dict(case.extra),
     }
-    gib = pml_pair_matrix_gib(entry.case, args.batch_size, args.samples_per_class)
-    if entry.library == "pml" and gib > args.pml_memory_limit_gib:
+    gib = pml_pair_matrix_gib(case.name, args.batch_size, args.samples_per_class)
+    if lib == "pml" and gib > args.pml_memory_limit_gib:
         return {
             **record,
             "status": "skipped",
             "reason": f"PML 2.9.0 would build a {gib:,.0f} GiB positive×negative pair matrix",
         }
-    if mode != "eager" and entry.library == "pml":
+    if mode != "eager" and lib == "pml":
         return {**record, "status": "skipped", "reason": f"PML is measured eager only ({mode})"}
     if mode == "cudagraph" and device.type != "cuda":
         return {**record, "status": "skipped", "reason": "CUDA-graph capture needs CUDA"}
-    if mode == "cudagraph" and entry.kind == "value_and_grad":
+    if mode == "cudagraph" and member.kind == "value_and_grad":
         return {
             **record,
             "status": "skipped",
@@ -188,10 +190,10 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
     emb, labels = C.make_inputs(
         args.batch_size, args.dimensions, args.samples_per_class, dtype=dtype, device=device
     )
-    if entry.kind == "mine":
+    if member.kind == "mine":
         emb = emb.detach()
-    fn, params = entry.make(emb, labels)
-    step = _Step(entry, fn, params, emb, labels)
+    fn, params = member.make(emb, labels)
+    step = _Step(member, fn, params, emb, labels)
     try:
         with C.set_threads(args.threads):
             t0 = time.perf_counter()
@@ -228,7 +230,7 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
                     out = step.forward()
                 _sync(device)
                 t1 = time.perf_counter()
-                if replay is None and entry.kind == "loss":
+                if replay is None and member.kind == "loss":
                     step.backward(out)
                     _sync(device)
                 t2 = time.perf_counter()
@@ -238,7 +240,7 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
                     total.append((t2 - t0) * 1e3)
     except Exception as err:  # recorded, never silent: the report shows it
         return {**record, "status": "error", "reason": f"{type(err).__name__}: {err}"[:500]}
-    no_backward = entry.kind != "loss" or mode == "cudagraph"
+    no_backward = member.kind != "loss" or mode == "cudagraph"
     record.update(
         forward_ms=fwd,
         backward_ms=None if no_backward else bwd,
@@ -250,15 +252,14 @@ def measure(entry, args, mode: str) -> dict[str, Any]:
     return record
 
 
-def select(cases_arg: str | None) -> list:
-    from .cases import entries
-
-    table = entries()
+def select(cases_arg: str | None) -> list[tuple[Case, str]]:
+    """``(case, member name)`` of every member of the chosen cases (default: all)."""
+    table = registry()
     names = list(table) if not cases_arg or cases_arg == "all" else cases_arg.split(",")
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {list(table)}")
-    return [e for n in names for e in table[n].values()]
+    return [(table[n], impl) for n in names for impl in table[n].members]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -313,14 +314,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse(argv)
     if args.case == "distributed":
         return _distributed(args)
-    from .cases import bench_anchor_batched as bench_extra
+    from .cases import bench_anchor_batched
 
-    bench_extra.ANCHOR_BATCH = args.anchor_batch_size  # read when an entry is made
+    bench_anchor_batched.ANCHOR_BATCH = args.anchor_batch_size  # read when a member is made
     chosen = select(args.case)
     if args.impl:
         keep = set(args.impl.split(","))
-        chosen = [e for e in chosen if e.impl in keep or e.library in keep]
-    jobs = [(e, m) for m in args.modes for e in chosen]
+        chosen = [(c, i) for c, i in chosen if i in keep or library(i) in keep]
+    jobs = [(c, i, m) for m in args.modes for c, i in chosen]
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -332,10 +333,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )
     results = []
     with bar as progress:
-        for entry, mode in progress:
+        for case, impl, mode in progress:
             if hasattr(progress, "set_postfix_str"):
-                progress.set_postfix_str(f"{entry.case}/{entry.impl}/{mode}")
-            results.append(measure(entry, args, mode))
+                progress.set_postfix_str(f"{case.name}/{impl}/{mode}")
+            results.append(measure(case, impl, args, mode))
     run = {
         "config": {
             k: getattr(args, k)

@@ -1,77 +1,222 @@
-"""Every benchmark case of the pytest-benchmark suite, as one registry for ``benchmarks.run``.
+"""Benchmark cases: the one :class:`Case` shape every case file uses, and the registry.
 
-The cases are defined once, in ``bench_core`` (the five core losses), ``bench_miners`` (miners,
-mined losses, separate vs reused matrices) and ``bench_extra`` (proxy loss, anchor-batched
-losses); this module only gives them a common shape: an :class:`Entry` per (case,
-implementation) whose ``make(emb, labels)`` returns ``(fn, params)``.
+A case is one pytest-benchmark group, ``{name}-b{B}``. Its members are the implementations
+compared in it (``pml``, ``pmlfunc``, ``floor``, variants such as ``pmlfunc-full``), each a
+:class:`Member` whose ``make(emb, labels)`` returns ``(fn, params)``; its ``kind`` says what
+``fn(emb, labels)`` returns: ``"loss"`` (a scalar to differentiate with respect to ``emb`` and
+``params``), ``"mine"`` (a miner's result; no backward) or ``"value_and_grad"`` (an
+anchor-batched call that returns the loss and its gradient itself).
 
-``kind`` says what ``fn(emb, labels)`` returns: ``"loss"`` (a scalar to differentiate with
-respect to ``emb`` and ``params``), ``"mine"`` (a miner's result; no backward) or
-``"value_and_grad"`` (an anchor-batched call that returns the loss and the gradient itself).
+Case files, each collected by pytest (the normal test run calls every body once, untimed):
+
+- ``bench_core_losses``: the five losses with speed targets (contrastive, all-triplet,
+  NT-Xent, SupCon, MultiSimilarity);
+- ``bench_other_losses``: every other PML 2.9.0 loss that has a pmlfunc twin;
+- ``bench_miners``: miners, mined losses, separate vs reused distance matrices;
+- ``bench_proxy_losses``: a proxy loss with its weight gradients;
+- ``bench_anchor_batched``: full-batch losses beside ``pf.chunked.value_and_grad``;
+- ``bench_chunked_ntxent``: chunked vs full NT-Xent at 8,192 rows and more, with memory (its
+  own batch sizes, so not in :func:`registry`);
+- ``bench_compile_and_cudagraph``: the pmlfunc and floor members of every registry case,
+  compiled or replayed from a CUDA graph (opt-in).
+
+:func:`registry` is what ``benchmarks.run``, ``benchmarks.capacity``,
+``benchmarks.profile_loss`` and the compiled members read. The rest of this module is what
+the case files share: the suite's settings (``PMLFUNC_BENCH_*``, see ``benchmarks/README.md``),
+member builders, the measured step and the pytest parameters of a group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
-from . import bench_anchor_batched as bench_extra
-from . import bench_core_losses as bench_core
-from . import bench_miners
+import pmlfunc as pf
 
-Make = Callable[[torch.Tensor, torch.Tensor], tuple[Callable[..., Any], list[torch.Tensor]]]
+from .. import common as C
+
+KINDS = ("loss", "mine", "value_and_grad")
+
+Fn = Callable[[torch.Tensor, torch.Tensor], Any]  # (embeddings, labels) -> loss, mined, ...
+Make = Callable[[torch.Tensor, torch.Tensor], tuple[Fn, list[torch.Tensor]]]
 
 
 @dataclass(frozen=True)
-class Entry:
-    case: str
-    impl: str
-    kind: str
+class Member:
+    """One implementation in a case.
+
+    ``make(emb, labels)`` returns ``(fn, params)``: the measured function and the further
+    tensors its backward differentiates (a proxy loss's weights). ``mined`` (mined cases): what
+    the member's miner selects, for the untimed validity and parity checks. ``check``: one more
+    untimed check, given the inputs.
+    """
+
     make: Make
+    kind: str = "loss"
+    mined: Fn | None = None
+    check: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One group: ``name`` (the group is ``{name}-b{B}``), its members in measuring order,
+    settings recorded in every entry's ``extra_info``, and whether PML 2.9.0 builds a
+    (positive pairs) × (negative pairs) float matrix for it (see :func:`case_batch`)."""
+
+    name: str
+    members: dict[str, Member]
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def library(self) -> str:
-        """``pmlfunc``, ``pml`` or ``floor`` (an impl name may add a variant: ``pmlfunc-full``)."""
-        return self.impl.split("-")[0]
+    pml_pair_matrix: bool = False
 
 
-def _core() -> dict[str, dict[str, Entry]]:
-    out: dict[str, dict[str, Entry]] = {}
-    for case in bench_core.CASES:
-        out[case] = {
-            impl: Entry(
-                case, impl, "loss", lambda e, y, c=case, i=impl: (bench_core.make_loss(c, i), [])
-            )
-            for impl in bench_core.IMPLS
-        }
-    return out
+def library(impl: str) -> str:
+    """``pmlfunc``, ``pml`` or ``floor``: the part of a member name before any variant."""
+    return impl.split("-")[0]
 
 
-def _miners() -> dict[str, dict[str, Entry]]:
-    out: dict[str, dict[str, Entry]] = {}
-    for name, case in bench_miners.CASES.items():
-        kind = "loss" if case.grad else "mine"
-        out[name] = {
-            impl: Entry(name, impl, kind, lambda e, y, m=member: (m.step(), []), dict(case.extra))
-            for impl, member in case.impls.items()
-        }
-    return out
+def registry() -> dict[str, Case]:
+    """Every case ``benchmarks.run`` measures, by name, in the suite's order."""
+    from . import (
+        bench_anchor_batched,
+        bench_core_losses,
+        bench_miners,
+        bench_other_losses,
+        bench_proxy_losses,
+    )
+
+    modules = (
+        bench_core_losses,
+        bench_other_losses,
+        bench_miners,
+        bench_proxy_losses,
+        bench_anchor_batched,
+    )
+    return {name: case for module in modules for name, case in module.CASES.items()}
 
 
-def _extra() -> dict[str, dict[str, Entry]]:
-    return {
-        name: {
-            impl: Entry(name, impl, member.kind, member.make, dict(case.extra))
-            for impl, member in case.members.items()
-        }
-        for name, case in bench_extra.CASES.items()
-    }
+def by_name(*cases: Case) -> dict[str, Case]:
+    return {case.name: case for case in cases}
 
 
-def entries() -> dict[str, dict[str, Entry]]:
-    """``{case: {impl: Entry}}`` in the suite's order."""
-    return {**_core(), **_miners(), **_extra()}
+# --- members ---------------------------------------------------------------------------------
+
+
+def plain(factory: Callable[[], Fn], **member: Any) -> Member:
+    """A member whose function does not depend on the inputs: ``factory()``, no parameters."""
+    return Member(lambda e, y: (factory(), []), **member)
+
+
+def call(fn: Callable[..., Any], **hyper: Any) -> Member:
+    """A member calling ``fn(emb, labels, **hyper)``."""
+    return plain(lambda: functools.partial(fn, **hyper))
+
+
+FLOOR = plain(lambda: C.floor_loss)
+
+
+def anchor_batched(loss_fn: Callable[..., Any], chunk_size: Callable[[], int], **hyper) -> Member:
+    """``pf.chunked.value_and_grad(loss_fn, chunk_size=chunk_size())(emb, labels, **hyper)``;
+    the chunk size is read when the member is made (``benchmarks.run --anchor-batch-size``)."""
+
+    def make(emb, labels):
+        value_and_grad = pf.chunked.value_and_grad(loss_fn, chunk_size=chunk_size())
+        return (lambda e, y: value_and_grad(e.detach(), y, **hyper)), []
+
+    return Member(make, kind="value_and_grad")
+
+
+def make_step(member: Member, emb: torch.Tensor, labels: torch.Tensor) -> Callable[[], Any]:
+    """One measured call of ``member`` on fixed inputs.
+
+    A loss: forward and backward on a fresh graph (``torch.autograd.grad`` with respect to the
+    leaf ``emb`` and the member's parameters, so nothing accumulates in ``.grad``), returning
+    the detached loss. An anchor-batched member: its value-and-gradient call, returning the
+    value. A miner: its call, returning what it mined. Losses leave the embedding gradient in
+    ``step.last_grad``.
+    """
+    fn, params = member.make(emb, labels)
+    if member.kind == "mine":
+        return functools.partial(fn, emb, labels)
+    if member.kind == "value_and_grad":
+
+        def step():
+            value, grad = fn(emb, labels)
+            step.last_grad = grad  # type: ignore[attr-defined]
+            return value
+
+        return step
+    if not emb.requires_grad or emb.grad_fn is not None:
+        raise ValueError("embeddings must be a leaf tensor with requires_grad=True")
+
+    def step():
+        loss = fn(emb, labels)
+        grads = torch.autograd.grad(loss, [emb, *params])
+        step.last_grad = grads[0]  # type: ignore[attr-defined]
+        return loss.detach()
+
+    return step
+
+
+# --- the suite's settings, inputs and groups -------------------------------------------------
+
+BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
+RTOL = C.parity_rtol(DTYPE)
+ATOL = 1e-6
+
+# With --benchmark-disable (the normal test run) every body runs once. PML 2.9.0 NT-Xent
+# materialises a (positive pairs) x (negative pairs) matrix: at batch 512 with 4 per class
+# that is 1,536 x 260,096 entries, ~15-25 s and ~7 GB of RAM per forward+backward on one
+# thread. That alone would take half of the ~60 s budget of the whole untimed run, so the
+# untimed (smoke) run uses this smaller batch for every case with such a matrix (all its
+# members, so its parity check still compares like with like). Timed runs always use
+# PMLFUNC_BENCH_BATCH.
+SMOKE_PAIR_MATRIX_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_NTXENT_BATCH", 128)
+
+
+def case_batch(case: Case, disabled: bool) -> int:
+    """The batch a body of ``case`` runs at (``disabled``: the untimed run)."""
+    if disabled and case.pml_pair_matrix:
+        return min(BATCH, SMOKE_PAIR_MATRIX_BATCH)
+    return BATCH
+
+
+def inputs(batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """The suite's embeddings (a leaf with ``requires_grad``) and labels at ``batch``."""
+    return C.make_inputs(batch, DIM, SAMPLES_PER_CLASS, dtype=DTYPE, device=DEVICE, seed=C.SEED)
+
+
+def params(cases: Iterable[Case]) -> list:
+    """pytest parameters ``(case name, member name)`` of ``cases``, each in its group."""
+    return [
+        pytest.param(
+            case.name,
+            impl,
+            id=f"{case.name}-{impl}",
+            marks=pytest.mark.benchmark(group=f"{case.name}-b{BATCH}"),
+        )
+        for case in cases
+        for impl in case.members
+    ]
+
+
+def record(benchmark, emb: torch.Tensor, case: Case, impl: str, loss=None, **more: Any) -> None:
+    """Fill a body's ``extra_info``: the configuration, the loss, the case's settings, ``more``."""
+    C.fill_extra_info(
+        benchmark.extra_info,
+        emb,
+        threads=THREADS,
+        samples_per_class=SAMPLES_PER_CLASS,
+        impl=impl,
+        case=case.name,
+        loss_value=loss,
+    )
+    benchmark.extra_info.update(case.extra, **more)

@@ -1,6 +1,9 @@
 """Anchor-chunked NT-Xent (``pf.chunked.value_and_grad``) beside the full batch: time and memory.
 
-One pytest-benchmark group per batch, ``chunked-ntxent-b{B}``, with up to two members:
+One pytest-benchmark group per batch, ``chunked-ntxent-b{B}``, with up to two members (one
+:class:`benchmarks.cases.Case`; not in the registry ``benchmarks.run`` reads, since it runs at its
+own batch sizes and measures memory in a subprocess; ``bench_anchor_batched`` times the same
+calls at the suite's batch):
 
 - ``chunked``: ``pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=256)(emb, labels,
   temperature=0.07)``, the loss and its gradient with respect to the embeddings;
@@ -8,7 +11,7 @@ One pytest-benchmark group per batch, ``chunked-ntxent-b{B}``, with up to two me
   (batch <= ``PMLFUNC_BENCH_CHUNKED_FULL_MAX``, 8192: at 16,384 its B x B matrices need several
   GiB).
 
-Inputs as in ``bench_core`` (``benchmarks.common``): seeded standard-normal embeddings, four
+Inputs as in ``bench_core_losses`` (``benchmarks.common``): seeded standard-normal embeddings, four
 samples per class, 128 dimensions, float32, one thread. ``extra_info`` records, besides the usual
 configuration, the peak memory one step adds, measured twice (``pmlfunc.memory``):
 ``peak_rss_added_mib`` in a fresh subprocess (resident-set high-water mark, with allocator
@@ -26,7 +29,7 @@ Configuration (environment variables): ``PMLFUNC_BENCH_CHUNKED_BATCHES`` ("8192,
 
 Timed run::
 
-    pytest benchmarks/bench_chunked.py --benchmark-enable --benchmark-only \
+    pytest benchmarks/cases/bench_chunked_ntxent.py --benchmark-enable --benchmark-only \
         --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
 """
 
@@ -38,12 +41,11 @@ import pytest
 import torch
 
 import pmlfunc as pf
-import pmlfunc.chunked  # pf.chunked, whether or not pmlfunc imports it
 
 from .. import common as C
 from ..memory_report import rss_added_bytes, tensor_peak
+from . import Case, anchor_batched, call, make_step
 
-CASE = "chunked-ntxent"
 DIM = C.env_int("PMLFUNC_BENCH_DIM", C.DEFAULT_DIM)
 THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
 CHUNK = C.env_int("PMLFUNC_BENCH_CHUNKED_CHUNK", 256)
@@ -51,6 +53,17 @@ FULL_MAX = C.env_int("PMLFUNC_BENCH_CHUNKED_FULL_MAX", 8192)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_CHUNKED_BATCH", 512)
 DTYPE = torch.float32
 MIB = 2**20
+
+
+CASE = Case(
+    "chunked-ntxent",
+    {
+        "chunked": anchor_batched(
+            pf.losses.ntxent, lambda: CHUNK, temperature=C.NTXENT_TEMPERATURE
+        ),
+        "full": call(pf.losses.ntxent, temperature=C.NTXENT_TEMPERATURE),
+    },
+)
 
 
 def _batches() -> list[int]:
@@ -76,7 +89,7 @@ def pytest_generate_tests(metafunc) -> None:
             batch,
             impl,
             id=f"b{batch}-{impl}",
-            marks=[pytest.mark.benchmark(group=f"{CASE}-b{batch}")]
+            marks=[pytest.mark.benchmark(group=f"{CASE.name}-b{batch}")]
             + (
                 [pytest.mark.skip(reason=f"full batch above {FULL_MAX}: B x B matrices need GiBs")]
                 if impl == "full" and batch > FULL_MAX
@@ -84,33 +97,16 @@ def pytest_generate_tests(metafunc) -> None:
             ),
         )
         for batch in batches
-        for impl in ("chunked", "full")
+        for impl in CASE.members
     ]
     metafunc.parametrize(("batch", "impl"), params)
-
-
-def make_step(impl: str, emb: torch.Tensor, labels: torch.Tensor):
-    """A step returning the detached loss; the gradient is left in ``step.last_grad``."""
-    if impl == "chunked":
-        value_and_grad = pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=CHUNK)
-        detached = emb.detach()
-
-        def step() -> torch.Tensor:
-            loss, grad = value_and_grad(detached, labels, temperature=C.NTXENT_TEMPERATURE)
-            step.last_grad = grad  # type: ignore[attr-defined]
-            return loss.detach()
-
-        return step
-    return C.make_step(
-        lambda e, y: pf.losses.ntxent(e, y, temperature=C.NTXENT_TEMPERATURE), emb, labels
-    )
 
 
 def bench_chunked_ntxent(benchmark, request, batch: int, impl: str) -> None:
     if benchmark.disabled:
         batch = min(batch, SMOKE_BATCH)
     emb, labels = C.make_inputs(batch, DIM, dtype=DTYPE, seed=C.SEED)
-    step = make_step(impl, emb, labels)
+    step = make_step(CASE.members[impl], emb, labels)
     with C.set_threads(THREADS):
         loss = C.measure(benchmark, request, step)
     grad = step.last_grad  # type: ignore[attr-defined]
@@ -121,7 +117,7 @@ def bench_chunked_ntxent(benchmark, request, batch: int, impl: str) -> None:
         threads=THREADS,
         samples_per_class=C.DEFAULT_SAMPLES_PER_CLASS,
         impl=impl,
-        case=CASE,
+        case=CASE.name,
         loss_value=loss,
     )
     benchmark.extra_info["chunk_size"] = CHUNK if impl == "chunked" else None
@@ -138,9 +134,7 @@ def bench_chunked_ntxent(benchmark, request, batch: int, impl: str) -> None:
     assert tensors > 0 and rss >= 0
     if benchmark.disabled and impl == "chunked":
         # The smoke run doubles as a regression check: chunked equals the full batch.
-        full = C.make_step(
-            lambda e, y: pf.losses.ntxent(e, y, temperature=C.NTXENT_TEMPERATURE), emb, labels
-        )
+        full = make_step(CASE.members["full"], emb, labels)
         ref_loss = full()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, full.last_grad, rtol=1e-4, atol=1e-7)

@@ -1,5 +1,5 @@
-"""Compiled and CUDA-graph members of every group: the pmlfunc and floor entries of the suite
-(``benchmarks.suite``) under ``torch.compile(fullgraph=True)`` or replayed from a captured CUDA
+"""Compiled and CUDA-graph members of every group: the pmlfunc and floor members of every case
+of the registry (``benchmarks.cases.registry``) under ``torch.compile(fullgraph=True)`` or replayed from a captured CUDA
 graph, in the same ``{case}-b{B}`` groups as their eager bodies.
 
 Opt-in, because compiling every case takes about ten minutes on a small CPU::
@@ -29,9 +29,8 @@ import torch
 
 from .. import common as C
 from ..run import _graphed, _one_step, _Step
-from . import entries
+from . import BATCH, DEVICE, THREADS, inputs, library, record, registry
 
-BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 MODES = tuple(
     m for m in (os.environ.get("PMLFUNC_BENCH_MODES", "") or "").split(",") if m and m != "eager"
 )
@@ -55,34 +54,33 @@ def _params() -> list:
         ]
     return [
         pytest.param(
-            case,
+            case.name,
             impl,
             mode,
-            id=f"{case}-{impl}-{mode}",
-            marks=pytest.mark.benchmark(group=f"{case}-b{BATCH}"),
+            id=f"{case.name}-{impl}-{mode}",
+            marks=pytest.mark.benchmark(group=f"{case.name}-b{BATCH}"),
         )
         for mode in MODES
-        for case, impls in entries().items()
-        for impl, entry in impls.items()
-        if entry.library in ("pmlfunc", "floor")
+        for case in registry().values()
+        for impl in case.members
+        if library(impl) in ("pmlfunc", "floor")
     ]
 
 
 @pytest.mark.parametrize(("case", "impl", "mode"), _params())
 def bench_mode(benchmark, request, case: str, impl: str, mode: str) -> None:
-    entry = entries()[case][impl]
+    spec = registry()[case]
+    member = spec.members[impl]
     if mode == "cudagraph" and DEVICE.type != "cuda":
         pytest.skip("CUDA-graph capture needs CUDA")
-    if mode == "cudagraph" and entry.kind == "value_and_grad":
+    if mode == "cudagraph" and member.kind == "value_and_grad":
         pytest.skip("anchor-batched steps loop over chunks in Python: capture the loss instead")
-    emb, labels = C.make_inputs(
-        BATCH, DIM, SAMPLES_PER_CLASS, dtype=DTYPE, device=DEVICE, seed=C.SEED
-    )
-    if entry.kind == "mine":
+    emb, labels = inputs()
+    if member.kind == "mine":
         emb = emb.detach()
-    fn, params = entry.make(emb, labels)
-    step = _Step(entry, fn, params, emb, labels)
-    eager = _Step(entry, fn, params, emb, labels)  # FLOPs and memory are counted on it
+    fn, params = member.make(emb, labels)
+    step = _Step(member, fn, params, emb, labels)
+    eager = _Step(member, fn, params, emb, labels)  # FLOPs and memory are counted on it
     with C.set_threads(THREADS):
         if mode == "compile":
             step.fn = torch.compile(fn, fullgraph=True)
@@ -99,12 +97,4 @@ def bench_mode(benchmark, request, case: str, impl: str, mode: str) -> None:
                 torch.cuda.synchronize(DEVICE)
 
         C.measure(benchmark, request, call, DEVICE, cost_step=_one_step(eager))
-        C.fill_extra_info(
-            benchmark.extra_info,
-            emb,
-            threads=THREADS,
-            samples_per_class=SAMPLES_PER_CLASS,
-            impl=f"{impl}-{mode}",
-            case=case,
-        )
-        benchmark.extra_info.update(entry.extra, mode=mode)
+        record(benchmark, emb, spec, f"{impl}-{mode}", mode=mode)

@@ -1,6 +1,6 @@
-"""Miner benchmarks: pmlfunc miners (+ losses) vs pytorch-metric-learning 2.9.0 vs a floor.
+"""Miners and mined losses: pmlfunc miners (+ losses) vs PML 2.9.0 vs a floor.
 
-One pytest-benchmark group per case (``{case}-b{B}``), as in ``bench_core``:
+One pytest-benchmark group per case (``{case}-b{B}``), as in ``bench_core_losses``:
 
 - ``pair-miner``: ``pair_margin`` mining alone (margins 0.2 / 1.4). The measured call is the
   miner; no gradient. Its ``floor`` is one B×B matmul forward under ``no_grad``.
@@ -17,9 +17,9 @@ One pytest-benchmark group per case (``{case}-b{B}``), as in ``bench_core``:
   first and passed to all three as ``mat=``. PML 2.9.0 has no ``mat=``, so ``pml`` appears in
   the separate groups only.
 
-Every other group's ``floor`` is ``(E @ E.T).sum()`` forward+backward, as in ``bench_core``.
-Each measured call of a loss case is one forward+backward step on a fresh graph
-(``benchmarks.common.make_step``), mining included.
+Every other group's ``floor`` is ``(E @ E.T).sum()`` forward+backward, as in
+``bench_core_losses``. Each measured call of a loss case is one forward+backward step on a fresh
+graph (``benchmarks.cases.make_step``), mining included.
 
 Every body asserts a finite loss and gradient (a finite result for the miner), that what its
 miner selects is valid (pairs/triplets of the right labels, never ``(i, i)``, indices in range,
@@ -28,15 +28,14 @@ not empty), and parity: pmlfunc and PML mine the same pairs/triplets and their l
 checked for a finite loss and its bound: ``B·32`` slots, at most 32 distinct valid triplets per
 anchor (exactly ``min(32, that anchor's triplets)``), each inside the miner's margin window.
 
-Configuration: the ``PMLFUNC_BENCH_*`` variables of ``bench_core`` (batch, dim, samples per
-class, threads, dtype, device).
+Configuration: the suite's ``PMLFUNC_BENCH_*`` variables (batch, dim, samples per class,
+threads, dtype, device).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -49,11 +48,24 @@ import pmlfunc as pf
 from pmlfunc import miners
 
 from .. import common as C
-
-BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
-
-RTOL = C.parity_rtol(DTYPE)
-ATOL = 1e-6
+from . import (
+    ATOL,
+    BATCH,
+    DEVICE,
+    DTYPE,
+    FLOOR,
+    RTOL,
+    THREADS,
+    Case,
+    Fn,
+    by_name,
+    inputs,
+    make_step,
+    params,
+    plain,
+    record,
+)
+from ._bodies import LOSSES, loss_value
 
 # Hyper-parameters (reference "Development measurements": miner margins 0.2 and 1.4).
 PAIR_POS_MARGIN = 0.2
@@ -61,34 +73,14 @@ PAIR_NEG_MARGIN = 1.4
 MS_EPSILON = 0.1
 TUPLES_PER_ANCHOR = 32
 # Contrastive margins of the separate/reused cases, the same for both libraries. lp: the
-# bench_core margins; cosine (a similarity): PML's documented pair for similarities, so that
+# core margins; cosine (a similarity): PML's documented pair for similarities, so that
 # both hinges are active (with PML's defaults 0 / 1 the negative hinge [s - 1]_+ is always 0).
 CONTRASTIVE_MARGINS = {
     "lp": (C.CONTRASTIVE_POS_MARGIN, C.CONTRASTIVE_NEG_MARGIN),
     "cosine": (1.0, 0.0),
 }
 
-Fn = Callable[[torch.Tensor, torch.Tensor], Any]  # (embeddings, labels) -> loss or mined result
 Indices = tuple[torch.Tensor, ...]  # PML-style pairs (a1, p, a2, n) or triplets (a, p, n)
-
-
-@dataclass(frozen=True)
-class Impl:
-    """One member of a group. ``step``: a factory of the measured function; ``mined``: what its
-    miner selects, as PML-style indices (for the validity and parity checks, run untimed);
-    ``check``: an extra untimed check of the miner's result."""
-
-    step: Callable[[], Fn]
-    mined: Fn | None = None
-    check: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    impls: dict[str, Impl]
-    grad: bool = True  # forward+backward of a loss; False: the miner call alone
-    extra: dict[str, Any] = field(default_factory=dict)  # recorded in extra_info
 
 
 def _mining_floor(e: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,8 +90,7 @@ def _mining_floor(e: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return e @ e.T
 
 
-FLOOR = Impl(lambda: C.floor_loss)
-MINING_FLOOR = Impl(lambda: _mining_floor)
+MINING_FLOOR = plain(lambda: _mining_floor, kind="mine")
 
 
 # --- pair-margin mining ---------------------------------------------------------------------
@@ -262,8 +253,10 @@ def _ms_cases(dist: str) -> tuple[Case, Case]:
     separate = Case(
         f"separate-{dist}",
         {
-            "pml": Impl(_pml_ms_pair(dist), _pml_ms_mined(dist)),
-            "pmlfunc": Impl(_pf_ms_pair(dist, reused=False), _pf_ms_mined(dist, reused=False)),
+            "pml": plain(_pml_ms_pair(dist), mined=_pml_ms_mined(dist)),
+            "pmlfunc": plain(
+                _pf_ms_pair(dist, reused=False), mined=_pf_ms_mined(dist, reused=False)
+            ),
             "floor": FLOOR,
         },
         extra={"distance": dist},
@@ -271,7 +264,7 @@ def _ms_cases(dist: str) -> tuple[Case, Case]:
     reused = Case(
         f"reused-{dist}",
         {
-            "pmlfunc": Impl(_pf_ms_pair(dist, reused=True), _pf_ms_mined(dist, reused=True)),
+            "pmlfunc": plain(_pf_ms_pair(dist, reused=True), mined=_pf_ms_mined(dist, reused=True)),
             "floor": FLOOR,
         },
         extra={"distance": dist},
@@ -279,56 +272,55 @@ def _ms_cases(dist: str) -> tuple[Case, Case]:
     return separate, reused
 
 
-CASES: dict[str, Case] = {
-    case.name: case
-    for case in (
-        Case(
-            "pair-miner",
-            {
-                "pml": Impl(_pml_pair_margin, lambda e, y: _pml_pair_margin()(e, y)),
-                "pmlfunc": Impl(lambda: _pf_pair_margin, _pf_pair_margin),
-                "floor": MINING_FLOOR,
-            },
-            grad=False,
-        ),
-        Case(
-            "mined-triplet",
-            {
-                "pml": Impl(_pml_mined(_pml_pair_margin), lambda e, y: _pml_pair_margin()(e, y)),
-                "pmlfunc": Impl(_pf_mined_triplet, _pf_pair_margin),
-                "floor": FLOOR,
-            },
-        ),
-        Case(
-            "batch-hard-triplet",
-            {
-                "pml": Impl(
-                    _pml_mined(pml_miners.BatchHardMiner),
-                    lambda e, y: pml_miners.BatchHardMiner()(e, y),
-                ),
-                "pmlfunc": Impl(_pf_batch_hard_triplet, miners.batch_hard),
-                "floor": FLOOR,
-            },
-        ),
-        Case(
-            "triplet-miner",
-            {
-                "pml": Impl(
-                    _pml_mined(lambda: pml_miners.TripletMarginMiner(margin=C.TRIPLET_MARGIN)),
-                    lambda e, y: pml_miners.TripletMarginMiner(margin=C.TRIPLET_MARGIN)(e, y),
-                ),
-                "pmlfunc-unbounded": Impl(_pf_triplet_loss(bounded=False), _pf_triplet_miner),
-                "pmlfunc-bounded": Impl(
-                    _pf_triplet_loss(bounded=True), _pf_bounded_triplets, _check_bound
-                ),
-                "floor": FLOOR,
-            },
-            extra={"tuples_per_anchor": TUPLES_PER_ANCHOR},
-        ),
-        *_ms_cases("cosine"),
-        *_ms_cases("lp"),
-    )
-}
+# pml first in every group: its timed step also serves as the reference.
+CASES = by_name(
+    Case(
+        "pair-miner",
+        {
+            "pml": plain(
+                _pml_pair_margin, kind="mine", mined=lambda e, y: _pml_pair_margin()(e, y)
+            ),
+            "pmlfunc": plain(lambda: _pf_pair_margin, kind="mine", mined=_pf_pair_margin),
+            "floor": MINING_FLOOR,
+        },
+    ),
+    Case(
+        "mined-triplet",
+        {
+            "pml": plain(_pml_mined(_pml_pair_margin), mined=lambda e, y: _pml_pair_margin()(e, y)),
+            "pmlfunc": plain(_pf_mined_triplet, mined=_pf_pair_margin),
+            "floor": FLOOR,
+        },
+    ),
+    Case(
+        "batch-hard-triplet",
+        {
+            "pml": plain(
+                _pml_mined(pml_miners.BatchHardMiner),
+                mined=lambda e, y: pml_miners.BatchHardMiner()(e, y),
+            ),
+            "pmlfunc": plain(_pf_batch_hard_triplet, mined=miners.batch_hard),
+            "floor": FLOOR,
+        },
+    ),
+    Case(
+        "triplet-miner",
+        {
+            "pml": plain(
+                _pml_mined(lambda: pml_miners.TripletMarginMiner(margin=C.TRIPLET_MARGIN)),
+                mined=lambda e, y: pml_miners.TripletMarginMiner(margin=C.TRIPLET_MARGIN)(e, y),
+            ),
+            "pmlfunc-unbounded": plain(_pf_triplet_loss(bounded=False), mined=_pf_triplet_miner),
+            "pmlfunc-bounded": plain(
+                _pf_triplet_loss(bounded=True), mined=_pf_bounded_triplets, check=_check_bound
+            ),
+            "floor": FLOOR,
+        },
+        extra={"tuples_per_anchor": TUPLES_PER_ANCHOR},
+    ),
+    *_ms_cases("cosine"),
+    *_ms_cases("lp"),
+)
 
 # Results that must agree: ((case, impl), (case, impl), rtol of the losses). Mined indices of
 # both sides must be the same set. rtol 0: equal.
@@ -345,22 +337,9 @@ PARITY: tuple[tuple[tuple[str, str], tuple[str, str], float], ...] = (
 )
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    return C.make_inputs(BATCH, DIM, SAMPLES_PER_CLASS, dtype=DTYPE, device=DEVICE, seed=C.SEED)
-
-
-# Loss values and mined index keys per (case, impl), shared between bodies so that each parity
-# check reuses what another body already computed.
-_LOSS_CACHE: dict[tuple[str, str], float] = {}
+# Mined index keys per (case, impl), shared between bodies so that each parity check reuses
+# what another body already mined.
 _MINED_CACHE: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
-
-
-def loss_value(case: str, impl: str) -> float:
-    if (case, impl) not in _LOSS_CACHE:
-        emb, labels = _inputs()
-        with torch.no_grad():
-            _LOSS_CACHE[(case, impl)] = float(CASES[case].impls[impl].step()(emb, labels))
-    return _LOSS_CACHE[(case, impl)]
 
 
 def _as_indices(mined: Any) -> Indices:
@@ -372,9 +351,9 @@ def mined_keys(case: str, impl: str, result: Any = None) -> tuple[torch.Tensor, 
     """Sorted flat keys of each part (pairs: positive, negative; triplets: one) of what the
     impl's miner selects (``result``, else mined now), after checking that it is valid."""
     if (case, impl) not in _MINED_CACHE:
-        emb, labels = _inputs()
+        emb, labels = inputs()
         if result is None:
-            result = CASES[case].impls[impl].mined(emb, labels)
+            result = CASES[case].members[impl].mined(emb, labels)
         indices = _as_indices(result)
         _MINED_CACHE[(case, impl)] = check_indices(indices, labels, f"{case}/{impl}")
     return _MINED_CACHE[(case, impl)]
@@ -404,67 +383,33 @@ def check_indices(indices: Indices, labels: torch.Tensor, what: str) -> tuple[to
     return (((a * b + p) * b + n).sort().values,)
 
 
-def _params() -> list:
-    return [
-        pytest.param(
-            case.name,
-            impl,
-            id=f"{case.name}-{impl}",
-            marks=pytest.mark.benchmark(group=f"{case.name}-b{BATCH}"),
-        )
-        for case in CASES.values()
-        for impl in case.impls  # pml first: its timed step also serves as the reference
-    ]
-
-
-@pytest.mark.parametrize(("case", "impl"), _params())
+@pytest.mark.parametrize(("case", "impl"), params(CASES.values()))
 def bench_miner(benchmark, request, case: str, impl: str) -> None:
     spec = CASES[case]
-    member = spec.impls[impl]
-    emb, labels = _inputs()
-    fn = member.step()
-    if spec.grad:
-        base_step = C.make_step(fn, emb, labels)
-    else:
-
-        def base_step():
-            return fn(emb, labels)
-
-    step = base_step
-    if DEVICE.type == "cuda":
-
-        def step():
-            out = base_step()
-            torch.cuda.synchronize(DEVICE)
-            return out
+    member = spec.members[impl]
+    grad = member.kind == "loss"  # else the miner call alone
+    emb, labels = inputs()
+    base_step = make_step(member, emb, labels)
+    step = C.synced(base_step, DEVICE)
 
     with C.set_threads(THREADS):
         C.reset_peak_memory(DEVICE)
         out = C.measure(benchmark, request, step, DEVICE)
-        C.fill_extra_info(
-            benchmark.extra_info,
-            emb,
-            threads=THREADS,
-            samples_per_class=SAMPLES_PER_CLASS,
-            impl=impl,
-            case=case,
-            loss_value=out if spec.grad else None,
-        )
-        benchmark.extra_info.update(spec.extra)
+        record(benchmark, emb, spec, impl, out if grad else None)
 
-        if spec.grad:
-            grad = base_step.last_grad  # type: ignore[attr-defined]
+        if grad:
+            grad_emb = base_step.last_grad  # type: ignore[attr-defined]
             assert out.ndim == 0, f"{case}/{impl}: loss is not a scalar: {tuple(out.shape)}"
             assert torch.isfinite(out), f"{case}/{impl}: non-finite loss {out}"
-            assert torch.isfinite(grad).all(), f"{case}/{impl}: non-finite gradient"
-            assert grad.shape == emb.shape
-            _LOSS_CACHE[(case, impl)] = float(out)
+            assert torch.isfinite(grad_emb).all(), f"{case}/{impl}: non-finite gradient"
+            assert grad_emb.shape == emb.shape
+            LOSSES[(case, impl, BATCH)] = float(out)
         elif member.mined is None:  # the mining floor
             assert torch.isfinite(out).all(), f"{case}/{impl}: non-finite result"
 
         if member.mined is not None:
             # a mining-only step's result is what the miner selected: check that one
-            keys = mined_keys(case, impl, None if spec.grad else out)
+            keys = mined_keys(case, impl, None if grad else out)
             benchmark.extra_info["mined"] = [int(k.numel()) for k in keys]
         if member.check is not None:
             member.check(emb.detach(), labels)
@@ -479,8 +424,9 @@ def bench_miner(benchmark, request, case: str, impl: str) -> None:
                 f"{case_a}/{impl_a} and {case_b}/{impl_b} mine different tuples: "
                 f"{[k.numel() for k in ours]} vs {[k.numel() for k in theirs]}"
             )
-            if spec.grad:
-                value_a, value_b = loss_value(case_a, impl_a), loss_value(case_b, impl_b)
+            if grad:
+                value_a = loss_value(CASES[case_a], impl_a, BATCH)
+                value_b = loss_value(CASES[case_b], impl_b, BATCH)
                 assert math.isclose(value_a, value_b, rel_tol=rtol, abs_tol=ATOL if rtol else 0), (
                     f"{case_a}/{impl_a}={value_a!r} and {case_b}/{impl_b}={value_b!r} disagree "
                     f"(rtol={rtol}) at batch {BATCH}"
