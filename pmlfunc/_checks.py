@@ -65,6 +65,37 @@ def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "e
         raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {x.device}")
 
 
+def integer(value: object, name: str, *, minimum: int = 1) -> int:
+    """A Python integer (not ``bool``) of at least ``minimum``: ``TypeError`` for any other type,
+    ``ValueError`` below the minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def chunk_size(value: object) -> int:
+    """A chunk size: a Python int >= 1; a ``ValueError`` for anything else (``None`` included,
+    where the caller asked for chunking)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {value!r}")
+    return value
+
+
+def number(value: object, name: str, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """A Python real number (not ``bool``, not a tensor), with an optional sign constraint:
+    ``TypeError`` for any other type, ``ValueError`` for the wrong sign."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    value = float(value)
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if nonnegative and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def hyper(
     value: object, name: str, *, positive: bool = False, nonnegative: bool = False
 ) -> float | Tensor:
@@ -84,35 +115,9 @@ def hyper(
         raise TypeError(
             f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}"
         )
-    value = float(value)
-    if positive and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    if nonnegative and not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+    return number(value, name, positive=positive, nonnegative=nonnegative)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype reductions accumulate in: float32 for float16/bfloat16 inputs, else the input's."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
-try:  # private, but stable since functorch moved into torch (2.0)
-    from torch._C._functorch import maybe_current_level as _functorch_level
-except ImportError:  # pragma: no cover - a torch without it: always take the safe path
-
-    def _functorch_level() -> int | None:
-        return 0
-
-
-def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:
-    """``buf.scatter_(-1, index, src)`` in place when possible.
-
-    vmap has no batching rule for in-place ``scatter_`` (it falls back to a slow loop and warns),
-    so inside any ``torch.func`` transform the out-of-place ``scatter`` is used; in plain eager
-    mode and under ``torch.compile``, in place saves a copy of ``buf`` (on CPU, a fresh buffer's
-    page faults cost more than the scatter itself).
-    """
-    if torch.compiler.is_compiling() or _functorch_level() is None:
-        return buf.scatter_(-1, index, src)
-    return buf.scatter(-1, index, src)

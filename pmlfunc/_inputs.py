@@ -7,8 +7,7 @@ from torch import Tensor
 
 from . import _checks
 from .distances import Distance
-from .labels import check_tuple
-from .tuples import is_mined
+from .tuples import check_tuple, is_mined
 
 __all__ = ["matrix", "validate"]
 
@@ -16,21 +15,14 @@ __all__ = ["matrix", "validate"]
 def validate(
     embeddings: Tensor,
     labels: Tensor | None,
-    ref_emb: Tensor | None,
-    ref_labels: Tensor | None,
-    indices_tuple,
-    distance: Distance | None,
-    default_distance: Distance,
-) -> Distance:
-    """Check a loss's inputs (shapes, dtypes, devices only); returns the distance to use."""
+    *,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    indices_tuple=None,
+) -> None:
+    """Check a loss's or a miner's inputs (shapes, dtypes, devices only; never values)."""
     _checks.embeddings(embeddings)
     b = embeddings.shape[0]
-    if distance is None:
-        distance = default_distance
-    if not isinstance(distance, Distance):
-        raise TypeError(
-            f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}"
-        )
     if labels is not None:
         _checks.labels(labels, b, embeddings.device)
     elif indices_tuple is None:
@@ -50,7 +42,6 @@ def validate(
             _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
     elif ref_labels is not None:
         raise ValueError("ref_labels was given without ref_emb")
-    return distance
 
 
 def matrix(

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _ops
 
 __all__ = ["Distance", "cosine", "dot", "lp", "safe_euclidean", "snr"]
 
@@ -66,7 +66,7 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
         diff = (
             y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
         )
-        d2 = _checks.scatter_(d2, idx, diff.mul_(diff).sum(-1))
+        d2 = _ops.scatter_(d2, idx, diff.mul_(diff).sum(-1))
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
@@ -169,6 +169,7 @@ class Distance:
     """Base class: a frozen (immutable, hashable) description of a distance."""
 
     is_similarity: ClassVar[bool] = False
+    kind: ClassVar[str] = ""  # the family, "lp", "dot" or "snr": what a loss that needs one checks
 
     def __call__(self, x: Tensor, y: Tensor | None = None) -> Tensor:
         """The ``(B, M)`` matrix between the rows of ``x`` and ``y`` (``y=None``: ``x`` itself)."""
@@ -262,6 +263,7 @@ class _Budgeted(_Normalizing):
 
 @dataclass(frozen=True)
 class _Lp(_Budgeted):
+    kind: ClassVar[str] = "lp"
     p: float = 2.0
     power: float = 1.0
 
@@ -319,15 +321,15 @@ def lp(
     power = float(power)
     if not power > 0:
         raise ValueError(f"power must be > 0, got {power}")
-    if int(exact_budget) < 0:
-        raise ValueError(f"exact_budget must be >= 0, got {exact_budget}")
-    return _Lp(p=p, power=power, normalize=bool(normalize), exact_budget=int(exact_budget))
+    exact_budget = _checks.integer(exact_budget, "exact_budget", minimum=0)
+    return _Lp(p=p, power=power, normalize=bool(normalize), exact_budget=exact_budget)
 
 
 @dataclass(frozen=True)
 class _Dot(_Normalizing):
     normalize: bool = False
     is_similarity: ClassVar[bool] = True
+    kind: ClassVar[str] = "dot"
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         x, y = self._normalized(x, y)
@@ -362,6 +364,8 @@ def cosine() -> Distance:
 
 @dataclass(frozen=True)
 class _SNR(_Budgeted):
+    kind: ClassVar[str] = "snr"
+
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         if x.shape[-1] < 2:
             raise ValueError("snr() needs embedding size >= 2 (an unbiased variance over features)")
@@ -399,3 +403,16 @@ def snr() -> Distance:
         tensor([0., 0., 0.])
     """
     return _SNR()
+
+
+def resolve(distance: object, default: Distance) -> Distance:
+    """The distance a function uses: ``default`` when ``distance`` is ``None``, ``distance``
+    itself when it is a :class:`Distance`, else a ``TypeError`` naming the argument."""
+    if distance is None:
+        return default
+    if not isinstance(distance, Distance):
+        raise TypeError(
+            "distance must be a pmlfunc distance (pmlfunc.distances.lp(), cosine(), ...), "
+            f"got {type(distance).__name__}"
+        )
+    return distance

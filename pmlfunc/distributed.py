@@ -10,8 +10,10 @@ single-process gradients of ``L`` on the whole batch. No scaling by the world si
 done (PML 2.9.0 gathers without autograd and rescales the loss instead).
 
 Outside an initialised process group (or with one process), every function here is the plain
-single-process computation.
+single-process computation (so the examples here run as they are in a plain process).
 
+    >>> encoder = torch.nn.Linear(16, 4)
+    >>> x, labels = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     >>> loss_fn = global_objective(pf.losses.ntxent)
     >>> loss = loss_fn(encoder(x), labels, temperature=0.1)  # the global loss, on every rank
     >>> loss.backward()  # DDP averages: the single-process gradient of the global batch
@@ -24,7 +26,6 @@ installed torch has it, else ``torch.distributed.nn.functional.all_gather``.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +122,9 @@ def all_gather(x: Tensor, *, group=None, name: str = "x") -> Tensor:
     skipped and sizes must be equal. Outside a process group, returns ``x``.
 
     Example:
-        >>> emb_all = all_gather(emb)  # (sum of per-rank batch sizes, D)
+        >>> emb = torch.randn(8, 4)
+        >>> all_gather(emb).shape  # (sum of per-rank batch sizes, D); one process: emb itself
+        torch.Size([8, 4])
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
@@ -196,15 +199,17 @@ def global_objective(loss_fn: Callable[..., Tensor], *, group=None) -> Callable[
     - ``indices_tuple`` is refused: a miner's indices refer to local rows. Mine on the gathered
       batch inside the loss function instead.
     - Unequal per-rank batch sizes are handled (eager; see :func:`all_gather`).
-    - Work is split: a loss that decomposes over anchors (``contrastive``, ``triplet_margin``,
-      ``ntxent``, ``supcon``, ``multi_similarity``, given directly or as a
-      ``functools.partial``) computes only this rank's anchor rows against the gathered batch
-      (``B_local × B_global``), with the reducers' normalisers summed over the ranks. Other
-      losses (proxy and classifier losses, a lambda) compute the whole loss on every rank.
+    - Work is split: a loss that decomposes over anchors (:func:`pmlfunc.chunked.chunkable`,
+      given directly or as a ``functools.partial``) computes only this rank's anchor rows
+      against the gathered batch (``B_local × B_global``), with the reducers' normalisers summed
+      over the ranks. Other losses and settings (proxy and classifier losses, a lambda,
+      ``swap=True``, an embedding regularizer) compute the whole loss on every rank.
 
     Outside an initialised process group it is the plain loss.
 
     Example:
+        >>> encoder = torch.nn.Linear(16, 4)
+        >>> x, y = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
         >>> loss = global_objective(pf.losses.supcon)(encoder(x), y, temperature=0.1)
     """
 
@@ -239,52 +244,38 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
     ``W·ℓ_r + stop_gradient(L − W·ℓ_r)``. Summed over ranks by the gather's backward, the
     embeddings receive ``W·∂L/∂x``, the same as when every rank computes all of ``L``.
     """
-    from .chunked import _spec_of, _split_call
-    from .losses._common import prepare
+    from .chunked import split_call
 
     try:
-        spec, fn, bound = _spec_of(loss_fn)
-        split = _split_call(
-            spec, inspect.signature(fn), bound, (all_emb, all_labels, *args), kwargs
-        )
+        call = split_call(loss_fn, (all_emb, all_labels, *args), kwargs)
     except (ValueError, TypeError):
         return None
-    if split.regularizer is not None:  # a regularizer of the whole batch: compute it whole
+    if call.embedding_regularizer is not None:  # a regularizer of the whole batch: compute it whole
         return None
-    inputs = split.inputs
+    reducer = call.reducer
 
-    def run(rows: tuple[int, int], group) -> Tensor:
-        batch = prepare(
-            all_emb,
-            all_labels,
-            inputs["ref_emb"],
-            inputs["ref_labels"],
-            None,
-            None,
-            inputs["distance"],
-            spec.default_distance,
-            rows=rows,
-        )
-        terms = spec.terms(batch, **split.hyper)
+    def share(rows: tuple[int, int], group) -> Tensor:
+        batch = call.batch(rows)
+        terms = call.terms(batch)
         names = sorted(terms)
         with torch.no_grad():  # normalisers (counts) of every sub-loss, summed over the ranks
-            local = [split.reducer.normalizer(terms[n], batch.labels) for n in names]
+            local = [reducer.normalizer(terms[n], batch.labels) for n in names]
             flat = torch.cat([x.reshape(-1).to(torch.float64) for x in local])
         dist.all_reduce(flat, group=group)
         norms = flat.split([x.numel() for x in local])
         parts = [
-            split.reducer.partial(
+            reducer.partial(
                 terms[n], batch.labels, norms[i].view(local[i].shape).to(local[i].dtype)
             )
             for i, n in enumerate(names)
         ]
-        share = torch.stack(parts).sum()
-        total = share.detach().clone()
+        mine = torch.stack(parts).sum()
+        total = mine.detach().clone()
         dist.all_reduce(total, group=group)
         w = dist.get_world_size(group)
-        return (w * share + (total - w * share).detach()).to(all_emb.dtype)
+        return (w * mine + (total - w * mine).detach()).to(all_emb.dtype)
 
-    return run
+    return share
 
 
 def value_and_grad(
@@ -304,17 +295,20 @@ def value_and_grad(
     with respect to ``embeddings`` only.
 
     Example:
-        >>> vg = value_and_grad(pf.losses.ntxent, chunk_size=256)
+        >>> encoder = torch.nn.Linear(16, 4)
+        >>> x, labels = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> emb = encoder(x)
+        >>> vg = value_and_grad(pf.losses.ntxent, chunk_size=3)
         >>> loss, g = vg(emb.detach(), labels, temperature=0.1)
         >>> emb.backward(g)  # then DDP averages
     """
-    from .chunked import _value_and_grad
+    from .chunked import rows_value_and_grad
 
-    run = _value_and_grad(loss_fn, chunk_size, "embeddings")
+    rows_vg = rows_value_and_grad(loss_fn, chunk_size, "embeddings")
 
     def vg(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
         if not is_active(group):
-            return run(None, embeddings, labels, *args, **kwargs)
+            return rows_vg(None, embeddings, labels, *args, **kwargs)
         if kwargs.get("indices_tuple") is not None:
             raise ValueError("indices_tuple refers to local rows and cannot be used across ranks")
         if labels is None:
@@ -322,7 +316,7 @@ def value_and_grad(
         g_group = group or dist.group.WORLD
         with torch.no_grad():
             all_emb, all_labels, (r0, r1) = _gather_batch(embeddings.detach(), labels, g_group)
-        value, grad = run((r0, r1), all_emb, all_labels, *args, **kwargs)
+        value, grad = rows_vg((r0, r1), all_emb, all_labels, *args, **kwargs)
         value, grad = value.detach().clone(), grad.contiguous()
         dist.all_reduce(value, group=g_group)
         dist.all_reduce(grad, group=g_group)
@@ -351,7 +345,9 @@ def cross_batch_memory(
     Outside a process group it is the plain wrapper.
 
     Example:
-        >>> memory = pf.wrappers.cross_batch_memory_init(1024, 128)
+        >>> model = torch.nn.Linear(16, 4)
+        >>> x, y = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> memory = pf.wrappers.cross_batch_memory_init(32, 4)
         >>> loss, memory = cross_batch_memory(pf.losses.contrastive, model(x), y, memory)
     """
     from .wrappers import cross_batch_memory as local_memory

@@ -24,35 +24,15 @@ Differences from PML 2.9.0 (on purpose):
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _checks
-from .distances import Distance, cosine
+from .distances import Distance, cosine, resolve
 
 __all__ = ["knn", "retrieval_metrics"]
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
-    if int(value) <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
-
-
-def _distance(distance: object) -> Distance:
-    if distance is None:
-        return cosine()
-    if not isinstance(distance, Distance):
-        raise TypeError(
-            f"distance must be a pmlfunc.distances.Distance (e.g. cosine(), lp()), "
-            f"got {type(distance).__name__}"
-        )
-    return distance
 
 
 def _resolve_sets(
@@ -170,9 +150,9 @@ def knn(
                 [1]])
     """
     reference, exclude = _resolve_sets(query, reference, exclude_self)
-    k = _positive_int(k, "k")
-    chunk_size = _positive_int(chunk_size, "chunk_size")
-    dist = _distance(distance)
+    k = _checks.integer(k, "k")
+    chunk_size = _checks.integer(chunk_size, "chunk_size")
+    dist = resolve(distance, cosine())
     available = reference.shape[0] - int(exclude)
     if k > available:
         raise ValueError(
@@ -281,9 +261,9 @@ def retrieval_metrics(
         )
     if isinstance(recall_ks, (str, bytes)) or not isinstance(recall_ks, Sequence):
         raise TypeError(f"recall_ks must be a sequence of positive ints, got {recall_ks!r}")
-    recall_ks = tuple(_positive_int(kk, "recall_ks") for kk in recall_ks)
-    chunk_size = _positive_int(chunk_size, "chunk_size")
-    dist = _distance(distance)
+    recall_ks = tuple(_checks.integer(kk, "recall_ks") for kk in recall_ks)
+    chunk_size = _checks.integer(chunk_size, "chunk_size")
+    dist = resolve(distance, cosine())
     available = reference.shape[0] - int(exclude)
     if available < 1:
         raise ValueError("reference has no row to retrieve (its only row is the query itself)")
@@ -293,7 +273,7 @@ def retrieval_metrics(
         if k is None:
             needed = max(recall_ks, default=1)
             k = min(max(int(r.max()), needed, 1), available)  # the one host sync
-        k = _positive_int(k, "k")
+        k = _checks.integer(k, "k")
         if recall_ks and max(recall_ks) > k:
             raise ValueError(f"recall_ks={recall_ks} has a value above k={k}")
         if k > available:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .tuples import grid_counts, is_mined
+from .tuples import check_tuple, grid_counts, is_mined
 
 __all__ = [
     "PairMasks",
@@ -61,30 +61,6 @@ def label_masks(
     if ref_labels is None:  # a fresh mask: in place is safe
         pos.diagonal(offset=r0, dim1=-2, dim2=-1).zero_()
     return PairMasks(pos, neg)
-
-
-def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
-    """Validate a PML index tuple (3 or 4 1-D integer tensors of matching lengths)."""
-    if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
-        raise ValueError(
-            "indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors"
-        )
-    for i, t in enumerate(indices_tuple):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"indices_tuple[{i}] must be a tensor, got {type(t).__name__}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"indices_tuple[{i}] must be an integer index tensor, got {t.dtype}")
-        if t.ndim != 1:
-            raise ValueError(f"indices_tuple[{i}] must be 1-D, got shape {tuple(t.shape)}")
-    n = len(indices_tuple)
-    lengths = [t.shape[0] for t in indices_tuple]
-    if n == 3 and len(set(lengths)) != 1:
-        raise ValueError(f"indices_tuple (a, p, n) tensors must have equal lengths, got {lengths}")
-    if n == 4 and (lengths[0] != lengths[1] or lengths[2] != lengths[3]):
-        raise ValueError(
-            f"indices_tuple (a1, p, a2, n) needs len(a1) == len(p) and len(a2) == len(n), got {lengths}"
-        )
-    return tuple(indices_tuple)
 
 
 def tuple_masks(

@@ -30,8 +30,9 @@ from torch import Tensor
 from . import _checks
 from ._inputs import matrix, validate
 from ._random import seed_tensor, uniform
-from .distances import Distance, cosine, lp
+from .distances import Distance, cosine, lp, resolve
 from .tuples import (
+    CUBE_BLOCK,
     MinedPairs,
     MinedTriplets,
     TripletMask,
@@ -56,17 +57,10 @@ __all__ = [
 
 _STRATEGIES = ("hard", "semihard", "easy", "all")
 _TRIPLET_TYPES = ("all", "hard", "semihard", "easy")
-_CUBE_BLOCK = 1 << 22  # elements of one (chunk, M, M) block
 
 
 def _tuples_per_anchor(k: object) -> int | None:
-    if k is None:
-        return None
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"tuples_per_anchor must be a positive int or None, got {type(k).__name__}")
-    if k <= 0:
-        raise ValueError(f"tuples_per_anchor must be > 0, got {k}")
-    return k
+    return None if k is None else _checks.integer(k, "tuples_per_anchor")
 
 
 class _Setup:
@@ -89,9 +83,8 @@ class _Setup:
     ):
         if labels is None:
             raise ValueError("labels is required by a miner")
-        self.distance: Distance = validate(
-            embeddings, labels, ref_emb, ref_labels, None, distance, default
-        )
+        validate(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels)
+        self.distance: Distance = resolve(distance, default)
         self.k = _tuples_per_anchor(tuples_per_anchor)
         device = embeddings.device
         self.seed = seed_tensor(generator, device) if (stochastic or self.k is not None) else None
@@ -125,10 +118,6 @@ class _Setup:
             pos = sample_pairs(pos, self.k, self.seed, 101)
             neg = sample_pairs(neg, self.k, self.seed, 102)
         return MinedPairs(pos, neg)
-
-
-def _hyper(value, name, **kw):
-    return _checks.hyper(value, name, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,8 +162,8 @@ def pair_margin(
     s = _Setup(
         embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), tuples_per_anchor, generator
     )
-    pm = _hyper(pos_margin, "pos_margin")
-    nm = _hyper(neg_margin, "neg_margin")
+    pm = _checks.hyper(pos_margin, "pos_margin")
+    nm = _checks.hyper(neg_margin, "neg_margin")
     m = s.mat
     if s.is_similarity:
         pos, neg = s.pos & (m < pm), s.neg & (m > nm)
@@ -227,7 +216,7 @@ def multi_similarity(
         tuples_per_anchor,
         generator,
     )
-    eps = _hyper(epsilon, "epsilon")
+    eps = _checks.hyper(epsilon, "epsilon")
     m = s.mat
     inf = torch.inf
     if s.is_similarity:
@@ -274,10 +263,7 @@ def hdc(
 
     Reference: Yuan, Yang, Zhang, "Hard-Aware Deeply Cascaded Embedding", ICCV 2017.
     """
-    if isinstance(filter_percentage, bool) or not isinstance(filter_percentage, (int, float)):
-        raise TypeError(
-            f"filter_percentage must be a number, got {type(filter_percentage).__name__}"
-        )
+    filter_percentage = _checks.number(filter_percentage, "filter_percentage")
     if not 0 < filter_percentage <= 1:
         raise ValueError(f"filter_percentage must be in (0, 1], got {filter_percentage}")
     s = _Setup(
@@ -336,10 +322,7 @@ def uniform_histogram(
         ("pos_per_bin", pos_per_bin),
         ("neg_per_bin", neg_per_bin),
     ):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v <= 0:
-            raise ValueError(f"{name} must be > 0, got {v}")
+        _checks.integer(v, name)
     s = _Setup(
         embeddings,
         labels,
@@ -449,8 +432,8 @@ def batch_easy_hard(
     if p_pick is not None and n_pick is not None:  # an anchor needs both of its sides
         keep = p_pick[1] & n_pick[1]
         p_pick, n_pick = (p_pick[0], keep), (n_pick[0], keep)
-    pos = s.pos if p_pick is None else _one_hot(*p_pick, s.pos)
-    neg = s.neg if n_pick is None else _one_hot(*n_pick, s.neg)
+    pos = s.pos if p_pick is None else _index_mask(*p_pick, s.pos)
+    neg = s.neg if n_pick is None else _index_mask(*n_pick, s.neg)
     return s.bound_pairs(pos, neg)
 
 
@@ -490,7 +473,8 @@ def _easy_hard(s: _Setup, pos_strategy, neg_strategy, pos_range, neg_range):
     return (None if p_pick is None else p_pick[1:]), (None if n_pick is None else n_pick[1:])
 
 
-def _one_hot(idx: Tensor, keep: Tensor, like: Tensor) -> Tensor:
+def _index_mask(idx: Tensor, keep: Tensor, like: Tensor) -> Tensor:
+    """``(B, M)`` mask with ``keep[a]`` at column ``idx[a]`` of each row, 0 elsewhere."""
     return torch.zeros_like(like).scatter(-1, idx.unsqueeze(-1), keep.unsqueeze(-1))
 
 
@@ -575,7 +559,7 @@ def triplet_margin(
     s = _Setup(
         embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), tuples_per_anchor, generator
     )
-    m = _hyper(margin, "margin")
+    m = _checks.hyper(margin, "margin")
     if isinstance(m, Tensor):
         m = m.to(s.mat.dtype)
     inf = math.inf
@@ -649,8 +633,7 @@ def angular(
 
     Reference: Wang et al., "Deep Metric Learning with Angular Loss", ICCV 2017.
     """
-    if isinstance(angle, bool) or not isinstance(angle, (int, float)):
-        raise TypeError(f"angle must be a number of degrees, got {type(angle).__name__}")
+    angle = _checks.number(angle, "angle")
     s = _Setup(
         embeddings,
         labels,
@@ -667,7 +650,7 @@ def angular(
     x = embeddings.detach().to(cd)
     y = x if ref_emb is None else ref_emb.detach().to(cd)
     b, m = s.pos.shape
-    chunk = max(1, _CUBE_BLOCK // max(1, m * max(m, x.shape[1])))
+    chunk = max(1, CUBE_BLOCK // max(1, m * max(m, x.shape[1])))
     threshold = math.radians(angle)
     blocks = []
     for start in range(0, b, chunk):

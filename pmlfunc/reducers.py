@@ -18,7 +18,9 @@ all-triplet loss count and sum its triplets without enumerating them.
 | ``class_weighted(weights)`` | Σ weights[label(anchor)]·loss / # terms | ``ClassWeightedReducer`` |
 | ``none()`` | the unreduced terms, as a dict | ``DoNothingReducer`` |
 
-A reducer whose selection is empty returns 0 (with zero gradients), as PML does.
+A reducer whose selection is empty returns 0 (with zero gradients), as PML does. A sub-loss that
+is one number already (:class:`AlreadyReduced`: a regularizer's loss, VICReg's covariance term) is
+added as it is, whatever the reducer.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._ops import ratio
 
 __all__ = [
+    "AlreadyReduced",
     "DenseTerms",
     "Reducer",
     "Terms",
@@ -156,12 +160,31 @@ def elements(losses: Tensor, **kwargs: Any) -> DenseTerms:
     return DenseTerms(losses, torch.ones_like(losses), "element", losses.shape[-1], **kwargs)
 
 
-def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` with 0 where ``den == 0`` (and a zero, not NaN, gradient there)."""
-    nonzero = den > 0
-    return torch.where(
-        nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num)
-    )
+@dataclass(frozen=True, eq=False)
+class AlreadyReduced(Terms):
+    """A sub-loss that is one number already (0-d ``value``): :func:`reduce` adds it as it is,
+    whatever the reducer, and :func:`none` lists it as ``{"losses": value, "weights": 1,
+    "kind": "already_reduced"}``. It does not split over anchors.
+
+    Example:
+        >>> terms = {"loss": elements(torch.tensor([1.0, 3.0])), "reg": AlreadyReduced(torch.tensor(0.5))}
+        >>> reduce(mean(), terms, None, torch.float32)
+        tensor(2.5000)
+    """
+
+    value: Tensor
+    kind: str = "already_reduced"
+    num_anchors: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.value.device
+
+    def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        raise ValueError("an already-reduced term has no per-anchor statistics")
+
+    def dense(self) -> dict[str, Any]:
+        return {"losses": self.value, "weights": torch.ones_like(self.value), "kind": self.kind}
 
 
 class Reducer:
@@ -192,19 +215,29 @@ class _Window(Reducer):
     low: Bound = None
     high: Bound = None
 
+    def __repr__(self) -> str:
+        if self.low is None and self.high is None:
+            return "mean()"
+        if self.high is None and _is_zero(self.low):
+            return "avg_nonzero()"
+        return f"threshold(low={self.low!r}, high={self.high!r})"
+
     def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         return terms.totals(self.low, self.high)[1]
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
-        return _ratio(terms.totals(self.low, self.high)[0], normalizer)
+        return ratio(terms.totals(self.low, self.high)[0], normalizer)
 
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         s, c = terms.totals(self.low, self.high)  # one pass for both
-        return _ratio(s, c)
+        return ratio(s, c)
 
 
 @dataclass(frozen=True)
 class _Sum(Reducer):
+    def __repr__(self) -> str:
+        return "sum()"
+
     def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         return torch.zeros((), device=terms.device)
 
@@ -216,6 +249,9 @@ class _Sum(Reducer):
 class _Divisor(Reducer):
     chunkable = False  # the divisor is the loss's own global count, not a sum over anchors
 
+    def __repr__(self) -> str:
+        return "divisor()"
+
     def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         if terms.divisor is None:
             raise ValueError(
@@ -225,12 +261,15 @@ class _Divisor(Reducer):
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         total = terms.totals()[0]
-        return _ratio(total, normalizer.to(total.dtype))
+        return ratio(total, normalizer.to(total.dtype))
 
 
 @dataclass(frozen=True)
 class _PerAnchor(Reducer):
     inner: Reducer = field(default_factory=lambda: _Window())
+
+    def __repr__(self) -> str:
+        return f"per_anchor({self.inner!r})"
 
     def _per_anchor(self, terms: Terms) -> Terms:
         if terms.kind == "element":
@@ -239,7 +278,7 @@ class _PerAnchor(Reducer):
             # PML writes each (anchor, other) pair into one cell: repeated pairs count once.
             terms = replace(terms, weights=(terms.weights > 0).to(terms.weights.dtype))
         s, c = terms.stats()
-        return elements(_ratio(s, c))
+        return elements(ratio(s, c))
 
     def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         return self.inner.normalizer(self._per_anchor(terms), labels)
@@ -256,6 +295,9 @@ class _PerAnchor(Reducer):
 class _ClassWeighted(Reducer):
     weights: Tensor
 
+    def __repr__(self) -> str:
+        return f"class_weighted(<{self.weights.shape[0]} class weights>)"
+
     def normalizer(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         return terms.totals()[1]
 
@@ -264,12 +306,15 @@ class _ClassWeighted(Reducer):
             raise ValueError("reducer=class_weighted(...) needs labels (the anchors' classes)")
         s, _ = terms.stats()
         w = self.weights.to(device=s.device, dtype=s.dtype)[labels.long()]
-        return _ratio((w * s).sum(), normalizer)
+        return ratio((w * s).sum(), normalizer)
 
 
 @dataclass(frozen=True)
 class _None(Reducer):
     chunkable = False  # it returns the terms themselves
+
+    def __repr__(self) -> str:
+        return "none()"
 
     def __call__(self, terms: Terms, labels: Tensor | None = None):
         return terms.dense()
@@ -363,17 +408,23 @@ def none() -> Reducer:
 
 
 def reduce(
-    reducer: Reducer, terms: dict[str, Terms], labels: Tensor | None, out_dtype: torch.dtype
+    reducer: Reducer | None,
+    terms: dict[str, Terms],
+    labels: Tensor | None,
+    out_dtype: torch.dtype,
 ):
     """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``); the
-    result in ``out_dtype`` (a dict of unreduced terms for :func:`none`).
+    result in ``out_dtype`` (a dict of unreduced terms for :func:`none`). ``reducer=None`` is for
+    a loss whose every sub-loss is :class:`AlreadyReduced`.
 
     Example:
         >>> reduce(sum(), {"a": elements(torch.ones(3)), "b": elements(torch.ones(2))}, None,
         ...        torch.float32)
         tensor(5.)
     """
-    if not isinstance(reducer, Reducer):
+    if reducer is None and not all(isinstance(t, AlreadyReduced) for t in terms.values()):
+        raise ValueError("reduce(None, ...) needs every term to be AlreadyReduced")
+    if reducer is not None and not isinstance(reducer, Reducer):
         raise TypeError(
             f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}"
         )
@@ -381,6 +432,6 @@ def reduce(
         return {name: t.dense() for name, t in terms.items()}
     total = None
     for t in terms.values():
-        v = reducer(t, labels)
+        v = t.value if isinstance(t, AlreadyReduced) else reducer(t, labels)
         total = v if total is None else total + v
     return total.to(out_dtype)

@@ -126,11 +126,8 @@ def sparse_centers(
         >>> reg = sparse_centers(w, num_classes=3, centers_per_class=2)
     """
     w, dtype = _input(weights, "weights")
-    for name, v in (("num_classes", num_classes), ("centers_per_class", centers_per_class)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if centers_per_class < 2:
-        raise ValueError(f"centers_per_class must be > 1, got {centers_per_class}")
+    _checks.integer(num_classes, "num_classes")
+    _checks.integer(centers_per_class, "centers_per_class", minimum=2)
     k = centers_per_class
     if w.shape[0] != num_classes * k:
         raise ValueError(

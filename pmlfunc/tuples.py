@@ -41,6 +41,39 @@ __all__ = [
 ]
 
 
+CUBE_BLOCK = 1 << 22  # elements of one (chunk, M, M) block of a triplet cube
+
+
+def cube_chunk(m: int) -> int:
+    """Anchors per chunk so that a ``(chunk, M, M)`` block of a triplet cube holds about
+    :data:`CUBE_BLOCK` elements (at least one anchor)."""
+    return max(1, CUBE_BLOCK // max(1, m * m))
+
+
+def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
+    """Validate a PML index tuple (3 or 4 1-D integer tensors of matching lengths)."""
+    if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
+        raise ValueError(
+            "indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors"
+        )
+    for i, t in enumerate(indices_tuple):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"indices_tuple[{i}] must be a tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"indices_tuple[{i}] must be an integer index tensor, got {t.dtype}")
+        if t.ndim != 1:
+            raise ValueError(f"indices_tuple[{i}] must be 1-D, got shape {tuple(t.shape)}")
+    n = len(indices_tuple)
+    lengths = [t.shape[0] for t in indices_tuple]
+    if n == 3 and len(set(lengths)) != 1:
+        raise ValueError(f"indices_tuple (a, p, n) tensors must have equal lengths, got {lengths}")
+    if n == 4 and (lengths[0] != lengths[1] or lengths[2] != lengths[3]):
+        raise ValueError(
+            f"indices_tuple (a1, p, a2, n) needs len(a1) == len(p) and len(a2) == len(n), got {lengths}"
+        )
+    return tuple(indices_tuple)
+
+
 def _pair_rows(x: Tensor, rows: tuple[int, int] | None) -> Tensor:
     return x if rows is None else x[rows[0] : rows[1]]
 
@@ -150,6 +183,16 @@ class MinedTriplets(NamedTuple):
         w = self.valid
         return sum(_counts_by_index(i, w, batch_size, dtype, w.device) for i in idx)
 
+    def for_rows(self, rows: tuple[int, int] | None) -> MinedTriplets:
+        """The triplets of the anchor ``rows = (r0, r1)`` of a chunk, anchors renumbered from 0:
+        the other slots keep their length with weight 0 (static shapes). ``None``: all."""
+        if rows is None:
+            return self
+        r0, r1 = rows
+        a = self.anchors.long()
+        valid = self.valid * ((a >= r0) & (a < r1)).to(self.valid.dtype)
+        return self._replace(anchors=(a - r0).clamp(0, r1 - r0 - 1), valid=valid)
+
     def to_indices(self) -> tuple[Tensor, Tensor, Tensor]:
         """PML triplets ``(a, p, n)`` of the valid slots (eager only)."""
         _eager_only("MinedTriplets")
@@ -196,6 +239,13 @@ class TripletWindow(NamedTuple):
     def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
         return _triplet_sample_counts(*self.pair_masks(None, dtype), anchors_only)
 
+    def for_rows(self, rows: tuple[int, int] | None) -> TripletWindow:
+        """The window of the anchor ``rows = (r0, r1)`` of a chunk (``None``: all)."""
+        if rows is None:
+            return self
+        r0, r1 = rows
+        return self._replace(e=self.e[r0:r1], pos=self.pos[r0:r1], neg=self.neg[r0:r1])
+
     def select(self, start: int, stop: int) -> Tensor:
         """The ``(stop − start, M, M)`` boolean block of the triplet cube for anchors
         ``start..stop`` (the window compared exactly as :meth:`search` does)."""
@@ -235,6 +285,10 @@ class TripletMask(NamedTuple):
     def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
         return _triplet_sample_counts(*self.pair_masks(None, dtype), anchors_only)
 
+    def for_rows(self, rows: tuple[int, int] | None) -> TripletMask:
+        """The mask of the anchor ``rows = (r0, r1)`` of a chunk (``None``: all)."""
+        return self if rows is None else TripletMask(self.mask[rows[0] : rows[1]])
+
     def select(self, start: int, stop: int) -> Tensor:
         return self.mask[start:stop]
 
@@ -267,9 +321,49 @@ def is_mined(x: object) -> bool:
     return isinstance(x, MINED_TYPES)
 
 
-def _cube_indices(select, shape, block: int = 1 << 22) -> tuple[Tensor, Tensor, Tensor]:
+def as_triplets(indices_tuple) -> MinedTriplets | None:
+    """A list of triplets as :class:`MinedTriplets`: a PML triplet tuple ``(a, p, n)`` (every
+    slot valid) or a ``MinedTriplets`` itself; ``None`` for anything else (pairs, windows,
+    masks, no tuple)."""
+    if isinstance(indices_tuple, MinedTriplets):
+        return indices_tuple
+    if indices_tuple is None or is_mined(indices_tuple):
+        return None
+    t = check_tuple(indices_tuple)
+    if len(t) != 3:
+        return None
+    a, p, n = (x.long() for x in t)
+    return MinedTriplets(a, p, n, torch.ones(a.shape, device=a.device))
+
+
+def sample_weights(
+    indices_tuple, batch_size: int, dtype: torch.dtype, device, *, anchors_only: bool = False
+) -> Tensor | None:
+    """PML's ``lmu.convert_to_weights`` without ``unique``: each sample's count in the tuple over
+    the largest count (0 for samples not listed). ``None`` means all ones (no tuple, or a tuple of
+    empty index tensors: a static decision on shapes; a fixed-shape miner result that selected
+    nothing gives all ones too, by a ``where``). ``anchors_only`` counts only the anchors
+    (PML's ``using_ref=True``). Counted with ``index_add``: no host sync."""
+    if indices_tuple is None:
+        return None
+    if is_mined(indices_tuple):
+        counts = indices_tuple.sample_counts(batch_size, dtype, anchors_only).to(device)
+        top = counts.amax()
+        return torch.where(top > 0, counts / top.clamp_min(1.0), 1.0)
+    t = check_tuple(indices_tuple)
+    if all(x.shape[0] == 0 for x in t):
+        return None
+    if anchors_only:
+        t = (t[0],) if len(t) == 3 else (t[0], t[2])
+    idx = torch.cat([x.reshape(-1).to(device=device, dtype=torch.long) for x in t])
+    counts = torch.zeros(batch_size, dtype=dtype, device=device)
+    counts = counts.index_add(0, idx, torch.ones(idx.shape, dtype=dtype, device=device))
+    return counts / counts.amax().clamp_min(1.0)
+
+
+def _cube_indices(select, shape) -> tuple[Tensor, Tensor, Tensor]:
     b, m = shape
-    chunk = max(1, block // max(1, m * m))
+    chunk = cube_chunk(m)
     parts = []
     for start in range(0, b, chunk):
         a, p, n = torch.where(select(start, min(b, start + chunk)))
@@ -287,15 +381,18 @@ class WindowSearch(NamedTuple):
     window_count: Tensor  # (B, M) the same without the margin
 
 
-def _ordered_bits(x: Tensor) -> Tensor:
-    """Integers ordered exactly like the floats ``x`` (a strictly monotone bijection): sorting
-    and binary search on them give the float comparisons, faster (CPU sorts integers ~1.6x
-    faster than floats)."""
+def ordered_bits(x: Tensor) -> Tensor:
+    """Integers ordered exactly like the floats ``x`` (a strictly monotone bijection, the IEEE
+    bit trick; ``−0.0`` and ``0.0`` map to the same integer), in a fresh buffer that the caller
+    may change in place: sorting and binary search on them give the float comparisons, faster
+    (CPU sorts integers ~1.6x faster than floats). No gradient."""
+    x = x.detach()
     if x.dtype == torch.float64:
         bits, mask = (x + 0.0).view(torch.int64), 0x7FFFFFFFFFFFFFFF  # + 0.0: no -0.0
     else:
         bits, mask = (x.float() + 0.0).view(torch.int32), 0x7FFFFFFF
-    return bits ^ ((bits >> (bits.element_size() * 8 - 1)) & mask)
+    flip = (bits >> (bits.element_size() * 8 - 1)).bitwise_and_(mask)
+    return bits.bitwise_xor_(flip)
 
 
 def _is_inf(bound: float | Tensor, sign: float) -> bool:
@@ -305,13 +402,13 @@ def _is_inf(bound: float | Tensor, sign: float) -> bool:
 def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
     is_neg = neg > 0
     is_pos = pos > 0
-    keys = _ordered_bits(torch.where(is_neg, e, torch.inf))
+    keys = ordered_bits(torch.where(is_neg, e, torch.inf))
     order = keys.argsort(-1)
     sorted_keys = keys.gather(-1, order)
     n_neg = is_neg.sum(-1, keepdim=True)
 
     def count_below(bound, right: bool) -> Tensor:  # per column: # negatives (≤ or <) e + bound
-        return torch.searchsorted(sorted_keys, _ordered_bits(e + bound), right=right)
+        return torch.searchsorted(sorted_keys, ordered_bits(e + bound), right=right)
 
     # an infinite bound needs no search: nothing is below −inf, every negative is below +inf
     first = torch.zeros_like(order) if _is_inf(low, -1.0) else count_below(low, True)

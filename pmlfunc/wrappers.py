@@ -63,11 +63,8 @@ def cross_batch_memory_init(
         >>> memory["embeddings"].shape
         torch.Size([512, 64])
     """
-    for name, v in (("memory_size", memory_size), ("embedding_size", embedding_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v <= 0:
-            raise ValueError(f"{name} must be > 0, got {v}")
+    _checks.integer(memory_size, "memory_size")
+    _checks.integer(embedding_size, "embedding_size")
     if dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     return {

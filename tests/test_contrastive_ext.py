@@ -22,7 +22,7 @@ from pytorch_metric_learning import reducers as pml_reducers
 import pmlfunc.distances as pfd
 import pmlfunc.miners as pfm
 import pmlfunc.reducers as pfr
-from pmlfunc.losses.contrastive_ext import (
+from pmlfunc.losses import (
     decoupled_contrastive,
     multi_supcon,
     selectively_contrastive_triplet,

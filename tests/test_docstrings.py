@@ -21,13 +21,13 @@ MODULES = [
     "pmlfunc.distances",
     "pmlfunc.labels",
     "pmlfunc.losses.pairs",
+    "pmlfunc.losses.pair_weighting",
     "pmlfunc.losses.triplets",
     "pmlfunc.losses.softmax",
+    "pmlfunc.losses.self_supervised",
     "pmlfunc.losses.proxies",
-    "pmlfunc.losses.structured",
     "pmlfunc.losses.neighbors",
     "pmlfunc.losses.ranking",
-    "pmlfunc.losses.contrastive_ext",
 ]
 
 

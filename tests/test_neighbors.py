@@ -35,7 +35,7 @@ from pytorch_metric_learning import reducers as pml_reducers
 import pmlfunc as pf
 import pmlfunc.distances as pfd
 import pmlfunc.reducers as pfr
-from pmlfunc.losses.neighbors import (
+from pmlfunc.losses import (
     angular,
     instance,
     manifold,
@@ -780,7 +780,7 @@ def test_docstring_example_runs(name):
     import doctest
     import types
 
-    import pmlfunc.losses.neighbors as module
+    import pmlfunc.losses as module
 
     fn = getattr(module, name)
     globs = {"torch": torch, "pf": types.SimpleNamespace(losses=module)}

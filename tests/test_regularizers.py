@@ -255,7 +255,7 @@ def test_errors():
         pf.losses.contrastive(x, labels, embedding_regularizer=lambda e: e.norm(dim=1))
     with pytest.raises(TypeError, match="embedding_reg_weight"):
         pf.losses.contrastive(x, labels, embedding_regularizer=R.lp, embedding_reg_weight="1")
-    with pytest.raises(ValueError, match="centers_per_class must be > 1"):
+    with pytest.raises(ValueError, match="centers_per_class must be an int >= 2"):
         R.sparse_centers(x, num_classes=6, centers_per_class=1)
     with pytest.raises(ValueError, match="rows"):
         R.sparse_centers(x, num_classes=4, centers_per_class=2)

@@ -30,7 +30,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 import pmlfunc as pf
 import pmlfunc.distances as pfd
 import pmlfunc.reducers as pfr
-from pmlfunc.losses.structured import (
+from pmlfunc.losses import (
     circle,
     generalized_lifted_structure,
     intra_pair_variance,
@@ -978,11 +978,11 @@ def test_docstring_examples_run():
     """Every docstring example runs with only ``torch`` and ``pf`` in scope."""
     import doctest
 
-    import pmlfunc.losses.structured as mod
+    import pmlfunc.losses.pair_weighting as mod
 
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(verbose=False)
     tests = [t for t in finder.find(mod, globs={"torch": torch, "pf": pf}) if t.examples]
-    assert len(tests) >= 8
+    assert len(tests) >= 5
     for t in tests:
         runner.run(t)
     assert runner.failures == 0

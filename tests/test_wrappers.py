@@ -143,7 +143,7 @@ def test_errors():
         wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory, ref_emb=emb)
     with pytest.raises(ValueError, match="labels has length"):
         wrappers.cross_batch_memory(pf.losses.contrastive, emb, torch.tensor([0]), memory)
-    with pytest.raises(ValueError, match="memory_size must be > 0"):
+    with pytest.raises(ValueError, match="memory_size must be an int >= 1"):
         wrappers.cross_batch_memory_init(0, 3)
     with pytest.raises(TypeError, match="miner must return"):
         wrappers.cross_batch_memory(

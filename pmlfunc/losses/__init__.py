@@ -1,15 +1,27 @@
 """Embedding losses as pure functions: ``loss(embeddings, labels[, params], *, ...) -> 0-d tensor``.
 
 One module per family; every loss is re-exported here by its PML name in snake_case. Learnable
-losses take a ``params`` dict created by their ``<loss>_init``.
+losses take a ``params`` dict created by their ``<loss>_init``. Batch losses share the keyword
+arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref_labels``,
+``indices_tuple``, ``mat``, ``embedding_regularizer``, ``embedding_reg_weight``).
+
+| module | losses |
+|---|---|
+| ``pmlfunc.losses.pairs`` | ``contrastive``, ``signal_to_noise_ratio_contrastive``, ``intra_pair_variance``, ``threshold_consistent_margin`` |
+| ``pmlfunc.losses.pair_weighting`` | ``multi_similarity``, ``circle``, ``lifted_structure``, ``generalized_lifted_structure``, ``tuplet_margin`` |
+| ``pmlfunc.losses.triplets`` | ``triplet_margin``, ``margin``, ``selectively_contrastive_triplet`` |
+| ``pmlfunc.losses.softmax`` | ``ntxent``, ``supcon``, ``decoupled_contrastive``, ``multi_supcon`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg`` |
+| ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
+| ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
+| ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
+| ``pmlfunc.losses.margin_softmax`` | ``large_margin_softmax``, ``sphereface``, ``cosface``, ``arcface``, ``subcenter_arcface``, ``dynamic_arcface`` |
+
+How a batch loss is written (its public function, its terms, its spec ``loss.spec``) is in
+``pmlfunc/losses/_batch.py``; the proxy and classifier losses are written directly.
 """
 
-from .contrastive_ext import (
-    decoupled_contrastive,
-    multi_supcon,
-    selectively_contrastive_triplet,
-    vicreg,
-)
+from ._batch import BatchInputs
 from .margin_softmax import (
     arcface,
     arcface_init,
@@ -34,9 +46,20 @@ from .neighbors import (
     nca,
     npairs,
     ranked_list,
+)
+from .pair_weighting import (
+    circle,
+    generalized_lifted_structure,
+    lifted_structure,
+    multi_similarity,
+    tuplet_margin,
+)
+from .pairs import (
+    contrastive,
+    intra_pair_variance,
+    signal_to_noise_ratio_contrastive,
     threshold_consistent_margin,
 )
-from .pairs import contrastive, multi_similarity
 from .proxies import (
     normalized_softmax,
     normalized_softmax_init,
@@ -57,20 +80,12 @@ from .ranking import (
     pnp,
     smooth_ap,
 )
-from .softmax import ntxent, supcon
-from .structured import (
-    circle,
-    generalized_lifted_structure,
-    intra_pair_variance,
-    lifted_structure,
-    margin,
-    margin_init,
-    signal_to_noise_ratio_contrastive,
-    tuplet_margin,
-)
-from .triplets import triplet_margin
+from .self_supervised import vicreg
+from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
+from .triplets import margin, margin_init, selectively_contrastive_triplet, triplet_margin
 
 __all__ = [
+    "BatchInputs",
     "angular",
     "arcface",
     "arcface_init",

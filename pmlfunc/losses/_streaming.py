@@ -26,16 +26,19 @@ and differentiating the gradient again (double backward, ``torch.func.hessian``)
 
 from __future__ import annotations
 
-import operator
+from collections.abc import Mapping
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from ..distances import Distance, _Dot, cosine
-from ..reducers import Reducer, _PerAnchor, _Sum, _Window
-from ._common import _exp_shifted_, _masked
+from .._inputs import validate
+from .._ops import ratio, row_logsumexp, row_softmax
+from ..distances import cosine, resolve
+from ..reducers import Reducer
+from ._batch import BatchInputs, check_shared, regularized
 
 __all__ = ["ntxent_streaming", "supcon_streaming"]
 
@@ -69,30 +72,6 @@ def _tile_masks(
     return eq, neg
 
 
-def _row_lse(z: Tensor, keep: Tensor) -> Tensor:
-    """Row-wise ``log Σ_j keep_j e^{z_j}``, computed as ``masked_logsumexp`` computes it
-    (rows with nothing kept give ``−finfo.max``)."""
-    low = -torch.finfo(z.dtype).max
-    buf = _masked(z, keep)
-    shift = buf.amax(-1, keepdim=True)
-    has_any = shift > low
-    shift = torch.where(has_any, shift, 0.0)
-    s = _exp_shifted_(buf, shift, keep).sum(-1, keepdim=True)
-    lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
-    return lse.squeeze(-1)
-
-
-def _row_softmax(z: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
-    """``keep · e^{z − lse}``: the gradient of :func:`_row_lse` (0 on rows with nothing kept)."""
-    return _exp_shifted_(_masked(z, keep), lse.unsqueeze(-1), keep)
-
-
-def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den``, 0 where ``den == 0``."""
-    nz = den > 0
-    return torch.where(nz, num / torch.where(nz, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
 def _tile_dz(kind, z, pos, neg, start, stop, g, s0, s1, s2):
     """``∂L/∂z`` for one tile, from the cotangent ``g`` and the forward's per-row statistics:
     NT-Xent ``(neg_lse, #positive pairs, _)``; SupCon ``(candidate lse, |P(a)|, ∂loss/∂ℓ_a)``."""
@@ -102,14 +81,14 @@ def _tile_dz(kind, z, pos, neg, start, stop, g, s0, s1, s2):
         # ∂ℓ_a/∂z_aj = −pos_aj / max(|P(a)|, 1) + [|P(a)| > 0] · softmax over the candidates
         w_pos = (-d / n_pos.clamp_min(1.0)).unsqueeze(-1)
         w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d)).unsqueeze(-1)
-        return pos * w_pos + _row_softmax(z, pos + neg, lse) * w_soft
+        return pos * w_pos + row_softmax(z, pos + neg, lse) * w_soft
     lse = s0[..., start:stop]
-    coef = _ratio(g, s1) if kind == "ntxent_mean" else g
+    coef = ratio(g, s1) if kind == "ntxent_mean" else g
     r = torch.sigmoid(z - lse.unsqueeze(-1))
     # d/dx −log(σ(x) + ε) = −σ(x)(1 − σ(x)) / (σ(x) + ε): the dense loss's autograd chain
     direct = (r * (1.0 - r)).div_(r + torch.finfo(z.dtype).tiny).mul_(pos) * -coef
     # the negatives' log-sum-exp carries −Σ_p direct_ap, spread by the negatives' softmax
-    return direct - direct.sum(-1, keepdim=True) * _row_softmax(z, neg, lse)
+    return direct - direct.sum(-1, keepdim=True) * row_softmax(z, neg, lse)
 
 
 class _TileGrads(torch.autograd.Function):
@@ -221,14 +200,14 @@ class _NTXentStreaming(torch.autograd.Function):
         for start, stop in _chunks(x.shape[-2], chunk):
             z = _tile(x, yy, start, stop, t)
             pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
-            lse = _row_lse(z, neg)
+            lse = row_logsumexp(z, neg)
             # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
             losses = -torch.log(torch.sigmoid(z - lse.unsqueeze(-1)) + tiny)
             part, n = (pos * losses).sum(), pos.sum()
             total = part if total is None else total + part
             count = n if count is None else count + n
             lses.append(lse)
-        loss = _ratio(total, count) if use_mean else total
+        loss = ratio(total, count) if use_mean else total
         return loss, torch.cat(lses, dim=-1), count
 
     @staticmethod
@@ -261,7 +240,7 @@ class _SupConStreaming(torch.autograd.Function):
         for start, stop in _chunks(x.shape[-2], chunk):
             z = _tile(x, yy, start, stop, t)
             pos, neg = _tile_masks(labels, ref_labels, start, stop, z.dtype)
-            lses.append(_row_lse(z, pos + neg))
+            lses.append(row_logsumexp(z, pos + neg))
             n_pos.append(pos.sum(-1))
             pos_z.append((pos * z).sum(-1))
             part = neg.sum()
@@ -274,8 +253,8 @@ class _SupConStreaming(torch.autograd.Function):
         if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
             sel = losses.sign().clamp_min(0.0)
             count = sel.sum()
-            loss = _ratio(sel @ losses, count)
-            coef = _ratio(sel, count.expand_as(sel))
+            loss = ratio(sel @ losses, count)
+            coef = ratio(sel, count.expand_as(sel))
         elif reducer == "mean":
             loss = losses.sum() / losses.shape[-1]
             coef = torch.ones_like(losses) / losses.shape[-1]
@@ -299,91 +278,48 @@ class _SupConStreaming(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _reducer_name(reducer: Reducer) -> str:
-    if isinstance(reducer, _Window):
-        if reducer.low is None and reducer.high is None:
-            return "mean()"
-        if reducer.high is None and isinstance(reducer.low, float) and reducer.low == 0.0:
-            return "avg_nonzero()"
-        return f"threshold(low={reducer.low!r}, high={reducer.high!r})"
-    if isinstance(reducer, _Sum):
-        return "sum()"
-    if isinstance(reducer, _PerAnchor):
-        return "per_anchor(...)"
-    name = type(reducer).__name__.lstrip("_")
-    return {"ClassWeighted": "class_weighted(...)", "None": "none()", "Divisor": "divisor()"}.get(
-        name, name
-    )
-
-
-def _reducer_kind(reducer: Reducer | None, default: str, allowed: tuple[str, ...], loss: str):
-    if reducer is None:
-        return default
-    if not isinstance(reducer, Reducer):
-        raise TypeError(
-            f"reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got {type(reducer).__name__}"
-        )
-    name = _reducer_name(reducer)
-    kind = name[:-2]
-    if not (name.endswith("()") and kind in allowed):
-        supported = ", ".join(f"{k}()" for k in allowed)
-        raise ValueError(
-            f"the streaming {loss} (chunk_size=...) supports reducer {supported}; got reducer={name}"
-        )
-    return kind
-
-
-def _prepare(
+def _tile_inputs(
     loss: str,
     embeddings: Tensor,
     labels: Tensor | None,
     temperature: float | Tensor,
-    distance: Distance | None,
-    ref_emb: Tensor | None,
-    ref_labels: Tensor | None,
     chunk_size: object,
-    indices_tuple: object,
-    mat: object,
+    inputs: Mapping,
+    reducers: tuple[str, ...],
 ):
-    """Validate (shapes, dtypes, devices only) and return the Function's tensor inputs."""
+    """Validate a tiled call (shapes, dtypes, devices only) and return the Function's inputs
+    ``(x, y, t, chunk, reducer)``: the rows in the compute dtype, normalised for ``cosine()``."""
+    check_shared(loss, inputs)
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    if isinstance(chunk_size, bool) or not hasattr(chunk_size, "__index__"):
-        raise ValueError(f"chunk_size must be a Python int >= 1, got {chunk_size!r}")
-    chunk = operator.index(chunk_size)
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be a Python int >= 1, got {chunk}")
-    if indices_tuple is not None:
-        raise ValueError(
-            f"the streaming {loss} (chunk_size=...) needs labels; indices_tuple is not supported"
-        )
-    if mat is not None:
-        raise ValueError(
-            f"the streaming {loss} (chunk_size=...) computes its similarity tile by tile; mat is not supported"
-        )
-    _checks.embeddings(embeddings)
-    if labels is None:
-        raise ValueError(f"the streaming {loss} (chunk_size=...) needs labels, got None")
-    _checks.labels(labels, embeddings.shape[0], embeddings.device)
-    if ref_emb is not None:
-        _checks.embeddings(ref_emb, "ref_emb")
-        _checks.same_space(embeddings, ref_emb)
-        if ref_labels is None:
+    chunk_size = _checks.chunk_size(chunk_size)
+    for name in ("indices_tuple", "mat"):
+        if inputs.get(name) is not None:
             raise ValueError(
-                "ref_emb was given without ref_labels; pass ref_labels (one label per ref_emb row)"
+                f"the tiled {loss} (chunk_size=...) builds its pairs from labels, tile by tile: "
+                f"{name} is not supported"
             )
-        _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
-    elif ref_labels is not None:
-        raise ValueError("ref_labels was given without ref_emb")
-    if distance is None:
-        distance = cosine()
-    if not isinstance(distance, Distance):
-        raise TypeError(
-            f"distance must be a pmlfunc distance (pmlfunc.distances.lp(), ...), got {type(distance).__name__}"
-        )
-    if not isinstance(distance, _Dot):
+    if labels is None:
+        raise ValueError(f"the tiled {loss} (chunk_size=...) needs labels, got None")
+    ref_emb, ref_labels = inputs.get("ref_emb"), inputs.get("ref_labels")
+    validate(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels)
+    distance = resolve(inputs.get("distance"), cosine())
+    if distance.kind != "dot":
         raise ValueError(
-            f"the streaming {loss} (chunk_size=...) needs a similarity computed by a matmul "
+            f"the tiled {loss} (chunk_size=...) needs a similarity computed by a matmul "
             f"(distance=cosine() or dot()); got distance={distance!r}"
+        )
+    reducer = inputs.get("reducer")
+    if reducer is not None and not isinstance(reducer, Reducer):
+        raise TypeError(
+            "reducer must be a pmlfunc reducer (pmlfunc.reducers.mean(), ...), got "
+            f"{type(reducer).__name__}"
+        )
+    kind = reducers[0] if reducer is None else repr(reducer)[:-2]
+    if reducer is not None and (not repr(reducer).endswith("()") or kind not in reducers):
+        supported = ", ".join(f"{k}()" for k in reducers)
+        raise ValueError(
+            f"the tiled {loss} (chunk_size=...) supports reducer {supported}; got "
+            f"reducer={reducer!r}"
         )
     cd = _checks.compute_dtype(embeddings.dtype)
     x = embeddings.to(cd)
@@ -396,7 +332,7 @@ def _prepare(
         if isinstance(temperature, Tensor)
         else temperature
     )
-    return x, y, t, chunk
+    return x, y, t, chunk_size, kind
 
 
 def ntxent_streaming(
@@ -404,15 +340,11 @@ def ntxent_streaming(
     labels: Tensor | None = None,
     *,
     temperature: float | Tensor = 0.07,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
     chunk_size: int,
-    indices_tuple=None,
-    mat: Tensor | None = None,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
-    r"""NT-Xent in O(chunk_size × M) memory, forward and backward.
+    r"""NT-Xent in O(chunk_size × M) memory, forward and backward: what
+    ``pf.losses.ntxent(..., chunk_size=k)`` runs.
 
     The same loss as :func:`pmlfunc.losses.ntxent` (one term per positive pair against the
     log-sum-exp of the anchor's negatives, averaged over positive pairs), computed over static
@@ -420,11 +352,11 @@ def ntxent_streaming(
     recomputes each ``(chunk_size, M)`` similarity tile.
 
     Args:
-        embeddings, labels, temperature, ref_emb, ref_labels: as in :func:`pmlfunc.losses.ntxent`.
-        distance: ``cosine()`` (default) or ``dot()``; other distances raise ``ValueError``.
-        reducer: ``mean()`` (default) or ``sum()``; others raise ``ValueError``.
+        embeddings, labels, temperature: as in :func:`pmlfunc.losses.ntxent`.
         chunk_size: anchor rows per tile, a Python int ``>= 1`` (need not divide the batch).
-        indices_tuple, mat: not supported (``ValueError`` when given).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``indices_tuple``
+            and ``mat``; ``distance`` ``cosine()`` (default) or ``dot()``; ``reducer``
+            ``mean()`` (default) or ``sum()``.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -433,21 +365,12 @@ def ntxent_streaming(
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
         >>> loss = ntxent_streaming(emb, labels, temperature=0.1, chunk_size=3)
     """
-    kind = _reducer_kind(reducer, "mean", ("mean", "sum"), "ntxent")
-    x, y, t, chunk = _prepare(
-        "ntxent",
-        embeddings,
-        labels,
-        temperature,
-        distance,
-        ref_emb,
-        ref_labels,
-        chunk_size,
-        indices_tuple,
-        mat,
+    x, y, t, chunk, kind = _tile_inputs(
+        "ntxent", embeddings, labels, temperature, chunk_size, inputs, ("mean", "sum")
     )
+    ref_labels = inputs.get("ref_labels")
     loss = _NTXentStreaming.apply(x, y, labels, ref_labels, t, chunk, kind == "mean")[0]
-    return loss.to(embeddings.dtype)
+    return regularized(loss.to(embeddings.dtype), embeddings, inputs)
 
 
 def supcon_streaming(
@@ -455,15 +378,11 @@ def supcon_streaming(
     labels: Tensor | None = None,
     *,
     temperature: float | Tensor = 0.1,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
     chunk_size: int,
-    indices_tuple=None,
-    mat: Tensor | None = None,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
-    r"""Supervised contrastive loss in O(chunk_size × M) memory, forward and backward.
+    r"""Supervised contrastive loss in O(chunk_size × M) memory, forward and backward: what
+    ``pf.losses.supcon(..., chunk_size=k)`` runs.
 
     The same loss as :func:`pmlfunc.losses.supcon` (per anchor, minus the mean over its
     positives of ``z_ap − log Σ_{k ∈ A(a)} e^{z_ak}``; 0 for anchors without positives and for
@@ -472,11 +391,11 @@ def supcon_streaming(
     ``Σ_p z_ap``, the backward recomputes each ``(chunk_size, M)`` similarity tile.
 
     Args:
-        embeddings, labels, temperature, ref_emb, ref_labels: as in :func:`pmlfunc.losses.supcon`.
-        distance: ``cosine()`` (default) or ``dot()``; other distances raise ``ValueError``.
-        reducer: ``avg_nonzero()`` (default), ``mean()`` or ``sum()``; others raise ``ValueError``.
+        embeddings, labels, temperature: as in :func:`pmlfunc.losses.supcon`.
         chunk_size: anchor rows per tile, a Python int ``>= 1`` (need not divide the batch).
-        indices_tuple, mat: not supported (``ValueError`` when given).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``indices_tuple``
+            and ``mat``; ``distance`` ``cosine()`` (default) or ``dot()``; ``reducer``
+            ``avg_nonzero()`` (default), ``mean()`` or ``sum()``.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -487,18 +406,15 @@ def supcon_streaming(
 
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
-    kind = _reducer_kind(reducer, "avg_nonzero", ("avg_nonzero", "mean", "sum"), "supcon")
-    x, y, t, chunk = _prepare(
+    x, y, t, chunk, kind = _tile_inputs(
         "supcon",
         embeddings,
         labels,
         temperature,
-        distance,
-        ref_emb,
-        ref_labels,
         chunk_size,
-        indices_tuple,
-        mat,
+        inputs,
+        ("avg_nonzero", "mean", "sum"),
     )
+    ref_labels = inputs.get("ref_labels")
     loss = _SupConStreaming.apply(x, y, labels, ref_labels, t, chunk, kind)[0]
-    return loss.to(embeddings.dtype)
+    return regularized(loss.to(embeddings.dtype), embeddings, inputs)

@@ -27,7 +27,6 @@ ArcFace-family margins are in **radians** (PML 2.9.0 takes degrees: ``margin=28.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -36,8 +35,10 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
+from .._ops import cross_entropy, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
-from ._common import cross_entropy, default_reducer, miner_weights, regularize_params, scalar_like
+from ..tuples import sample_weights
+from ._regularize import regularize_params
 
 __all__ = [
     "arcface",
@@ -106,11 +107,11 @@ def _margin_softmax(
     logits = cosine.scatter(1, idx, target(target_cos, labels).unsqueeze(1)) * factor
 
     losses = cross_entropy(logits, labels)
-    miner = miner_weights(indices_tuple, batch_size, cd, embeddings.device)
+    miner = sample_weights(indices_tuple, batch_size, cd, embeddings.device)
     if miner is not None:
         losses = losses * miner
     terms = {"loss": elements(losses)}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
     return regularize_params(loss, embeddings, weight, *regularizers)
 
 
@@ -166,8 +167,7 @@ def _int_margin(margin: object) -> int:
         raise TypeError(
             "margin must be a Python int for this loss (it is the degree of cos(m·θ)), got a tensor"
         )
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
-        raise TypeError(f"margin must be a positive integer, got {type(margin).__name__}")
+    margin = _checks.number(margin, "margin")
     if margin != int(margin) or margin < 1:
         raise ValueError(f"margin must be a positive integer, got {margin}")
     return int(margin)
@@ -192,14 +192,6 @@ def _init(
     if sub_centers is not None:
         w = w.view(num_classes, sub_centers, embedding_size)
     return {"weight": w}
-
-
-def _check_sub_centers(sub_centers: object) -> int:
-    if isinstance(sub_centers, bool) or not isinstance(sub_centers, numbers.Integral):
-        raise TypeError(f"sub_centers must be a positive int, got {type(sub_centers).__name__}")
-    if sub_centers < 1:
-        raise ValueError(f"sub_centers must be >= 1, got {sub_centers}")
-    return int(sub_centers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -720,7 +712,7 @@ def subcenter_arcface_init(
         >>> params["weight"].shape
         torch.Size([10, 3, 16])
     """
-    k = _check_sub_centers(sub_centers)
+    k = _checks.integer(sub_centers, "sub_centers")
     return _init(num_classes, embedding_size, k, generator, dtype, device)
 
 

@@ -7,15 +7,14 @@ r"""Neighbourhood losses: each anchor scored against the rest of the batch (or a
 | :func:`angular` | ``AngularLoss`` | a log-sum-exp over negatives per (anchor, positive) from Gram matrices |
 | :func:`instance` | ``InstanceLoss`` | cross entropy per row, targets by a sort (no ``unique``) |
 | :func:`ranked_list` | ``RankedListLoss`` | weighted sums over the selected entries of each row |
-| :func:`threshold_consistent_margin` | ``ThresholdConsistentMarginLoss`` | pair terms with a window |
 | :func:`manifold` | ``ManifoldLoss`` | a random walk over batch + proxies (one ``(B+K)²`` inverse) |
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
@@ -23,22 +22,12 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from ..distances import Distance, cosine, lp
-from ..labels import PairMasks, label_masks
+from .._ops import cross_entropy, masked_logsumexp, scalar_like
+from ..distances import Distance, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
-from ..tuples import MinedTriplets, is_mined
-from ._common import (
-    Batch,
-    LossSpec,
-    default_reducer,
-    masked_logsumexp,
-    miner_weights,
-    prepare,
-    register,
-    regularize,
-    run,
-    scalar_like,
-)
+from ..tuples import MinedTriplets, is_mined, sample_weights
+from ._batch import Batch, BatchInputs, batch_loss, refuse
+from ._regularize import regularize
 
 __all__ = [
     "angular",
@@ -49,57 +38,17 @@ __all__ = [
     "nca",
     "npairs",
     "ranked_list",
-    "threshold_consistent_margin",
 ]
 
-
-# ---------------------------------------------------------------------------------------------
-# small helpers
-# ---------------------------------------------------------------------------------------------
-def _label_masks_of(batch: Batch, name: str) -> PairMasks:
-    """Label masks of the batch (its rows), whatever ``indices_tuple`` says: for losses whose
-    negatives (NCA: whole rows) come from the labels even when a tuple is given, as in PML."""
-    if batch.all_labels is None:
-        raise ValueError(f"{name} needs labels (PML: labels are required for this loss)")
-    if batch.indices_tuple is None:
-        return batch.masks
-    ref_labels = None
-    if batch.ref_emb is not None:
-        if batch.ref_labels is None:
-            raise ValueError(f"{name} needs ref_labels with ref_emb")
-        ref_labels = batch.ref_labels
-    cd = _checks.compute_dtype(batch.embeddings.dtype)
-    return label_masks(batch.all_labels, ref_labels, dtype=cd, rows=batch.rows)
+_COSINE = ("cosine() (PML asserts CosineSimilarity)", lambda d: d == cosine())
 
 
-def _not_supported(name: str, **given) -> None:
-    """``ValueError`` for the inputs a loss does not take (as PML raises for them)."""
-    for arg, value in given.items():
-        if value is not None:
-            raise ValueError(f"{name} does not support {arg} (PML raises for it too)")
-
-
-def _require_distance(distance: Distance | None, ok: bool, name: str, what: str) -> None:
-    if distance is not None and not ok:
-        raise ValueError(f"{name} needs distance={what} (PML asserts it), got {distance!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# NCA
-# ---------------------------------------------------------------------------------------------
 def nca(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     softmax_scale: float | Tensor = 1,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Neighbourhood component analysis loss: each sample should pick a same-class neighbour.
 
@@ -123,11 +72,10 @@ def nca(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required).
         softmax_scale: ``σ`` (default ``1``).
-        distance: default ``lp(power=2)`` (squared Euclidean between normalised rows).
-        reducer: default ``mean()`` over the kept anchors.
-        ref_emb, ref_labels: a separate reference set (nothing excluded).
-        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result (weights only).
-        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); an
+            ``indices_tuple`` only weights the anchors; ``distance``:
+            default ``lp(power=2)`` (squared Euclidean between normalised rows); ``reducer``:
+            default ``mean()`` over the kept anchors.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -138,31 +86,19 @@ def nca(
 
     Reference: Goldberger et al., "Neighbourhood Components Analysis", NeurIPS 2004.
     """
-    return run(
-        NCA,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        softmax_scale=softmax_scale,
-    )
+    return nca.spec(embeddings, labels, inputs, softmax_scale=softmax_scale)
 
 
+@batch_loss(nca, distance=lp(power=2), reducer=mean(), needs_labels=True)
 def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
-    pos, neg = _label_masks_of(batch, "nca")
+    pos, neg = batch.label_masks()  # PML: the tuple weights the anchors, labels give the pairs
     z = batch.similarity() * scalar_like(softmax_scale, batch.mat)
     log_p = masked_logsumexp(z, pos) - masked_logsumexp(z, pos + neg)
     keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops anchors whose p is exactly 0
     losses = torch.where(keep > 0, -log_p, torch.zeros_like(log_p))
     b = batch.embeddings.shape[0]
-    mw = miner_weights(
+    mw = sample_weights(
         batch.indices_tuple, b, z.dtype, z.device, anchors_only=batch.ref_emb is not None
     )
     if mw is not None:
@@ -171,25 +107,10 @@ def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     return {"loss": DenseTerms(losses, keep, "element", batch.num_anchors)}
 
 
-NCA = LossSpec("nca", _nca_terms, lp(power=2), mean())
-register(nca, NCA)
-
-
-# ---------------------------------------------------------------------------------------------
-# N-pairs
-# ---------------------------------------------------------------------------------------------
 def npairs(
     embeddings: Tensor,
     labels: Tensor | None = None,
-    *,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Multi-class N-pair loss: one (anchor, positive) pair per class, the other classes'
     positives as negatives.
@@ -208,14 +129,13 @@ def npairs(
     Args:
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required, as in PML).
-        distance: default ``cosine()``: PML 2.9.0's default ``DotProductSimilarity()``
-            normalises both sides, which is the cosine (use ``dot()`` for the paper's raw inner
-            product, PML's ``DotProductSimilarity(normalize_embeddings=False)``).
-        reducer: default ``mean()`` over the chosen pairs.
-        ref_emb, ref_labels: not supported (``ValueError``, as in PML).
-        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result: the candidate
-            positive pairs.
-        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb``
+            and ``ref_labels`` (a ``ValueError``, as in PML); an ``indices_tuple`` gives the
+            candidate positive pairs; ``distance``:
+            default ``cosine()``: PML 2.9.0's default ``DotProductSimilarity()`` normalises both
+            sides, which is the cosine (use ``dot()`` for the paper's raw inner product, PML's
+            ``DotProductSimilarity(normalize_embeddings=False)``); ``reducer``: default
+            ``mean()`` over the chosen pairs.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -227,19 +147,25 @@ def npairs(
     Reference: Sohn, "Improved Deep Metric Learning with Multi-class N-pair Loss Objective",
     NeurIPS 2016.
     """
-    _not_supported("npairs", ref_emb=ref_emb, ref_labels=ref_labels)
-    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
-    if labels is None:
-        raise ValueError("npairs needs labels (PML: labels are required for this loss)")
-    b = embeddings.shape[0]
-    anchor_slot, pos_slot, occupied = _npairs_slots(batch, labels)
+    return npairs.spec(embeddings, labels, inputs)
+
+
+@batch_loss(
+    npairs,
+    distance=cosine(),
+    reducer=mean(),
+    refuses=("ref_emb", "ref_labels"),
+    needs_labels=True,
+    unchunkable="each class's pair is chosen over the whole batch",
+)
+def _npairs_terms(batch: Batch) -> dict[str, Terms]:
+    b = batch.embeddings.shape[0]
+    anchor_slot, pos_slot, occupied = _npairs_slots(batch, batch.labels)
     occupied = occupied.to(batch.mat.dtype)
     s = batch.similarity().index_select(0, anchor_slot).index_select(1, pos_slot)  # (B, B)
     lse = masked_logsumexp(s, occupied.unsqueeze(0).expand(b, b).contiguous())
     losses = torch.where(occupied > 0, lse - s.diagonal(), torch.zeros_like(lse))
-    terms = {"loss": DenseTerms(losses, occupied, "element", b)}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels[anchor_slot], batch.out_dtype)
-    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return {"loss": DenseTerms(losses, occupied, "element", b, anchor_index=anchor_slot)}
 
 
 def _npairs_slots(batch: Batch, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -279,22 +205,12 @@ def _npairs_slots(batch: Batch, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return a[k], p[k], occupied
 
 
-# ---------------------------------------------------------------------------------------------
-# Angular
-# ---------------------------------------------------------------------------------------------
 def angular(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     alpha: float | Tensor = 40,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Angular loss: the angle at the negative of the triangle (anchor, positive, negative).
 
@@ -318,11 +234,10 @@ def angular(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required).
         alpha: the angle α in degrees (default ``40``).
-        distance: ``lp()`` only (PML asserts ``LpDistance(p=2, power=1, normalize=True)``).
-        reducer: default ``mean()`` over positive pairs.
-        ref_emb, ref_labels: a separate reference set (nothing excluded).
-        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result.
-        mat: a precomputed ``(B, M)`` ``lp()`` distance matrix (the cosines are ``1 − d²/2``).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); a ``mat`` is the
+            ``lp()`` distance matrix (the cosines are ``1 − d²/2``); ``distance``:
+            ``lp()`` only (PML asserts ``LpDistance(p=2, power=1, normalize=True)``);
+            ``reducer``: default ``mean()`` over positive pairs.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -333,35 +248,24 @@ def angular(
 
     Reference: Wang et al., "Deep Metric Learning with Angular Loss", ICCV 2017.
     """
-    _require_distance(
-        distance,
-        distance is not None
-        and not distance.is_similarity
-        and getattr(distance, "p", None) == 2
-        and getattr(distance, "power", None) == 1
-        and getattr(distance, "normalize", False),
-        "angular",
+    return angular.spec(embeddings, labels, inputs, alpha=alpha)
+
+
+@batch_loss(
+    angular,
+    distance=lp(),
+    reducer=mean(),
+    needs_labels=True,
+    distance_rule=(
         "lp() (p=2, power=1, normalize=True)",
-    )
-    return run(
-        ANGULAR,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        alpha=alpha,
-    )
-
-
+        lambda d: d.kind == "lp" and d.p == 2 and d.power == 1 and d.normalize,
+    ),
+    # chunking normalises the batch once up front; the negative term needs the raw references
+    unchunkable="its negative term uses the unnormalised references",
+)
 def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     alpha = _checks.hyper(alpha, "alpha")
-    _, neg = _label_masks_of(batch, "angular")
+    _, neg = batch.label_masks()
     pos = batch.masks.pos
     d = batch.mat  # normalised Euclidean distances: cos = 1 − d²/2
     cos_ar = 1.0 - 0.5 * d * d  # x̂_a · x̂_r, (rows, M)
@@ -392,33 +296,12 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     return {"loss": DenseTerms(losses, weights, "pos_pair", batch.num_anchors)}
 
 
-ANGULAR = LossSpec(
-    "angular",
-    _angular_terms,
-    lp(),
-    mean(),
-    # chunking normalises the batch once up front; the negative term needs the raw references
-    unchunkable=lambda **hyper: "its negative term uses the unnormalised references",
-)
-register(angular, ANGULAR)
-
-
-# ---------------------------------------------------------------------------------------------
-# Instance
-# ---------------------------------------------------------------------------------------------
 def instance(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     gamma: float | Tensor = 64,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Instance loss (PML's form): cross entropy of the scaled cosine-similarity rows.
 
@@ -435,10 +318,10 @@ def instance(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required).
         gamma: ``γ`` (default ``64``).
-        distance: ``cosine()`` only (PML asserts ``CosineSimilarity``).
-        reducer: default ``mean()`` over the samples.
-        ref_emb, ref_labels, indices_tuple: not supported (``ValueError``, as in PML).
-        mat: a precomputed ``(B, B)`` cosine matrix.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb``,
+            ``ref_labels`` and ``indices_tuple`` (a ``ValueError``, as in PML); ``distance``:
+            ``cosine()`` only (PML asserts ``CosineSimilarity``); ``reducer``: default
+            ``mean()`` over the samples.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -450,28 +333,24 @@ def instance(
     Reference: Zheng et al., "Dual-Path Convolutional Image-Text Embeddings with Instance
     Loss", ACM TOMM 2020.
     """
-    _not_supported("instance", ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple)
-    _require_distance(distance, _is_cosine(distance), "instance", "cosine()")
-    if labels is None:
-        raise ValueError("instance needs labels (PML: labels are required for this loss)")
-    return run(
-        INSTANCE,
-        embeddings,
-        labels,
-        None,
-        None,
-        None,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        gamma=gamma,
-    )
+    return instance.spec(embeddings, labels, inputs, gamma=gamma)
 
 
-def _is_cosine(distance: Distance | None) -> bool:
-    return distance is not None and distance.is_similarity and getattr(distance, "normalize", False)
+@batch_loss(
+    instance,
+    distance=cosine(),
+    reducer=mean(),
+    refuses=("ref_emb", "ref_labels", "indices_tuple"),
+    needs_labels=True,
+    distance_rule=_COSINE,
+)
+def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
+    gamma = _checks.hyper(gamma, "gamma")
+    z = batch.mat * scalar_like(gamma, batch.mat)
+    target = _dense_rank(batch.all_labels)
+    if batch.rows is not None:
+        target = target[batch.rows[0] : batch.rows[1]]
+    return {"loss": elements(cross_entropy(z, target))}
 
 
 def _dense_rank(labels: Tensor) -> Tensor:
@@ -481,23 +360,6 @@ def _dense_rank(labels: Tensor) -> Tensor:
     return new.cumsum(0)[torch.searchsorted(s, labels)]
 
 
-def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
-    gamma = _checks.hyper(gamma, "gamma")
-    z = batch.mat * scalar_like(gamma, batch.mat)
-    target = _dense_rank(batch.all_labels)
-    if batch.rows is not None:
-        target = target[batch.rows[0] : batch.rows[1]]
-    lse = torch.logsumexp(z, -1)
-    return {"loss": elements(lse - z.gather(-1, target.unsqueeze(-1)).squeeze(-1))}
-
-
-INSTANCE = LossSpec("instance", _instance_terms, cosine(), mean())
-register(instance, INSTANCE)
-
-
-# ---------------------------------------------------------------------------------------------
-# Ranked list
-# ---------------------------------------------------------------------------------------------
 def ranked_list(
     embeddings: Tensor,
     labels: Tensor | None = None,
@@ -507,14 +369,7 @@ def ranked_list(
     imbalance: float | Tensor = 0.5,
     alpha: float | Tensor | None = None,
     Tp: float | Tensor = 0,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Ranked list loss: positives beyond ``α − m`` and negatives within ``α``, each weighted.
 
@@ -541,10 +396,9 @@ def ranked_list(
         imbalance: ``λ`` in ``[0, 1]`` (default ``0.5``).
         alpha: ``α`` (default ``None``: ``1 + m/2``).
         Tp: positive temperature ``T_p`` (default ``0``).
-        distance: default ``lp()``.
-        reducer: default ``mean()`` over anchors.
-        ref_emb, ref_labels, indices_tuple: not supported (``ValueError``, as in PML).
-        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb``,
+            ``ref_labels`` and ``indices_tuple`` (a ``ValueError``, as in PML); ``distance``:
+            default ``lp()``; ``reducer``: default ``mean()`` over anchors.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
@@ -555,31 +409,18 @@ def ranked_list(
 
     Reference: Wang et al., "Ranked List Loss for Deep Metric Learning", CVPR 2019.
     """
-    _not_supported(
-        "ranked_list", ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
-    )
-    if labels is None:
-        raise ValueError("ranked_list needs labels (PML: labels are required for this loss)")
-    return run(
-        RANKED_LIST,
-        embeddings,
-        labels,
-        None,
-        None,
-        None,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        margin=margin,
-        Tn=Tn,
-        imbalance=imbalance,
-        alpha=alpha,
-        Tp=Tp,
+    return ranked_list.spec(
+        embeddings, labels, inputs, margin=margin, Tn=Tn, imbalance=imbalance, alpha=alpha, Tp=Tp
     )
 
 
+@batch_loss(
+    ranked_list,
+    distance=lp(),
+    reducer=mean(),
+    refuses=("ref_emb", "ref_labels", "indices_tuple"),
+    needs_labels=True,
+)
 def _ranked_list_terms(batch: Batch, *, margin, Tn, imbalance, alpha, Tp) -> dict[str, Terms]:
     margin = _checks.hyper(margin, "margin")
     Tn = _checks.hyper(Tn, "Tn")
@@ -606,116 +447,6 @@ def _ranked_list_terms(batch: Batch, *, margin, Tn, imbalance, alpha, Tp) -> dic
     return {"loss": elements((1 - imbalance) * loss_p + imbalance * loss_n)}
 
 
-RANKED_LIST = LossSpec("ranked_list", _ranked_list_terms, lp(), mean())
-register(ranked_list, RANKED_LIST)
-
-
-# ---------------------------------------------------------------------------------------------
-# Threshold-consistent margin
-# ---------------------------------------------------------------------------------------------
-def threshold_consistent_margin(
-    embeddings: Tensor,
-    labels: Tensor | None = None,
-    *,
-    lambda_plus: float | Tensor = 1.0,
-    lambda_minus: float | Tensor = 1.0,
-    margin_plus: float | Tensor = 0.9,
-    margin_minus: float | Tensor = 0.5,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
-) -> Tensor:
-    r"""Threshold-consistent margin (TCM) loss: penalise positives below ``m⁺`` and negatives above
-    ``m⁻`` in cosine similarity.
-
-    .. math::
-        L = λ^+ \frac{\sum_{(a,p):\, s_{ap} \le m^+} (m^+ - s_{ap})}{|\{(a,p): s_{ap} \le m^+\}|}
-          + λ^- \frac{\sum_{(a,n):\, s_{an} \ge m^-} (s_{an} - m^-)}{|\{(a,n): s_{an} \ge m^-\}|}
-
-    over positive and negative pairs (listed pairs count with their multiplicity); an empty part
-    is 0. PML returns this as an already-reduced value and ignores its reducer: here the two
-    parts are pair terms (``pos_loss``, ``neg_loss``) whose default reducer ``mean()`` over the
-    selected pairs gives exactly the formula; another reducer acts on the same selected terms.
-    With ``ref_emb`` the pairs' second members are the reference rows (PML 2.9.0 indexes the
-    batch with the reference indices there, a bug).
-
-    Args:
-        embeddings: ``(B, D)`` float tensor.
-        labels: ``(B,)`` integer class ids (may be ``None`` with ``indices_tuple``).
-        lambda_plus, lambda_minus: weights ``λ⁺``, ``λ⁻`` (default ``1``).
-        margin_plus: ``m⁺`` (default ``0.9``); margin_minus: ``m⁻`` (default ``0.5``).
-        distance: ``cosine()`` only (PML asserts ``CosineSimilarity``).
-        reducer: default ``mean()`` (see above).
-        ref_emb, ref_labels: a separate reference set (nothing excluded).
-        indices_tuple: PML-style pairs or triplets, or a pmlfunc miner result.
-        mat: a precomputed ``(B, M)`` cosine matrix.
-
-    Returns:
-        0-d tensor in ``embeddings.dtype``.
-
-    Example:
-        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = pf.losses.threshold_consistent_margin(emb, labels)
-
-    Reference: Zhang et al., "Threshold-Consistent Margin Loss for Open-World Deep Metric
-    Learning", ICLR 2024.
-    """
-    _require_distance(distance, _is_cosine(distance), "threshold_consistent_margin", "cosine()")
-    return run(
-        TCM,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        lambda_plus=lambda_plus,
-        lambda_minus=lambda_minus,
-        margin_plus=margin_plus,
-        margin_minus=margin_minus,
-    )
-
-
-def _tcm_terms(
-    batch: Batch, *, lambda_plus, lambda_minus, margin_plus, margin_minus
-) -> dict[str, Terms]:
-    hp = [
-        _checks.hyper(v, n)
-        for v, n in (
-            (lambda_plus, "lambda_plus"),
-            (lambda_minus, "lambda_minus"),
-            (margin_plus, "margin_plus"),
-            (margin_minus, "margin_minus"),
-        )
-    ]
-    s = batch.mat
-    lp_, lm, mp, mm = (scalar_like(v, s) for v in hp)
-    pos, neg = batch.masks
-    w_pos = pos * (s <= mp).to(s.dtype)
-    w_neg = neg * (s >= mm).to(s.dtype)
-    b = batch.num_anchors
-    return {
-        "pos_loss": DenseTerms(lp_ * (mp - s), w_pos, "pos_pair", b),
-        "neg_loss": DenseTerms(lm * (s - mm), w_neg, "neg_pair", b),
-    }
-
-
-TCM = LossSpec("threshold_consistent_margin", _tcm_terms, cosine(), mean())
-register(threshold_consistent_margin, TCM)
-
-
-# ---------------------------------------------------------------------------------------------
-# Manifold
-# ---------------------------------------------------------------------------------------------
 def manifold(
     embeddings: Tensor,
     labels: Tensor | None = None,
@@ -782,7 +513,7 @@ def manifold(
     Reference: Aziere and Todorovic, "Ensemble Deep Manifold Similarity Learning using Hard
     Proxies", CVPR 2019.
     """
-    _not_supported("manifold", ref_emb=ref_emb, ref_labels=ref_labels)
+    refuse("manifold", {"ref_emb": ref_emb, "ref_labels": ref_labels}, ("ref_emb", "ref_labels"))
     if labels is not None:
         raise ValueError("manifold does not take labels (PML: labels are not supported)")
     _checks.embeddings(embeddings)
@@ -790,9 +521,7 @@ def manifold(
     lam = _checks.hyper(lambdaC, "lambdaC", nonnegative=True)
     alpha = _checks.hyper(alpha, "alpha")
     margin = _checks.hyper(margin, "margin")
-    distance = cosine() if distance is None else distance
-    if not isinstance(distance, Distance):
-        raise TypeError(f"distance must be a pmlfunc distance, got {type(distance).__name__}")
+    distance = resolve(distance, cosine())
     n, k = embeddings.shape[0], proxies.shape[0]
     meta = _meta_classes(indices_tuple, generator, n, k, embeddings.device)
     cd = _checks.compute_dtype(embeddings.dtype)
@@ -818,7 +547,7 @@ def manifold(
         terms["loss_ctx"] = elements(ctx)
     else:
         terms["loss_ctx"] = elements(scalar_like(lam, ctx) * ctx)
-    loss = reduce(default_reducer(reducer, mean()), terms, None, embeddings.dtype)
+    loss = reduce(mean() if reducer is None else reducer, terms, None, embeddings.dtype)
     return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
 
 
@@ -880,8 +609,8 @@ def manifold_init(
         >>> pf.losses.manifold_init(4, num_proxies=3)["proxies"].shape
         torch.Size([3, 4])
     """
-    for v, name in ((embedding_size, "embedding_size"), (num_proxies, "num_proxies")):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    shape = (int(num_proxies), int(embedding_size))
+    shape = (
+        _checks.integer(num_proxies, "num_proxies"),
+        _checks.integer(embedding_size, "embedding_size"),
+    )
     return {"proxies": _params.init_normal(shape, generator=generator, dtype=dtype, device=device)}

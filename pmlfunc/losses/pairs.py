@@ -1,19 +1,35 @@
-"""Pair losses: each term is one (anchor, other) pair of the ``B × M`` grid."""
+r"""Pair losses: each term is one (anchor, other) pair of the ``B × M`` grid, judged on its own
+or against a mean over the batch's pairs.
+
+| loss | a positive pair ``(a, p)`` costs | a negative pair ``(a, n)`` costs |
+|---|---|---|
+| :func:`contrastive` | ``[d_ap − m_pos]_+`` | ``[m_neg − d_an]_+`` |
+| :func:`signal_to_noise_ratio_contrastive` | the same on the SNR distance | the same |
+| :func:`intra_pair_variance` | ``[(1 − ε_+) μ_+ − s_ap]_+²`` | ``[s_an − (1 + ε_−) μ_−]_+²`` |
+| :func:`threshold_consistent_margin` | ``λ⁺ (m⁺ − s_ap)`` below ``m⁺`` | ``λ⁻ (s_an − m⁻)`` above ``m⁻`` |
+
+Each has two sub-losses, ``pos_loss`` and ``neg_loss``, reduced separately and summed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Unpack
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from ..distances import Distance, cosine, lp
-from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
-from ._common import Batch, LossSpec, masked_logsumexp, register, rshift, run, scalar_like, shift
+from .._ops import rshift, scalar_like, shift
+from ..distances import cosine, lp, snr
+from ..reducers import DenseTerms, Terms, avg_nonzero, mean
+from ._batch import Batch, BatchInputs, batch_loss
 
-__all__ = ["contrastive", "multi_similarity"]
+__all__ = [
+    "contrastive",
+    "intra_pair_variance",
+    "signal_to_noise_ratio_contrastive",
+    "threshold_consistent_margin",
+]
 
 
 def contrastive(
@@ -22,14 +38,7 @@ def contrastive(
     *,
     pos_margin: float | Tensor = 0.0,
     neg_margin: float | Tensor = 1.0,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Contrastive (pair margin) loss.
 
@@ -46,40 +55,25 @@ def contrastive(
         labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
         pos_margin: positives closer than this cost nothing (default ``0``).
         neg_margin: negatives farther than this cost nothing (default ``1``).
-        distance: default ``lp()`` (normalised Euclidean).
-        reducer: default ``avg_nonzero()``.
-        ref_emb, ref_labels: a separate reference set (nothing excluded); default: the batch
-            itself without the diagonal.
-        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
-        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); default
+            ``distance=lp()`` (normalised Euclidean), ``reducer=avg_nonzero()``.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = contrastive(emb, labels, neg_margin=1.4)
+        >>> loss = pf.losses.contrastive(emb, labels, neg_margin=1.4)
 
     Reference: Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an Invariant
     Mapping", CVPR 2006.
     """
-    return run(
-        CONTRASTIVE,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        pos_margin=pos_margin,
-        neg_margin=neg_margin,
+    return contrastive.spec(
+        embeddings, labels, inputs, pos_margin=pos_margin, neg_margin=neg_margin
     )
 
 
+@batch_loss(contrastive, distance=lp(), reducer=avg_nonzero())
 def _contrastive_terms(batch: Batch, *, pos_margin, neg_margin) -> dict[str, Terms]:
     pos_margin = _checks.hyper(pos_margin, "pos_margin")
     neg_margin = _checks.hyper(neg_margin, "neg_margin")
@@ -89,95 +83,210 @@ def _contrastive_terms(batch: Batch, *, pos_margin, neg_margin) -> dict[str, Ter
     else:
         pos_loss, neg_loss = F.relu(shift(d, pos_margin)), F.relu(rshift(neg_margin, d))
     b = batch.num_anchors
-    terms = {
+    return {
         "pos_loss": DenseTerms(pos_loss, batch.masks.pos, "pos_pair", b),
         "neg_loss": DenseTerms(neg_loss, batch.masks.neg, "neg_pair", b),
     }
-    return terms
 
 
-CONTRASTIVE = LossSpec("contrastive", _contrastive_terms, lp(), avg_nonzero())
-register(contrastive, CONTRASTIVE)
-
-
-def multi_similarity(
+def signal_to_noise_ratio_contrastive(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
-    alpha: float | Tensor = 2.0,
-    beta: float | Tensor = 50.0,
-    base: float | Tensor = 0.5,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    pos_margin: float | Tensor = 0.0,
+    neg_margin: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
-    r"""Multi-similarity loss.
+    r"""Contrastive loss on the signal-to-noise-ratio distance.
 
-    Per anchor ``a``, with similarity ``s`` (a distance enters as ``-d``):
+    :func:`pmlfunc.losses.contrastive` with ``d = snr()``:
 
     .. math::
-        \ell_a = \frac{1}{\alpha}\log\Big(1 + \sum_{p} e^{-\alpha (s_{ap} - \lambda)}\Big)
-               + \frac{1}{\beta}\log\Big(1 + \sum_{n} e^{\beta (s_{an} - \lambda)}\Big)
-
-    with ``λ = base``; anchors without positives (negatives) get 0 for that part.
+        L = R\big(\{[d_{ap} - m_{pos}]_+\}\big) + R\big(\{[m_{neg} - d_{an}]_+\}\big), \qquad
+        d_{ij} = \frac{\mathrm{Var}(\hat x_i - \hat x_j)}{\mathrm{Var}(\hat x_i)}
 
     Args:
-        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in :func:`contrastive`.
-        alpha: weight of positive pairs (default ``2``).
-        beta: weight of negative pairs (default ``50``).
-        base: the similarity shift λ (default ``0.5``).
-        distance: default ``cosine()``.
-        reducer: default ``mean()`` over anchors.
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        pos_margin: default ``0``.
+        neg_margin: default ``1``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance`` must
+            be an ``snr()`` distance (the default), as PML asserts; default
+            ``reducer=avg_nonzero()`` per sub-loss, summed.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = multi_similarity(emb, labels)
+        >>> loss = pf.losses.signal_to_noise_ratio_contrastive(emb, labels)
 
-    Reference: Wang et al., "Multi-Similarity Loss with General Pair Weighting for Deep Metric
+    Reference: Yuan et al., "Signal-To-Noise Ratio: A Robust Distance Metric for Deep Metric
     Learning", CVPR 2019.
     """
-    return run(
-        MULTI_SIMILARITY,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        alpha=alpha,
-        beta=beta,
-        base=base,
+    return signal_to_noise_ratio_contrastive.spec(
+        embeddings, labels, inputs, pos_margin=pos_margin, neg_margin=neg_margin
     )
 
 
-def _multi_similarity_terms(batch: Batch, *, alpha, beta, base) -> dict[str, Terms]:
-    alpha = _checks.hyper(alpha, "alpha", positive=True)
-    beta = _checks.hyper(beta, "beta", positive=True)
-    base = _checks.hyper(base, "base")
-    d, s = batch.mat, batch.distance.sign()
-    alpha, beta, base = (scalar_like(v, d) for v in (alpha, beta, base))
-    pos, neg = batch.binary_masks()  # PML's matrix-based losses count each listed pair once
-    # PML's margin(mat, base) = s·(d − base): positives pay e^{α·s(d−base)}, negatives
-    # e^{−β·s(d−base)}. The constant ∓·base leaves the log-sum-exp: one scaled matrix per part.
-    pos_lse = masked_logsumexp(d * (alpha * s), pos) - alpha * s * base
-    neg_lse = masked_logsumexp(d * (-beta * s), neg) + beta * s * base
-    # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = finfo.min, which gives 0.
-    zero = pos_lse.new_zeros(())
-    per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
-    return {"loss": elements(per_anchor)}
+batch_loss(
+    signal_to_noise_ratio_contrastive,
+    distance=snr(),
+    reducer=avg_nonzero(),
+    distance_rule=("snr() (SNRDistance)", lambda d: d.kind == "snr"),
+)(_contrastive_terms)
 
 
-MULTI_SIMILARITY = LossSpec("multi_similarity", _multi_similarity_terms, cosine(), mean())
-register(multi_similarity, MULTI_SIMILARITY)
+def intra_pair_variance(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    pos_eps: float | Tensor = 0.01,
+    neg_eps: float | Tensor = 0.01,
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Intra-pair variance loss: pairs far from their group's mean similarity are penalised.
+
+    With ``μ_+`` (``μ_-``) the mean of ``s`` over all positive (negative) pairs of the batch,
+    for a similarity ``s``:
+
+    .. math::
+        \ell_{ap} = \big[(1 - ε_+)\,μ_+ - s_{ap}\big]_+^2, \qquad
+        \ell_{an} = \big[s_{an} - (1 + ε_-)\,μ_-\big]_+^2
+
+    and for a distance ``d`` the mirror images ``[d_ap − (1 + ε_+) μ_+]_+²`` and
+    ``[(1 − ε_-) μ_- − d_an]_+²``. The means carry gradients (as in PML) and count repeated pairs
+    of an ``indices_tuple`` as often as they are listed. Two sub-losses, ``pos_loss`` and
+    ``neg_loss``, each reduced over its pairs.
+
+    Not chunkable (:mod:`pmlfunc.chunked`): the means are over the whole batch.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        pos_eps: ``ε_+`` (default ``0.01``).
+        neg_eps: ``ε_-`` (default ``0.01``).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); default
+            ``distance=cosine()``, ``reducer=mean()`` per sub-loss, summed.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.intra_pair_variance(emb, labels)
+
+    Reference: Yu, Tao, "Deep Metric Learning with Tuplet Margin Loss", ICCV 2019.
+    """
+    return intra_pair_variance.spec(embeddings, labels, inputs, pos_eps=pos_eps, neg_eps=neg_eps)
+
+
+@batch_loss(
+    intra_pair_variance,
+    distance=cosine(),
+    reducer=mean(),
+    unchunkable="the positive and negative means are over the whole batch",
+)
+def _intra_pair_variance_terms(batch: Batch, *, pos_eps, neg_eps) -> dict[str, Terms]:
+    pos_eps = _checks.hyper(pos_eps, "pos_eps")
+    neg_eps = _checks.hyper(neg_eps, "neg_eps")
+    d = batch.mat
+    pos_eps, neg_eps = scalar_like(pos_eps, d), scalar_like(neg_eps, d)
+    pos, neg = batch.masks
+    flat = d.reshape(-1)
+    mean_pos = (pos.reshape(-1) @ flat) / pos.sum().clamp_min(1.0)
+    mean_neg = (neg.reshape(-1) @ flat) / neg.sum().clamp_min(1.0)
+    if batch.distance.is_similarity:  # PML's variance_with_eps(incentivize_increase=...)
+        pos_var = rshift((1.0 - pos_eps) * mean_pos, d)
+        neg_var = shift(d, (1.0 + neg_eps) * mean_neg)
+    else:
+        pos_var = shift(d, (1.0 + pos_eps) * mean_pos)
+        neg_var = rshift((1.0 - neg_eps) * mean_neg, d)
+    b = batch.num_anchors
+    return {
+        "pos_loss": DenseTerms(F.relu(pos_var).square(), pos, "pos_pair", b),
+        "neg_loss": DenseTerms(F.relu(neg_var).square(), neg, "neg_pair", b),
+    }
+
+
+def threshold_consistent_margin(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    lambda_plus: float | Tensor = 1.0,
+    lambda_minus: float | Tensor = 1.0,
+    margin_plus: float | Tensor = 0.9,
+    margin_minus: float | Tensor = 0.5,
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Threshold-consistent margin (TCM) loss: penalise positives below ``m⁺`` and negatives above
+    ``m⁻`` in cosine similarity.
+
+    .. math::
+        L = λ^+ \frac{\sum_{(a,p):\, s_{ap} \le m^+} (m^+ - s_{ap})}{|\{(a,p): s_{ap} \le m^+\}|}
+          + λ^- \frac{\sum_{(a,n):\, s_{an} \ge m^-} (s_{an} - m^-)}{|\{(a,n): s_{an} \ge m^-\}|}
+
+    over positive and negative pairs (listed pairs count with their multiplicity); an empty part
+    is 0. PML returns this as an already-reduced value and ignores its reducer: here the two
+    parts are pair terms (``pos_loss``, ``neg_loss``) whose default reducer ``mean()`` over the
+    selected pairs gives exactly the formula; another reducer acts on the same selected terms.
+    With ``ref_emb`` the pairs' second members are the reference rows (PML 2.9.0 indexes the
+    batch with the reference indices there, a bug).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` with ``indices_tuple``).
+        lambda_plus, lambda_minus: weights ``λ⁺``, ``λ⁻`` (default ``1``).
+        margin_plus: ``m⁺`` (default ``0.9``); margin_minus: ``m⁻`` (default ``0.5``).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance`` must
+            be ``cosine()`` (the default; PML asserts ``CosineSimilarity``); default
+            ``reducer=mean()`` (see above).
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.threshold_consistent_margin(emb, labels)
+
+    Reference: Zhang et al., "Threshold-Consistent Margin Loss for Open-World Deep Metric
+    Learning", ICLR 2024.
+    """
+    return threshold_consistent_margin.spec(
+        embeddings,
+        labels,
+        inputs,
+        lambda_plus=lambda_plus,
+        lambda_minus=lambda_minus,
+        margin_plus=margin_plus,
+        margin_minus=margin_minus,
+    )
+
+
+@batch_loss(
+    threshold_consistent_margin,
+    distance=cosine(),
+    reducer=mean(),
+    distance_rule=("cosine()", lambda d: d == cosine()),
+)
+def _tcm_terms(
+    batch: Batch, *, lambda_plus, lambda_minus, margin_plus, margin_minus
+) -> dict[str, Terms]:
+    s = batch.mat
+    lp_, lm, mp, mm = (
+        scalar_like(_checks.hyper(v, name), s)
+        for v, name in (
+            (lambda_plus, "lambda_plus"),
+            (lambda_minus, "lambda_minus"),
+            (margin_plus, "margin_plus"),
+            (margin_minus, "margin_minus"),
+        )
+    )
+    pos, neg = batch.masks
+    w_pos = pos * (s <= mp).to(s.dtype)
+    w_neg = neg * (s >= mm).to(s.dtype)
+    b = batch.num_anchors
+    return {
+        "pos_loss": DenseTerms(lp_ * (mp - s), w_pos, "pos_pair", b),
+        "neg_loss": DenseTerms(lm * (s - mm), w_neg, "neg_pair", b),
+    }

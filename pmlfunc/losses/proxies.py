@@ -24,7 +24,6 @@ embeddings' dtype.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -33,17 +32,11 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from ..distances import Distance, cosine, lp
+from .._ops import cross_entropy, masked_logsumexp, scalar_like
+from ..distances import Distance, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
-from ._common import (
-    cross_entropy,
-    default_reducer,
-    masked_logsumexp,
-    miner_weights,
-    regularize,
-    regularize_params,
-    scalar_like,
-)
+from ..tuples import sample_weights
+from ._regularize import regularize, regularize_params
 
 __all__ = [
     "normalized_softmax",
@@ -62,7 +55,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # shared set-up
 # ---------------------------------------------------------------------------------------------
-def _prepare(
+def _proxy_inputs(
     embeddings: Tensor, labels: Tensor, params: object, key: str, ndim: int = 2
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Validate, then return ``(embeddings, param, labels)`` with both floats in the compute dtype
@@ -75,16 +68,6 @@ def _prepare(
     return embeddings.to(cd), p.to(cd), labels.long()
 
 
-def _distance(distance: object, default: Distance) -> Distance:
-    if distance is None:
-        return default
-    if not isinstance(distance, Distance):
-        raise TypeError(
-            f"distance must be a pmlfunc distance (pmlfunc.distances.cosine(), ...), got {type(distance).__name__}"
-        )
-    return distance
-
-
 def _one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
     """``(B, C)`` 0/1 float matrix ``[labels_i == c]`` (a comparison: no value check, runs on meta)."""
     classes = torch.arange(num_classes, device=labels.device)
@@ -95,14 +78,10 @@ def _weighted(losses: Tensor, weights: Tensor | None) -> Tensor:
     return losses if weights is None else losses * weights
 
 
-def _int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _sizes(num_classes: object, embedding_size: object) -> tuple[int, int]:
-    return _int(num_classes, "num_classes"), _int(embedding_size, "embedding_size")
+    return _checks.integer(num_classes, "num_classes"), _checks.integer(
+        embedding_size, "embedding_size"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,21 +135,21 @@ def proxy_anchor(
     Example:
         >>> params = proxy_anchor_init(4, 8, generator=torch.Generator().manual_seed(0))
         >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
-        >>> loss = proxy_anchor(emb, labels, params, margin=0.1, alpha=32.0)
+        >>> loss = pf.losses.proxy_anchor(emb, labels, params, margin=0.1, alpha=32.0)
 
     Reference: Kim et al., "Proxy Anchor Loss for Deep Metric Learning", CVPR 2020.
     """
     margin = _checks.hyper(margin, "margin")
     alpha = _checks.hyper(alpha, "alpha")
-    distance = _distance(distance, cosine())
-    x, proxies, labels = _prepare(embeddings, labels, params, "proxies")
+    distance = resolve(distance, cosine())
+    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
     num_classes = proxies.shape[0]
     mat = distance.matrix(x, proxies)  # (B, C)
     m, a = scalar_like(margin, mat), scalar_like(alpha, mat)
     sign = distance.sign()  # PML's distance.margin(u, v) = sign * (u - v)
     pos_logits = (sign * a) * (mat - m)  # α · margin(s, δ)
     neg_logits = (-sign * a) * (mat + m)  # α · margin(−δ, s)
-    mw = miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device)
+    mw = sample_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device)
     if mw is not None:
         shift_ = (mw - 1.0).unsqueeze(-1)
         pos_logits, neg_logits = pos_logits + shift_, neg_logits + shift_
@@ -186,7 +165,9 @@ def proxy_anchor(
         "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
-    loss = reduce(default_reducer(reducer, divisor()), terms, proxy_labels, embeddings.dtype)
+    loss = reduce(
+        (divisor() if reducer is None else reducer), terms, proxy_labels, embeddings.dtype
+    )
     return regularize_params(
         loss,
         embeddings,
@@ -266,24 +247,24 @@ def proxy_nca(
     Example:
         >>> params = proxy_nca_init(4, 8, generator=torch.Generator().manual_seed(0))
         >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
-        >>> loss = proxy_nca(emb, labels, params, softmax_scale=10.0)
+        >>> loss = pf.losses.proxy_nca(emb, labels, params, softmax_scale=10.0)
 
     Reference: Movshovitz-Attias et al., "No Fuss Distance Metric Learning using Proxies",
     ICCV 2017.
     """
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
-    distance = _distance(distance, lp(power=2))
-    x, proxies, labels = _prepare(embeddings, labels, params, "proxies")
+    distance = resolve(distance, lp(power=2))
+    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
     mat = distance.matrix(x, proxies)  # (B, C)
     z = scalar_like(softmax_scale, mat) * (mat if distance.is_similarity else -mat)
     log_p = -cross_entropy(z, labels)
     keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops samples whose p is exactly 0
     losses = _weighted(
         -log_p,
-        miner_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
+        sample_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -362,14 +343,14 @@ def normalized_softmax(
     Example:
         >>> params = normalized_softmax_init(4, 8, generator=torch.Generator().manual_seed(0))
         >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
-        >>> loss = normalized_softmax(emb, labels, params, temperature=0.05)
+        >>> loss = pf.losses.normalized_softmax(emb, labels, params, temperature=0.05)
 
     Reference: Zhai & Wu, "Classification is a Strong Baseline for Deep Metric Learning",
     BMVC 2019.
     """
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    distance = _distance(distance, cosine())
-    x, weight, labels = _prepare(embeddings, labels, params, "weight")
+    distance = resolve(distance, cosine())
+    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight")
     # PML always normalises the weights (``distance.normalize``, with the distance's p), whatever
     # the distance's own normalisation; e.g. ``dot()`` scores raw embeddings against unit weights.
     weight = F.normalize(weight, p=getattr(distance, "p", 2.0), dim=-1)
@@ -377,10 +358,10 @@ def normalized_softmax(
     logits = (mat if distance.is_similarity else -mat) / scalar_like(temperature, mat)
     losses = _weighted(
         cross_entropy(logits, labels),
-        miner_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
+        sample_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -471,7 +452,7 @@ def soft_triple(
     Example:
         >>> params = soft_triple_init(4, 8, centers_per_class=3)
         >>> emb, labels = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3])
-        >>> loss = soft_triple(emb, labels, params, la=20, gamma=0.1, margin=0.01)
+        >>> loss = pf.losses.soft_triple(emb, labels, params, la=20, gamma=0.1, margin=0.01)
 
     Reference: Qian et al., "SoftTriple Loss: Deep Metric Learning Without Triplet Sampling",
     ICCV 2019.
@@ -479,14 +460,17 @@ def soft_triple(
     la = _checks.hyper(la, "la")
     gamma = _checks.hyper(gamma, "gamma", positive=True)
     margin = _checks.hyper(margin, "margin")
-    distance = _distance(distance, cosine())
+    distance = resolve(distance, cosine())
     if not distance.is_similarity:
         raise ValueError(
             f"soft_triple needs a similarity (cosine(), dot()), got the distance {distance!r}"
         )
-    x, weight, labels = _prepare(embeddings, labels, params, "weight", ndim=3)
+    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight", ndim=3)
     num_classes, k, d = weight.shape
-    if centers_per_class is not None and _int(centers_per_class, "centers_per_class") != k:
+    if (
+        centers_per_class is not None
+        and _checks.integer(centers_per_class, "centers_per_class") != k
+    ):
         raise ValueError(
             f"centers_per_class={centers_per_class} but params['weight'] has {k} centres per class"
         )
@@ -498,10 +482,10 @@ def soft_triple(
     logits = scalar_like(la, sim) * (sim_to_classes - scalar_like(margin, sim) * own)
     losses = _weighted(
         cross_entropy(logits, labels),
-        miner_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
+        sample_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -533,7 +517,7 @@ def soft_triple_init(
         torch.Size([10, 3, 4])
     """
     c, d = _sizes(num_classes, embedding_size)
-    k = _int(centers_per_class, "centers_per_class")
+    k = _checks.integer(centers_per_class, "centers_per_class")
     fc = _params.init_kaiming_uniform(
         (d, c * k), fan_in=c * k, generator=generator, dtype=dtype, device=device
     )
@@ -599,7 +583,7 @@ def p2s_grad(
     Reference: Zhang et al., "P2SGrad: Refined Gradients for Optimizing Deep Face Models",
     CVPR 2019.
     """
-    x, w, labels = _prepare(embeddings, labels, params, "weight")
+    x, w, labels = _proxy_inputs(embeddings, labels, params, "weight")
     num_classes = w.shape[0]
     w_hat = (w - w.detach()) + _renorm(w.detach(), 0)  # forward: ŵ; backward: identity
     # PML divides by ‖x‖; the floor (F.normalize's eps) keeps a zero embedding's gradient finite.
@@ -608,7 +592,7 @@ def p2s_grad(
     err = cos - _one_hot(labels, num_classes, cos.dtype)
     losses = (err * err).mean(-1)
     terms = {"loss": elements(losses)}
-    loss = reduce(default_reducer(reducer, mean()), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
     loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
     return loss
 

@@ -1,8 +1,7 @@
 """Ranking and histogram losses: FastAP, Histogram, Smooth-AP, PNP, Dynamic Soft Margin.
 
-These losses score a whole ranking or a whole distribution, so none of them is registered for
-:mod:`pmlfunc.chunked`; each calls :func:`~pmlfunc.losses._common.prepare` and reduces itself.
-Nothing of size ``B × M × M`` lives at once:
+These losses score a whole ranking or a whole distribution, so none of them splits over anchor
+rows (:mod:`pmlfunc.chunked`). Nothing of size ``B × M × M`` lives at once:
 
 - ``fast_ap`` and ``histogram`` bin each matrix entry into its two neighbouring histogram nodes
   (the triangular kernel is non-zero there only): ``O(B·M)`` memory, where PML builds a
@@ -19,8 +18,8 @@ Nothing of size ``B × M × M`` lives at once:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
@@ -28,19 +27,18 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from ..distances import Distance, cosine, lp
-from ..labels import check_tuple, label_masks
-from ..reducers import DenseTerms, Reducer, _ratio, mean
-from ..tuples import MinedTriplets, TripletMask, TripletWindow, is_mined
-from ._common import (
-    Batch,
-    default_reducer,
-    finish,
-    miner_weights,
-    prepare,
-    regularize,
-    scalar_like,
+from .._ops import ratio, scalar_like
+from ..distances import Distance, cosine, lp, resolve
+from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
+from ..tuples import (
+    TripletMask,
+    TripletWindow,
+    as_triplets,
+    cube_chunk,
+    sample_weights,
 )
+from ._batch import Batch, BatchInputs, batch_loss, prepare
+from ._regularize import regularize
 
 __all__ = [
     "dynamic_soft_margin",
@@ -51,58 +49,8 @@ __all__ = [
     "smooth_ap",
 ]
 
-_LP = type(lp())
-
-
-# ---------------------------------------------------------------------------------------------
-# shared helpers
-# ---------------------------------------------------------------------------------------------
-def _int(value: object, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _no_ref(ref_emb: Tensor | None, ref_labels: Tensor | None, name: str) -> None:
-    if ref_emb is not None or ref_labels is not None:
-        raise ValueError(f"{name} does not support ref_emb/ref_labels (neither does PML)")
-
-
-def _needs_labels(labels: Tensor | None, name: str) -> None:
-    if labels is None:
-        raise ValueError(f"{name} needs labels (an indices_tuple only weights its terms)")
-
-
-def _check_l2(distance: Distance | None, name: str) -> None:
-    """PML's ``assert_distance_type(LpDistance, normalize_embeddings=True, p=2)``."""
-    if distance is None:
-        return
-    if not (isinstance(distance, _LP) and distance.p == 2 and distance.normalize):
-        raise ValueError(
-            f"{name} needs distance=pmlfunc.distances.lp(p=2, normalize=True, power=...), got "
-            f"{distance!r}"
-        )
-
-
-def _already_reduced(reducer: Reducer | None, name: str) -> None:
-    if reducer is not None:
-        raise ValueError(
-            f"{name} returns an already-reduced value (as in PML, which ignores its reducer); "
-            "reducer must be None"
-        )
-
-
-def _binary_label_masks(batch: Batch, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """0/1 positive/negative masks from the labels (reference-set rule), ignoring any tuple."""
-    ref_labels = None if batch.ref_emb is None else batch.ref_labels
-    return label_masks(batch.labels, ref_labels, dtype=dtype)
-
-
-def _chunk_rows(m: int, budget: int = 1 << 22) -> int:
-    """Anchors per chunk so that a ``chunk × M × M`` block holds about ``budget`` elements."""
-    return max(1, budget // max(1, m * m))
+_L2 = ("lp(p=2, normalize=True, power=...)", lambda d: d.kind == "lp" and d.p == 2 and d.normalize)
+_WHOLE_ROWS = "it ranks each anchor's row against the labels of the whole batch"
 
 
 class _SigmoidRanks(torch.autograd.Function):
@@ -171,26 +119,16 @@ class _SigmoidRanks(torch.autograd.Function):
 def sigmoid_ranks(s: Tensor, w: Tensor, tau, clamp: float | None = None) -> Tensor:
     r"""``R[q, a, j] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)`` in anchor chunks (see
     :class:`_SigmoidRanks`): ``s`` is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, the result
-    ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions; a candidate for ``_common``."""
-    return _SigmoidRanks.apply(s, w.detach(), scalar_like(tau, s), clamp, _chunk_rows(s.shape[-1]))
+    ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions."""
+    return _SigmoidRanks.apply(s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1]))
 
 
-# ---------------------------------------------------------------------------------------------
-# FastAP
-# ---------------------------------------------------------------------------------------------
 def fast_ap(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     num_bins: int = 10,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""FastAP: one minus a histogram-binned average precision per anchor.
 
@@ -212,29 +150,36 @@ def fast_ap(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required: pairs always come from the labels).
         num_bins: ``K`` (default ``10``).
-        distance: default ``lp(power=2)``; must be ``lp(p=2, normalize=True)`` (any power).
-        reducer: default ``mean()`` over the anchors with positives.
-        ref_emb, ref_labels: a separate reference set to rank (PML does not support one).
-        indices_tuple: only weights the anchors (PML's ``convert_to_weights``).
-        mat: a precomputed ``(B, M)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`): ``ref_emb`` and
+            ``ref_labels`` a reference set to rank (PML does not support one); an
+            ``indices_tuple`` only weights the anchors (PML's ``convert_to_weights``); ``distance``:
+            default ``lp(power=2)``; must be ``lp(p=2, normalize=True)`` (any power);
+            ``reducer``: default ``mean()`` over the anchors with positives.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = pf.losses.ranking.fast_ap(emb, labels, num_bins=10)
+        >>> loss = pf.losses.fast_ap(emb, labels, num_bins=10)
 
     Reference: Cakir et al., "Deep Metric Learning to Rank", CVPR 2019.
     """
-    num_bins = _int(num_bins, "num_bins")
-    _needs_labels(labels, "fast_ap")
-    _check_l2(distance, "fast_ap")
-    batch = prepare(
-        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp(power=2)
-    )
+    return fast_ap.spec(embeddings, labels, inputs, num_bins=num_bins)
+
+
+@batch_loss(
+    fast_ap,
+    distance=lp(power=2),
+    reducer=mean(),
+    needs_labels=True,
+    distance_rule=_L2,
+    unchunkable=_WHOLE_ROWS,
+)
+def _fast_ap_terms(batch: Batch, *, num_bins) -> dict[str, Terms]:
+    num_bins = _checks.integer(num_bins, "num_bins")
     d = batch.mat
-    pos, neg = _binary_label_masks(batch, d.dtype)
+    pos, neg = batch.label_masks()
     delta = 2.0**batch.distance.power / num_bins
     # Triangular kernel: node floor(t) and the next one (t = d/Δ), exactly PML's pulses there.
     t = d / delta
@@ -255,32 +200,20 @@ def fast_ap(
     ap_sum = torch.where(safe, prod / torch.where(safe, cum_all, 1.0), 0.0).sum(-1)
     n_pos = pos.sum(-1)
     losses = 1 - ap_sum / n_pos.clamp_min(1)
-    mw = miner_weights(indices_tuple, d.shape[0], d.dtype, d.device)
+    mw = sample_weights(batch.indices_tuple, d.shape[0], d.dtype, d.device)
     if mw is not None:
         losses = losses * mw
     has_pos = (n_pos > 0).to(d.dtype)
-    terms = {"loss": DenseTerms(losses, has_pos, "element", d.shape[0])}
-    loss = finish(batch, terms, default_reducer(reducer, mean()))
-    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return {"loss": DenseTerms(losses, has_pos, "element", d.shape[0])}
 
 
-# ---------------------------------------------------------------------------------------------
-# Histogram loss
-# ---------------------------------------------------------------------------------------------
 def histogram(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     n_bins: int | None = None,
     delta: float | None = None,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Histogram loss: the probability that a random negative pair is more similar than a random
     positive pair, estimated from soft histograms.
@@ -303,29 +236,36 @@ def histogram(
         labels: ``(B,)`` integer class ids (may be ``None`` with an ``indices_tuple``).
         n_bins: number of bins ``R`` (default ``100`` when ``delta`` is not given).
         delta: bin width ``Δ``; if both are given, ``delta == 2 / n_bins`` is required.
-        distance: default ``cosine()`` (values are expected in ``[−1, 1]``).
-        reducer: must be ``None``: the loss is already reduced (PML ignores any reducer).
-        ref_emb, ref_labels: not supported (as in PML).
-        indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``, or a
-            pmlfunc miner result.
-        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb`` and
+            ``ref_labels`` (as in PML); ``distance``:
+            default ``cosine()`` (values are expected in ``[−1, 1]``); ``reducer``: must be
+            ``None``: the loss is already reduced (PML ignores any reducer).
 
     Returns:
         0-d tensor in ``embeddings.dtype`` (0 when there is no triplet).
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = pf.losses.ranking.histogram(emb, labels, n_bins=50)
+        >>> loss = pf.losses.histogram(emb, labels, n_bins=50)
 
     Reference: Ustinova and Lempitsky, "Learning Deep Embeddings with Histogram Loss",
     NeurIPS 2016.
     """
+    return histogram.spec(embeddings, labels, inputs, n_bins=n_bins, delta=delta)
+
+
+@batch_loss(
+    histogram,
+    distance=cosine(),
+    reducer=None,
+    refuses=("ref_emb", "ref_labels"),
+    unchunkable="it is one distribution over the whole batch's pairs",
+)
+def _histogram_terms(batch: Batch, *, n_bins, delta) -> dict[str, Terms]:
     if n_bins is not None:
-        n_bins = _int(n_bins, "n_bins")
+        n_bins = _checks.integer(n_bins, "n_bins")
     if delta is not None:
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not delta > 0:
-            raise ValueError(f"delta must be a positive Python number, got {delta!r}")
-        delta = float(delta)
+        delta = _checks.number(delta, "delta", positive=True)
         if n_bins is not None and delta != 2 / n_bins:
             raise ValueError(
                 f"delta and n_bins must satisfy delta = 2/n_bins, got {delta}, {n_bins}"
@@ -335,9 +275,6 @@ def histogram(
     size = round(1 + 2 / delta)
     if size < 2:
         raise ValueError(f"delta={delta} gives fewer than two histogram nodes")
-    _already_reduced(reducer, "histogram")
-    _no_ref(ref_emb, ref_labels, "histogram")
-    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
     s = batch.mat
     pos, neg = batch.masks
     pos, neg = pos > 0, neg > 0
@@ -360,26 +297,15 @@ def histogram(
         return out / m.sum().clamp_min(1)
 
     loss = (density(neg_u) * torch.cumsum(density(pos_u), 0)).sum()
-    loss = loss.to(batch.out_dtype)
-    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return {"loss": AlreadyReduced(loss)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Smooth-AP
-# ---------------------------------------------------------------------------------------------
 def smooth_ap(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
     temperature: float | Tensor = 0.01,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Smooth-AP: one minus a sigmoid-relaxed average precision per anchor.
 
@@ -405,45 +331,49 @@ def smooth_ap(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (required).
         temperature: ``τ`` (default ``0.01``).
-        distance: default ``cosine()`` (PML accepts only cosine).
-        reducer: default ``mean()`` over anchors.
-        ref_emb, ref_labels: not supported (as in PML).
-        indices_tuple: only weights the anchors (PML's ``convert_to_weights``).
-        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb`` and
+            ``ref_labels`` (as in PML); an ``indices_tuple`` only weights the anchors (PML's
+            ``convert_to_weights``); ``distance``:
+            default ``cosine()`` (PML accepts only cosine); ``reducer``: default ``mean()`` over
+            anchors.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(9, 4), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
-        >>> loss = pf.losses.ranking.smooth_ap(emb, labels, temperature=0.01)
+        >>> loss = pf.losses.smooth_ap(emb, labels, temperature=0.01)
 
     Reference: Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale Image
     Retrieval", ECCV 2020.
     """
+    return smooth_ap.spec(embeddings, labels, inputs, temperature=temperature)
+
+
+@batch_loss(
+    smooth_ap,
+    distance=cosine(),
+    reducer=mean(),
+    refuses=("ref_emb", "ref_labels"),
+    needs_labels=True,
+    unchunkable=_WHOLE_ROWS,
+)
+def _smooth_ap_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    _needs_labels(labels, "smooth_ap")
-    _no_ref(ref_emb, ref_labels, "smooth_ap")
-    batch = prepare(embeddings, labels, None, None, indices_tuple, mat, distance, cosine())
     s = batch.similarity()
-    pos, _ = _binary_label_masks(batch, s.dtype)
+    pos, _ = batch.label_masks()
     group = pos + torch.eye(s.shape[0], dtype=s.dtype, device=s.device)  # G_a, self included
     ranks = sigmoid_ranks(s, torch.stack([group, torch.ones_like(group)]), temperature)
     # The k = l term is σ(0) = 1/2 in both sums (l ∈ G_a): remove it.
     rank_pos, rank_all = ranks[0] + 0.5, ranks[1] + 0.5
     ap = (group * rank_pos / rank_all).sum(-1) / group.sum(-1)
     losses = 1 - ap
-    mw = miner_weights(indices_tuple, s.shape[0], s.dtype, s.device)
+    mw = sample_weights(batch.indices_tuple, s.shape[0], s.dtype, s.device)
     if mw is not None:
         losses = losses * mw
-    terms = {"ap_loss": DenseTerms(losses, torch.ones_like(losses), "element", s.shape[0])}
-    loss = finish(batch, terms, default_reducer(reducer, mean()))
-    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return {"ap_loss": DenseTerms(losses, torch.ones_like(losses), "element", s.shape[0])}
 
 
-# ---------------------------------------------------------------------------------------------
-# PNP
-# ---------------------------------------------------------------------------------------------
 _PNP_VARIANTS = ("Ds", "Dq", "Iu", "Ib", "O")
 
 
@@ -455,14 +385,7 @@ def pnp(
     alpha: float | Tensor = 1,
     anneal: float | Tensor = 0.01,
     variant: str = "O",
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""PNP loss: penalise, for each positive, the (smoothed) number of negatives ranked above it.
 
@@ -486,34 +409,41 @@ def pnp(
         alpha: the ``"Dq"`` exponent (default ``1``).
         anneal: the temperature ``τ`` (default ``0.01``).
         variant: one of ``"Ds", "Dq", "Iu", "Ib", "O"`` (default ``"O"``).
-        distance: default ``cosine()`` (PML accepts only cosine).
-        reducer: default ``mean()`` over the anchors with positives, which is PML's
-            (already-reduced) value; another reducer sees those per-anchor terms.
-        ref_emb, ref_labels, indices_tuple: not supported (as in PML).
-        mat: a precomputed ``(B, B)`` matrix of ``distance``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb``,
+            ``ref_labels`` and ``indices_tuple`` (as in PML); ``distance``:
+            default ``cosine()`` (PML accepts only cosine); ``reducer``: default ``mean()`` over
+            the anchors with positives, which is PML's (already-reduced) value; another reducer
+            sees those per-anchor terms.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = pf.losses.ranking.pnp(emb, labels, variant="Dq")
+        >>> loss = pf.losses.pnp(emb, labels, variant="Dq")
 
     Reference: Li et al., "Rethinking the Optimization of Average Precision: Only Penalizing
     Negative Instances before Positive Ones is Enough", AAAI 2022.
     """
+    return pnp.spec(embeddings, labels, inputs, b=b, alpha=alpha, anneal=anneal, variant=variant)
+
+
+@batch_loss(
+    pnp,
+    distance=cosine(),
+    reducer=mean(),
+    refuses=("ref_emb", "ref_labels", "indices_tuple"),
+    needs_labels=True,
+    unchunkable=_WHOLE_ROWS,
+)
+def _pnp_terms(batch: Batch, *, b, alpha, anneal, variant) -> dict[str, Terms]:
     if variant not in _PNP_VARIANTS:
         raise ValueError(f"variant={variant!r} but must be one of {list(_PNP_VARIANTS)}")
     b = _checks.hyper(b, "b", positive=True)
     alpha = _checks.hyper(alpha, "alpha")
     anneal = _checks.hyper(anneal, "anneal", positive=True)
-    _needs_labels(labels, "pnp")
-    _no_ref(ref_emb, ref_labels, "pnp")
-    if indices_tuple is not None:
-        raise ValueError("pnp does not support indices_tuple (neither does PML)")
-    batch = prepare(embeddings, labels, None, None, None, mat, distance, cosine())
     s = batch.similarity()
-    pos, neg = _binary_label_masks(batch, s.dtype)
+    pos, neg = batch.label_masks()
     has_pos = (pos.sum(-1) > 0).to(s.dtype)
     pos = pos + torch.diag(has_pos)  # PML: I_pos[a, a] = 1 for anchors with positives
     rk = sigmoid_ranks(s, neg.unsqueeze(0), anneal, clamp=50.0)[0]
@@ -529,9 +459,7 @@ def pnp(
     losses = (rk * pos).sum(-1) / pos.sum(-1).clamp_min(1)
     if variant == "Dq":
         losses = 1 - losses
-    terms = {"loss": DenseTerms(losses, has_pos, "element", s.shape[0])}
-    loss = finish(batch, terms, default_reducer(reducer, mean()))
-    return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
+    return {"loss": DenseTerms(losses, has_pos, "element", s.shape[0])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,10 +472,10 @@ def dynamic_soft_margin_init_state(
     ``hist_`` buffer; an all-zero histogram means "no batch seen yet").
 
     Example:
-        >>> pf.losses.ranking.dynamic_soft_margin_init_state(10)["hist"].shape
+        >>> pf.losses.dynamic_soft_margin_init_state(10)["hist"].shape
         torch.Size([10])
     """
-    num_bins = _int(num_bins, "num_bins", 2)
+    num_bins = _checks.integer(num_bins, "num_bins", minimum=2)
     return {"hist": torch.zeros(num_bins, dtype=dtype, device=device)}
 
 
@@ -683,58 +611,46 @@ def dynamic_soft_margin(
         state is then unchanged) and the updated state (the input state's dtype).
 
     Example:
-        >>> state = pf.losses.ranking.dynamic_soft_margin_init_state(10)
+        >>> state = pf.losses.dynamic_soft_margin_init_state(10)
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss, state = pf.losses.ranking.dynamic_soft_margin(emb, labels, state)
+        >>> loss, state = pf.losses.dynamic_soft_margin(emb, labels, state)
 
     Reference: Zhang and Rusinkiewicz, "Learning Local Descriptors with a CDF-Based Dynamic
     Soft Margin", ICCV 2019.
     """
-    k = _int(num_bins, "num_bins", 2)
+    k = _checks.integer(num_bins, "num_bins", minimum=2)
     min_val = _checks.hyper(min_val, "min_val")
     momentum = _checks.hyper(momentum, "momentum")
-    _check_l2(distance, "dynamic_soft_margin")
-    _already_reduced(reducer, "dynamic_soft_margin")
+    distance = resolve(distance, lp())
+    if not _L2[1](distance):
+        raise ValueError(f"dynamic_soft_margin needs distance={_L2[0]}, got {distance!r}")
+    if reducer is not None:
+        raise ValueError(
+            "dynamic_soft_margin returns an already-reduced value (as in PML, which ignores its "
+            "reducer); reducer must be None"
+        )
     if isinstance(indices_tuple, (TripletWindow, TripletMask)):
         raise ValueError(
             "dynamic_soft_margin takes MinedPairs or MinedTriplets as indices_tuple; pass "
             "tuples_per_anchor to the miner (or result.to_indices() in eager mode)"
         )
     if labels is None and indices_tuple is None:
-        _checks.embeddings(embeddings)
-        if ref_emb is not None:
-            _checks.embeddings(ref_emb, "ref_emb")
-            _checks.same_space(embeddings, ref_emb)
-        if ref_labels is not None:
-            raise ValueError("ref_labels was given without labels")
-        dist = lp() if distance is None else distance
-        d = matrix(embeddings, ref_emb, mat, dist)
-        out_dtype = embeddings.dtype
-        r, c = d.shape
-        n = min(r, c)
-        diag = torch.eye(r, c, dtype=torch.bool, device=d.device)
-        off = torch.where(diag, torch.inf, d)
-        d_neg = torch.minimum(off.amin(-1)[:n], off.amin(-2)[:n])
-        ok = torch.isfinite(d_neg)  # a 1 × 1 matrix has no negative
-        v = torch.where(ok, d.diagonal()[:n] - torch.where(ok, d_neg, 0.0), 0.0)
-        parts = (v, ok.to(d.dtype))
-        product = None
+        d, parts, product = _dsm_matched(embeddings, ref_emb, ref_labels, mat, distance)
     else:
-        batch = prepare(embeddings, labels, ref_emb, ref_labels, indices_tuple, mat, distance, lp())
-        d, out_dtype = batch.mat, batch.out_dtype
-        triplets = None
-        if isinstance(indices_tuple, MinedTriplets):
-            triplets = (*indices_tuple[:3], indices_tuple.valid.to(d.dtype))
-        elif indices_tuple is not None and not is_mined(indices_tuple):
-            t = check_tuple(indices_tuple)
-            if len(t) == 3:
-                triplets = (*t, torch.ones(t[0].shape, dtype=d.dtype, device=d.device))
+        batch = prepare(
+            embeddings,
+            labels,
+            distance=distance,
+            ref_emb=ref_emb,
+            ref_labels=ref_labels,
+            indices_tuple=indices_tuple,
+            mat=mat,
+        )
+        d, parts, product = batch.mat, None, batch.masks
+        triplets = as_triplets(indices_tuple)
         if triplets is not None:
-            a, p, n_, w = triplets
-            a, p, n_ = a.long(), p.long(), n_.long()
-            parts, product = (d[a, p] - d[a, n_], w), None
-        else:
-            parts, product = None, batch.masks
+            a, p, n = triplets.anchors.long(), triplets.positives.long(), triplets.negatives.long()
+            parts, product = (d[a, p] - d[a, n], triplets.valid.to(d.dtype)), None
     hist_in = _dsm_state(state, k, embeddings)
     hist_old = hist_in.to(d.dtype)
     lo = scalar_like(min_val, d)
@@ -747,8 +663,30 @@ def dynamic_soft_margin(
     mu = torch.where(hist_old.sum() != 0, one * scalar_like(momentum, d), one)
     new = (1 - mu) * hist_old + mu * h_batch
     norm = new.sum()
-    new = _ratio(new, norm.expand_as(new))
+    new = ratio(new, norm.expand_as(new))
     new = torch.where(total > 0, new, hist_old)
-    loss = _ratio(loss_sum(torch.cumsum(new, 0)), total)
-    loss = regularize(loss.to(out_dtype), embeddings, embedding_regularizer, embedding_reg_weight)
+    loss = ratio(loss_sum(torch.cumsum(new, 0)), total)
+    loss = regularize(
+        loss.to(embeddings.dtype), embeddings, embedding_regularizer, embedding_reg_weight
+    )
     return loss, {"hist": new.detach().to(hist_in.dtype)}
+
+
+def _dsm_matched(embeddings, ref_emb, ref_labels, mat, distance):
+    """Without labels or tuple, row ``i`` matches row ``i``: ``v_i = d_ii − min(other entries of
+    row or column i)`` for the ``min(B, M)`` matched rows, as listed values with weights."""
+    _checks.embeddings(embeddings)
+    if ref_emb is not None:
+        _checks.embeddings(ref_emb, "ref_emb")
+        _checks.same_space(embeddings, ref_emb)
+    if ref_labels is not None:
+        raise ValueError("ref_labels was given without labels")
+    d = matrix(embeddings, ref_emb, mat, distance)
+    r, c = d.shape
+    n = min(r, c)
+    diag = torch.eye(r, c, dtype=torch.bool, device=d.device)
+    off = torch.where(diag, torch.inf, d)
+    d_neg = torch.minimum(off.amin(-1)[:n], off.amin(-2)[:n])
+    ok = torch.isfinite(d_neg)  # a 1 × 1 matrix has no negative
+    v = torch.where(ok, d.diagonal()[:n] - torch.where(ok, d_neg, 0.0), 0.0)
+    return d, (v, ok.to(d.dtype)), None

@@ -1,30 +1,34 @@
-"""Softmax (InfoNCE-style) losses: a positive scored against a row's log-sum-exp.
+r"""Softmax (InfoNCE-style) losses: a positive scored against a log-sum-exp of its row.
 
-Both losses need per-row log-sum-exps only; no positive-pair × negative-pair matrix is built.
+| loss | per positive pair ``(a, p)`` or anchor ``a`` |
+|---|---|
+| :func:`ntxent` | ``−log(e^{z_ap} / (e^{z_ap} + Σ_{n ∈ N(a)} e^{z_an}))`` |
+| :func:`supcon` | ``−mean_{p ∈ P(a)} (z_ap − log Σ_{k ∈ A(a)} e^{z_ak})`` |
+| :func:`decoupled_contrastive` | ``−w_ap z_ap + log Σ_{n ∈ N(a)} e^{z_an}`` (the positive left out) |
+| :func:`multi_supcon` | SupCon with multi-hot labels, positives weighted by Jaccard overlap |
+
+``z = s/τ`` for a similarity ``s`` (a distance enters as ``−d``). Every loss needs per-row
+log-sum-exps only: no positive-pair × negative-pair matrix is built. ``ntxent`` and ``supcon``
+also take ``chunk_size=`` for the tiled path (``O(chunk × M)`` memory in both passes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Unpack
 
 import torch
 from torch import Tensor
 
 from .. import _checks
-from ..distances import Distance, cosine
-from ..reducers import DenseTerms, Reducer, Terms, avg_nonzero, elements, mean
-from ._common import (
-    Batch,
-    LossSpec,
-    masked_logsumexp,
-    register,
-    regularize,
-    run,
-    scalar_like,
-)
+from .._inputs import matrix
+from .._ops import masked_logsumexp, scalar_like
+from ..distances import cosine, resolve
+from ..labels import pair_masks
+from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
+from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized
 from ._streaming import ntxent_streaming, supcon_streaming
 
-__all__ = ["ntxent", "supcon"]
+__all__ = ["decoupled_contrastive", "multi_supcon", "ntxent", "supcon"]
 
 
 def ntxent(
@@ -32,15 +36,8 @@ def ntxent(
     labels: Tensor | None = None,
     *,
     temperature: float | Tensor = 0.07,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
     chunk_size: int | None = None,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""NT-Xent (normalised temperature-scaled cross entropy, InfoNCE) loss.
 
@@ -55,21 +52,21 @@ def ntxent(
     log-sum-exp per row.
 
     Args:
-        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in
-            :func:`pmlfunc.losses.contrastive`.
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
         temperature: ``τ > 0`` (default ``0.07``); a 0-d tensor may be learnable.
-        distance: default ``cosine()``.
-        reducer: default ``mean()`` over positive pairs.
-        chunk_size: if given, the bounded-memory path: rows in chunks, keeping per-row
-            log-sum-exps, backward recomputing each ``chunk_size × M`` tile (a plain
-            ``loss.backward()`` works). Needs labels, ``cosine()``/``dot()``, ``mean()``/``sum()``.
+        chunk_size: if given, the tiled path: rows in chunks, keeping per-row log-sum-exps,
+            the backward recomputing each ``chunk_size × M`` tile (a plain ``loss.backward()``
+            works). Needs labels, ``cosine()``/``dot()``, ``mean()``/``sum()``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``cosine()``; ``reducer``: default ``mean()`` over positive pairs.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = ntxent(emb, labels, temperature=0.1)
+        >>> loss = pf.losses.ntxent(emb, labels, temperature=0.1)
 
     References: Chen et al., "A Simple Framework for Contrastive Learning of Visual
     Representations", ICML 2020; Sohn, "Improved Deep Metric Learning with Multi-class N-pair
@@ -77,48 +74,22 @@ def ntxent(
     Predictive Coding", 2018.
     """
     if chunk_size is not None:
-        loss = ntxent_streaming(
-            embeddings,
-            labels,
-            temperature=temperature,
-            distance=distance,
-            reducer=reducer,
-            ref_emb=ref_emb,
-            ref_labels=ref_labels,
-            indices_tuple=indices_tuple,
-            mat=mat,
-            chunk_size=chunk_size,
+        return ntxent_streaming(
+            embeddings, labels, temperature=temperature, chunk_size=chunk_size, **inputs
         )
-        return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return run(
-        NTXENT,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        temperature=temperature,
-    )
+    return ntxent.spec(embeddings, labels, inputs, temperature=temperature)
 
 
+@batch_loss(ntxent, distance=cosine(), reducer=mean())
 def _ntxent_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     z = batch.similarity() / scalar_like(temperature, batch.mat)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
-    neg_lse = masked_logsumexp(z, neg, (neg > 0).to(z.dtype) if batch.counts else None)
+    neg_lse = masked_logsumexp(z, neg, batch.keep(neg))
     # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
     ratio = torch.sigmoid(z - neg_lse.unsqueeze(-1))
     losses = -torch.log(ratio + torch.finfo(z.dtype).tiny)
     return {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
-
-
-NTXENT = LossSpec("ntxent", _ntxent_terms, cosine(), mean())
-register(ntxent, NTXENT)
 
 
 def supcon(
@@ -126,15 +97,8 @@ def supcon(
     labels: Tensor | None = None,
     *,
     temperature: float | Tensor = 0.1,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
     chunk_size: int | None = None,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
     r"""Supervised contrastive loss.
 
@@ -149,53 +113,31 @@ def supcon(
     positive pair or no negative pair at all.
 
     Args:
-        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in
-            :func:`pmlfunc.losses.contrastive`.
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
         temperature: ``τ > 0`` (default ``0.1``).
-        distance: default ``cosine()``.
-        reducer: default ``avg_nonzero()`` over anchors.
-        chunk_size: if given, the bounded-memory path (as in :func:`ntxent`); reducers
+        chunk_size: if given, the tiled path (as in :func:`ntxent`); reducers
             ``avg_nonzero()``, ``mean()``, ``sum()``.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``cosine()``; ``reducer``: default ``avg_nonzero()`` over anchors.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = supcon(emb, labels)
+        >>> loss = pf.losses.supcon(emb, labels)
 
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     if chunk_size is not None:
-        loss = supcon_streaming(
-            embeddings,
-            labels,
-            temperature=temperature,
-            distance=distance,
-            reducer=reducer,
-            ref_emb=ref_emb,
-            ref_labels=ref_labels,
-            indices_tuple=indices_tuple,
-            mat=mat,
-            chunk_size=chunk_size,
+        return supcon_streaming(
+            embeddings, labels, temperature=temperature, chunk_size=chunk_size, **inputs
         )
-        return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
-    return run(
-        SUPCON,
-        embeddings,
-        labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        temperature=temperature,
-    )
+    return supcon.spec(embeddings, labels, inputs, temperature=temperature)
 
 
+@batch_loss(supcon, distance=cosine(), reducer=avg_nonzero())
 def _supcon_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     z = batch.similarity() / scalar_like(temperature, batch.mat)
@@ -208,5 +150,234 @@ def _supcon_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     return {"loss": elements(losses)}
 
 
-SUPCON = LossSpec("supcon", _supcon_terms, cosine(), avg_nonzero())
-register(supcon, SUPCON)
+def decoupled_contrastive(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.1,
+    sigma: float | Tensor | None = None,
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Decoupled contrastive loss (DCL, and DCLW with ``sigma``): NT-Xent without the positive
+    in the denominator.
+
+    One term per positive pair ``(a, p)``, against the negatives ``N(a)`` of the same anchor,
+    with similarity ``s`` (a distance enters as ``-d``) and temperature ``τ``:
+
+    .. math::
+        \ell_{ap} = -w_{ap}\,\frac{s_{ap}}{τ} + \log \sum_{n \in N(a)} e^{s_{an}/τ}
+
+    DCL (``sigma=None``): ``w_ap = 1``. DCLW (``sigma = σ``), the negative von Mises-Fisher
+    weighting of the paper:
+
+    .. math::
+        w_{ap} = 2 - \frac{e^{s_{ap}/σ}}{\frac{1}{|\mathcal P|}\sum_{(a',p') \in \mathcal P} e^{s_{a'p'}/σ}}
+
+    where ``𝒫`` is every positive pair that has a term (pairs listed several times in an index
+    tuple count as often). The weights average 1 over ``𝒫``; they are differentiated through
+    (the paper's code computes them as ``2 − B·softmax(s/σ)`` without a detach). The paper's
+    ``weight_fn=None`` is ``sigma=None`` here.
+
+    With two augmented views per sample (``labels`` = the sample index, both views of ``B``
+    samples in the batch) this is the paper's loss summed over both views and averaged over the
+    ``2B`` anchors: each view is an anchor whose positive is the other view of its sample and
+    whose negatives are the ``2B − 2`` views of the other samples. With ordinary class labels it is the supervised form:
+    every same-class pair is a positive, scored against the anchor's negatives only.
+
+    An anchor without negatives has ``log Σ_∅ = −∞``: its pairs get no term (NT-Xent's term would
+    be 0 there). Without ``sigma`` the loss splits over anchors (:mod:`pmlfunc.chunked`); the DCLW
+    weight normalises over the whole batch, so ``sigma`` is not chunkable.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        temperature: ``τ > 0`` (default ``0.1``, the paper's); a 0-d tensor may be learnable.
+        sigma: ``σ > 0`` for DCLW (the paper uses ``0.5``), ``None`` for DCL (default).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``cosine()`` (the paper's normalised dot product); ``reducer``: default
+            ``mean()`` over positive pairs.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> z = torch.randn(8, 4)  # two views of 4 samples
+        >>> labels = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+        >>> loss = pf.losses.decoupled_contrastive(z, labels, temperature=0.1, sigma=0.5)
+
+    Reference: Yeh, Hong, Hsu, Liu, Chen, LeCun, "Decoupled Contrastive Learning", ECCV 2022.
+    """
+    return decoupled_contrastive.spec(
+        embeddings, labels, inputs, temperature=temperature, sigma=sigma
+    )
+
+
+@batch_loss(
+    decoupled_contrastive,
+    distance=cosine(),
+    reducer=mean(),
+    unchunkable_with={"sigma": "DCLW normalises its weights over every positive pair of the batch"},
+)
+def _decoupled_contrastive_terms(batch: Batch, *, temperature, sigma) -> dict[str, Terms]:
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    if sigma is not None:
+        sigma = _checks.hyper(sigma, "sigma", positive=True)
+    s = batch.similarity()
+    z = s / scalar_like(temperature, s)
+    pos, neg = batch.masks  # counts weight repeated pairs, as in NT-Xent
+    neg_lse = masked_logsumexp(z, neg, batch.keep(neg))
+    has_neg = neg.amax(-1, keepdim=True) > 0
+    weights = pos * has_neg
+    if sigma is None:
+        positive = z
+    else:
+        # e^{s/σ} / mean_𝒫 e^{s/σ} = exp(s/σ − (log Σ_𝒫 c·e^{s/σ} − log |𝒫|)), ≤ |𝒫| on 𝒫.
+        x = s / scalar_like(sigma, s)
+        keep = (weights > 0).to(x.dtype)
+        log_total = masked_logsumexp(x.reshape(1, -1), weights.reshape(1, -1), keep.reshape(1, -1))
+        log_mean = log_total - torch.log(weights.sum().clamp_min(1.0))
+        # Off 𝒫 the exponent is set to 0 before exp (no inf, no NaN gradient through a where).
+        w = 2.0 - torch.exp(torch.where(keep > 0, x - log_mean, 0.0))
+        positive = w * z
+    losses = torch.where(has_neg, neg_lse.unsqueeze(-1) - positive, 0.0)
+    return {"loss": DenseTerms(losses, weights, "pos_pair", batch.num_anchors)}
+
+
+def multi_supcon(
+    embeddings: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float | Tensor = 0.1,
+    threshold: float | Tensor = 0.0,
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Multi-label supervised contrastive loss: SupCon with positives weighted by label overlap.
+
+    Labels are multi-hot ``(B, C)`` rows ``y_i`` (sets of classes). The weight of a pair is the
+    Jaccard similarity of the two label sets,
+
+    .. math::
+        J_{ij} = \frac{|y_i \cap y_j|}{|y_i \cup y_j|} = \frac{y_i \cdot y_j}{|y_i| + |y_j| - y_i \cdot y_j}
+        \qquad (J_{ij} = 0 \text{ when both sets are empty}),
+
+    positives are ``P(i) = {j : J_ij > threshold}``, negatives ``N(i)`` the rest, ``A(i) =
+    P(i) ∪ N(i)`` (in self mode ``j ≠ i``), and with similarity ``s`` (a distance enters as
+    ``-d``) and temperature ``τ``:
+
+    .. math::
+        \ell_i = -\frac{1}{|P(i)|} \sum_{p \in P(i)} J_{ip}
+                 \Big(\frac{s_{ip}}{τ} - \log \sum_{k \in A(i)} e^{s_{ik}/τ}\Big)
+
+    ``ℓ_i = 0`` for anchors without positives; as in :func:`pmlfunc.losses.supcon`, the loss is 0
+    when the batch has no positive or no negative pair at all. With one-hot labels (and
+    ``threshold < 1``) ``J`` is 0/1 and this is exactly :func:`pmlfunc.losses.supcon`.
+
+    This is the Jaccard-weighted SupCon of PML's multi-label ``MultiSupConLoss`` code (not in
+    PML 2.9.0; its positive normaliser is ``|P(i)|``, the number of positives, not ``Σ J``). It
+    follows the idea of Zhang & Wu (weight a positive by how much its label set overlaps the
+    anchor's) with the Jaccard form above; it is not a transcription of the paper's own loss.
+    Two choices differ from that PML code: ``J`` of two empty label sets is 0 (``0/0`` there: a
+    NaN that reaches the loss through ``NaN·0``), and the default ``threshold`` is 0 (any shared
+    class makes a positive; the PML code used 0.3).
+
+    An ``indices_tuple`` (pairs or triplets, or a pmlfunc miner result) replaces the positive
+    and negative sets by the listed pairs (each counted once); ``J`` still weights the positives.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B, C)`` multi-hot tensor (bool, integer or 0/1 float), required.
+        temperature: ``τ > 0`` (default ``0.1``).
+        threshold: pairs with ``J > threshold`` are positives (default ``0``).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`), with
+            ``ref_labels`` the reference set's ``(M, C)`` multi-hot labels; ``distance``:
+            default ``cosine()``; ``reducer``: default ``avg_nonzero()`` over anchors.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb = torch.randn(4, 8)
+        >>> labels = torch.tensor([[1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 1]])
+        >>> loss = pf.losses.multi_supcon(emb, labels, temperature=0.1)
+
+    Reference: Zhang & Wu, "Multi-Label Supervised Contrastive Learning", AAAI 2024; Khosla et
+    al., "Supervised Contrastive Learning", NeurIPS 2020.
+    """
+    check_shared("multi_supcon", inputs)
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    threshold = _checks.hyper(threshold, "threshold")
+    _checks.embeddings(embeddings)
+    distance = resolve(inputs.get("distance"), cosine())
+    ref_emb, ref_labels = inputs.get("ref_emb"), inputs.get("ref_labels")
+    indices_tuple = inputs.get("indices_tuple")
+    b = embeddings.shape[0]
+    _multi_hot(labels, b, embeddings.device, "labels")
+    if ref_emb is not None:
+        _checks.embeddings(ref_emb, "ref_emb")
+        _checks.same_space(embeddings, ref_emb)
+        if ref_labels is None:
+            raise ValueError(
+                "ref_emb was given without ref_labels: pass their (M, C) multi-hot labels"
+            )
+        _multi_hot(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
+        if ref_labels.shape[1] != labels.shape[1]:
+            raise ValueError(
+                f"ref_labels has {ref_labels.shape[1]} classes but labels has {labels.shape[1]}"
+            )
+    elif ref_labels is not None:
+        raise ValueError("ref_labels was given without ref_emb")
+    m = b if ref_emb is None else ref_emb.shape[0]
+    cd = _checks.compute_dtype(embeddings.dtype)
+    d = matrix(embeddings, ref_emb, inputs.get("mat"), distance)
+    s = d if distance.is_similarity else -d
+    jac = _jaccard(labels, ref_labels, cd)
+    if indices_tuple is not None:
+        pos, neg = pair_masks(None, None, indices_tuple, (b, m), dtype=cd, device=d.device)
+        pos, neg = (pos > 0).to(cd), (neg > 0).to(cd)
+    else:
+        pos = (jac > scalar_like(threshold, jac)).to(cd)
+        neg = 1.0 - pos
+        if ref_emb is None:
+            not_self = 1.0 - torch.eye(b, dtype=cd, device=d.device)
+            pos, neg = pos * not_self, neg * not_self
+    z = s / scalar_like(temperature, s)
+    denom = masked_logsumexp(z, torch.clamp(pos + neg, max=1.0))
+    wpos = pos * jac
+    n_pos = pos.sum(-1).clamp_min(1.0)
+    # Σ_p J (z − denom) / |P| = (Σ_p J z − denom Σ_p J) / |P|; Σ_p J = 0 on rows without
+    # positives, where denom may be the finite stand-in for −∞ (finfo.min): zeroed by where.
+    j_sum = wpos.sum(-1)
+    mean_log_prob = ((wpos * z).sum(-1) - torch.where(j_sum > 0, denom, 0.0) * j_sum) / n_pos
+    has_pairs = (pos.amax() > 0) & (neg.amax() > 0)
+    losses = torch.where(has_pairs, -mean_log_prob, torch.zeros_like(mean_log_prob))
+    reducer = inputs.get("reducer")
+    reducer = avg_nonzero() if reducer is None else reducer
+    loss = reduce(reducer, {"loss": elements(losses)}, None, embeddings.dtype)
+    return regularized(loss, embeddings, inputs)
+
+
+def _multi_hot(y: object, rows: int, device, name: str) -> Tensor:
+    if not isinstance(y, Tensor):
+        raise TypeError(
+            f"{name} must be a (rows, num_classes) multi-hot tensor, got {type(y).__name__}"
+        )
+    if y.dtype.is_complex:
+        raise TypeError(f"{name} must be real (bool, integer or 0/1 float), got {y.dtype}")
+    if y.ndim != 2:
+        raise ValueError(
+            f"{name} must be a 2-D multi-hot matrix of shape (rows, num_classes), got shape {tuple(y.shape)}"
+        )
+    if y.shape[0] != rows:
+        raise ValueError(f"{name} has {y.shape[0]} rows but there are {rows} embeddings")
+    if y.device != device:
+        raise ValueError(f"{name} is on {y.device} but the embeddings are on {device}")
+    return y
+
+
+def _jaccard(labels: Tensor, ref_labels: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``(B, M)`` Jaccard similarities of multi-hot rows (0 where both sets are empty)."""
+    y = labels.to(dtype)
+    r = y if ref_labels is None else ref_labels.to(dtype)
+    inter = y @ r.t()
+    union = y.sum(-1, keepdim=True) + r.sum(-1).unsqueeze(0) - inter
+    return inter / torch.where(union > 0, union, 1.0)

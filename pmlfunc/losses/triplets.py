@@ -1,5 +1,11 @@
 r"""Triplet losses: each term is one (anchor, positive, negative) triplet.
 
+| loss | triplet ``(a, p, n)`` costs |
+|---|---|
+| :func:`triplet_margin` | ``[e_ap − e_an + m]_+`` (or its softplus), every triplet or the given ones |
+| :func:`margin` | ``[d_ap − β + α]_+ + [β − d_an + α]_+``, a (learnable) boundary ``β`` |
+| :func:`selectively_contrastive_triplet` | one easy-positive / hard-negative triplet per anchor |
+
 All triplets are never enumerated. Write ``e`` for the distance oriented so that smaller means
 closer (``e = d``, or ``e = -s`` for a similarity) and ``t_ap = e_ap + m``. The hinge of triplet
 ``(a, p, n)`` is ``[t_ap − e_an]_+``, so for one anchor
@@ -14,41 +20,159 @@ sums give every ``C`` and ``S``: O(B·M log M) time and O(B·M) memory instead o
 Variants that do not factor this way (``smooth_loss``, ``swap``, a ``threshold`` reducer window)
 use an exact anchor-chunked evaluation of the ``(anchor, positive, negative)`` cube inside a
 custom autograd function whose backward recomputes each chunk: O(B·M²) time, O(chunk·M²) memory.
+
+``margin`` never builds triplets either: its loss is a positive-pair part plus a negative-pair
+part, so each pair enters weighted by the number of triplets that contain it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from ..distances import Distance, lp
-from ..reducers import Bound, DenseTerms, Reducer, Terms, avg_nonzero
-from ..tuples import MinedTriplets, TripletMask, TripletWindow, is_mined, window_cover
-from ._common import Batch, LossSpec, register, run, scalar_like
+from .. import params as _params
+from .._ops import masked, scalar_like, scatter_
+from ..distances import cosine, lp
+from ..reducers import (
+    AlreadyReduced,
+    Bound,
+    DenseTerms,
+    Terms,
+    avg_nonzero,
+    divisor,
+    mean,
+)
+from ..tuples import (
+    TripletMask,
+    TripletWindow,
+    as_triplets,
+    cube_chunk,
+    ordered_bits,
+    window_cover,
+)
+from ._batch import Batch, BatchInputs, batch_loss
 
-__all__ = ["triplet_margin"]
-
-# Elements of one (chunk, M, M) block of the triplet cube.
-_CUBE_BLOCK = 1 << 22
+__all__ = ["margin", "margin_init", "selectively_contrastive_triplet", "triplet_margin"]
 
 
-def _ordered_int(x: Tensor) -> Tensor:
-    """Integers ordered like the floats ``x`` (IEEE bit trick), with the lowest bit cleared.
+def triplet_margin(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    *,
+    margin: float | Tensor = 0.2,
+    swap: bool = False,
+    smooth_loss: bool = False,
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Triplet margin loss over all triplets (or the given ones).
 
-    Runs on constants (no gradient), in place on one fresh buffer.
+    With ``e`` the distance (a similarity enters as ``-s``) and margin ``m``:
+
+    .. math::
+        \ell_{apn} = [e_{ap} - e_{an} + m]_+ \quad(\text{smooth\_loss: } \log(1 + e^{e_{ap} - e_{an} + m}))
+
+    over every triplet with ``label(p) = label(a) ≠ label(n)`` (``p ≠ a`` in self mode), or over
+    the triplets of ``indices_tuple`` (PML pairs ``(a1, p, a2, n)`` become the triplets that
+    share an anchor, weighted by multiplicity, as in PML). ``swap=True`` replaces ``e_an`` by
+    ``min(e_an, e_pn)``.
+
+    All-triplet hinge losses are counted and summed without enumerating triplets (see the module
+    docstring); ``smooth_loss``, ``swap`` and ``threshold`` reducers use an exact anchor-chunked
+    O(B·M²) evaluation.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        margin: default ``0.2`` (PML 3's default; PML 2.9.0 used 0.05).
+        swap: use the positive–negative distance when it violates the margin more.
+        smooth_loss: softplus instead of the hinge.
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``lp()``; ``reducer``: default ``avg_nonzero()`` over triplets.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.triplet_margin(emb, labels, margin=0.2)
+
+    Reference: Weinberger, Saul, "Distance Metric Learning for Large Margin Nearest Neighbor
+    Classification", JMLR 2009; Schroff et al., "FaceNet", CVPR 2015 (swap: Balntas et al.,
+    "Learning local feature descriptors with triplets and shallow convolutional neural networks",
+    BMVC 2016).
     """
-    if x.dtype == torch.float64:
-        bits, sign_mask = (x + 0.0).view(torch.int64), 0x7FFFFFFFFFFFFFFF  # + 0.0: no -0.0
-    else:
-        bits, sign_mask = (x.float() + 0.0).view(torch.int32), 0x7FFFFFFF
-    flip = (bits >> (bits.element_size() * 8 - 1)).bitwise_and_(sign_mask)
-    return bits.bitwise_xor_(flip).bitwise_and_(~1)
+    return triplet_margin.spec(
+        embeddings, labels, inputs, margin=margin, swap=swap, smooth_loss=smooth_loss
+    )
+
+
+@batch_loss(
+    triplet_margin,
+    distance=lp(),
+    reducer=avg_nonzero(),
+    unchunkable_with={"swap": "it compares each positive with each negative (other anchors' rows)"},
+)
+def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[str, Terms]:
+    margin = _checks.hyper(margin, "margin")
+    swap, smooth_loss = bool(swap), bool(smooth_loss)
+    sign = batch.distance.sign()
+    listed = as_triplets(batch.indices_tuple)
+    if listed is not None:  # only the listed pairs' distances: O(L·D), not the B × M matrix
+        t = listed.for_rows(batch.rows)
+        a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
+        e_ap, e_an = sign * batch.pair_values(a, p), sign * batch.pair_values(a, n)
+        if swap:
+            if batch.ref_emb is not None:
+                e_pn = sign * batch.distance.pairs(batch.ref_emb[p], batch.ref_emb[n])
+            else:
+                e_pn = sign * batch.pair_values(p, n)
+            e_an = torch.minimum(e_an, e_pn)
+        x = e_ap - e_an + scalar_like(margin, e_ap)
+        losses = F.softplus(x) if smooth_loss else F.relu(x)
+        weights = t.valid.to(losses.dtype)
+        terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
+        return {"loss": terms}
+    e = sign * batch.mat
+    margin = scalar_like(margin, e)
+    # swap with a reference set: e between reference rows; in self mode e itself (a flag)
+    e_pn = (
+        sign * batch.distance.matrix(batch.ref_emb) if swap and batch.ref_emb is not None else None
+    )
+    swap_self = swap and batch.ref_emb is None
+    it = batch.indices_tuple
+    if isinstance(it, (TripletWindow, TripletMask)):
+        # the miner's own label masks (the batch's masks hold its pair multiplicities)
+        select = it.for_rows(batch.rows)
+        if isinstance(it, TripletWindow):
+            pos, neg = select.pos.to(e.dtype), select.neg.to(e.dtype)
+        else:
+            pos = neg = torch.ones_like(e)
+        fast = (
+            isinstance(it, TripletWindow)
+            and batch.rows is None
+            and _same_source(it.source, batch.source)
+        )
+        terms = AllTriplets(
+            e, pos, neg, margin, smooth_loss, e_pn, swap_self, select=select, fast_window=fast
+        )
+        return {"loss": terms}
+    terms = AllTriplets(
+        e,
+        batch.masks.pos,
+        batch.masks.neg,
+        margin,
+        smooth_loss,
+        e_pn,
+        swap_self,
+        binary=not batch.counts,
+        diagonal=batch.diagonal,
+    )
+    return {"loss": terms}
 
 
 def _sorted_hinge_stats(
@@ -77,9 +201,10 @@ def _sorted_hinge_stats(
     # faster on CPU than a comparison and a conversion)
     is_pos = pos if binary else pos.clamp_max(1.0)
     is_neg = neg if binary else neg.clamp_max(1.0)
-    keys = _ordered_int(
+    # integers ordered like the floats, lowest bit cleared for the type bit
+    keys = ordered_bits(
         torch.addcmul(ed, is_pos, torch.as_tensor(m, dtype=e.dtype, device=e.device))
-    )
+    ).bitwise_and_(~1)
     keys = keys.bitwise_or_(is_neg.to(keys.dtype))
     top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
     if binary and diagonal is not None:
@@ -101,7 +226,7 @@ def _sorted_hinge_stats(
     coef = wp.mul_(before)
     count = coef.sum(-1)
     coef = coef.sub_(wn.mul_(after))
-    coef = _checks.scatter_(torch.zeros_like(ed), order, coef)  # back to column order
+    coef = scatter_(torch.zeros_like(ed), order, coef)  # back to column order
     hinge = (e * coef).sum(-1) + count * margin
     return hinge, count
 
@@ -215,16 +340,6 @@ def _same_source(a: tuple, b: tuple) -> bool:
     return all(x is y for x, y in zip(a[1:], b[1:], strict=True))
 
 
-def _select_rows(select, rows):
-    """A miner's triplet selection restricted to the anchor ``rows`` of a chunk."""
-    if rows is None:
-        return select
-    r0, r1 = rows
-    if isinstance(select, TripletMask):
-        return TripletMask(select.mask[r0:r1])
-    return select._replace(e=select.e[r0:r1], pos=select.pos[r0:r1], neg=select.neg[r0:r1])
-
-
 @dataclass(frozen=True, eq=False)
 class AllTriplets(Terms):
     """All triplets ``(a, p, n)`` with pair weights ``pos[a, p]·neg[a, n]``, never enumerated;
@@ -269,8 +384,7 @@ class AllTriplets(Terms):
             return _sorted_hinge_stats(
                 self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
-        m = self.e.shape[-1]
-        chunk = max(1, _CUBE_BLOCK // max(1, m * m))
+        chunk = cube_chunk(self.e.shape[-1])
         margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
         lo = None if low is None else torch.as_tensor(low, dtype=self.e.dtype, device=self.e.device)
         hi = (
@@ -307,151 +421,389 @@ class AllTriplets(Terms):
         return {"losses": losses, "weights": weights, "kind": self.kind}
 
 
-def triplet_margin(
+def margin(
+    embeddings: Tensor,
+    labels: Tensor | None = None,
+    params: dict[str, Tensor] | None = None,
+    *,
+    margin: float | Tensor = 0.2,
+    nu: float | Tensor = 0.0,
+    beta: float | Tensor = 1.2,
+    triplets_per_anchor: str = "all",
+    **inputs: Unpack[BatchInputs],
+) -> Tensor:
+    r"""Margin loss: positives inside, negatives outside a (learnable) boundary ``β``.
+
+    For every triplet ``(a, p, n)``, with distance ``d`` (a similarity flips the signs, as PML's
+    ``distance.margin``), margin ``α`` and boundary ``β_a``:
+
+    .. math::
+        \ell_{apn} = [d_{ap} - β_a + α]_+ + [β_a - d_{an} + α]_+
+
+    The default ``divisor()`` reducer divides the sum over triplets by the number of non-zero
+    parts, ``#{[d_ap − β + α]_+ > 0} + #{[β − d_an + α]_+ > 0}`` over triplets (PML's divisor).
+    Triplets are never built: the positive part depends on ``(a, p)`` only and the negative part
+    on ``(a, n)`` only, so each pair enters weighted by the number of triplets holding it
+    (``O(B·M)``; a ``threshold``/``avg_nonzero`` window is counted per anchor by one sort of
+    the negative parts and a binary search per positive, ``O(B·M log M)``). Given pairs
+    ``(a1, p, a2, n)`` form the triplets that share an anchor (PML's ``convert_to_triplets``);
+    given triplets are used as listed.
+
+    Learnable ``β`` (PML's ``learn_beta=True``): pass ``params`` from :func:`margin_init`.
+    ``params["beta"]`` of shape ``(1,)`` is one boundary, and ``ν·β`` is added to the loss (an
+    already-reduced sub-loss ``beta_reg_loss``);
+    of shape ``(C,)`` (PML's ``num_classes=C``) the anchor's class picks ``β_a``, and the
+    sub-loss ``beta_reg_loss`` of per-triplet terms ``ν·β_a`` is reduced like the margin loss
+    (default: divided by the same divisor). Without ``params`` (``learn_beta=False``), ``β`` is
+    the fixed ``beta`` and there is no regularisation term. As in PML, no triplet at all gives 0
+    (regularisation included). PML keeps ``β`` in a float32 tensor (so its ``1.2`` is
+    ``1.2000000477`` against float64 inputs); pmlfunc uses the number given.
+
+    ``triplets_per_anchor`` must be ``"all"`` when triplets come from the labels (PML's random
+    sampling needs an explicit generator; use a miner such as ``pf.miners.triplet_margin`` with
+    ``tuples_per_anchor`` instead). Not chunkable with ``params`` or the default ``divisor()``.
+
+    A :class:`~pmlfunc.tuples.TripletWindow` or :class:`~pmlfunc.tuples.TripletMask` miner
+    result as ``indices_tuple`` works with the ``divisor()``, ``mean()``, ``sum()``,
+    ``class_weighted`` and ``per_anchor`` reducers.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        params: ``{"beta": (1,) or (C,)}`` from :func:`margin_init`, or ``None`` (fixed ``beta``).
+        margin: ``α`` (default ``0.2``).
+        nu: regularisation weight ``ν`` of a learnable ``β`` (default ``0``).
+        beta: the fixed boundary when ``params`` is ``None`` (default ``1.2``).
+        triplets_per_anchor: ``"all"`` (default; the only supported value without a tuple).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``lp()``; ``reducer``: default ``divisor()``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> params = pf.losses.margin_init(beta=1.2, num_classes=4)
+        >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = pf.losses.margin(emb, labels, params, margin=0.2, nu=0.01)
+
+    Reference: Wu et al., "Sampling Matters in Deep Embedding Learning", ICCV 2017.
+    """
+    return _MARGIN(  # the hyper-parameter ``margin`` shadows the function's own name here
+        embeddings,
+        labels,
+        inputs,
+        params=params,
+        margin=margin,
+        nu=nu,
+        beta=beta,
+        triplets_per_anchor=triplets_per_anchor,
+    )
+
+
+def margin_init(
+    beta: float = 1.2,
+    num_classes: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    r"""Parameters of :func:`margin` with a learnable boundary: ``{"beta": (C,)}``.
+
+    PML's ``initialize_beta``: one value ``beta`` (``num_classes=None``, shape ``(1,)``) or one
+    per class (shape ``(num_classes,)``), all equal to ``beta``.
+
+    Example:
+        >>> pf.losses.margin_init(1.2, num_classes=3)["beta"]
+        tensor([1.2000, 1.2000, 1.2000])
+    """
+    beta = _checks.number(beta, "beta")
+    size = 1 if num_classes is None else _checks.integer(num_classes, "num_classes")
+    return {"beta": torch.full((size,), beta, dtype=dtype, device=device)}
+
+
+def _beta_param(params: object, embeddings: Tensor) -> Tensor:
+    if not isinstance(params, dict):
+        raise TypeError(
+            f"params must be a dict of tensors (from margin_init), got {type(params).__name__}"
+        )
+    if "beta" not in params:
+        raise ValueError(f"params has no 'beta' entry (keys: {sorted(params)})")
+    b = params["beta"]
+    if not isinstance(b, Tensor) or not b.dtype.is_floating_point:
+        raise TypeError("params['beta'] must be a floating-point tensor")
+    if b.ndim != 1 or b.shape[0] == 0:
+        raise ValueError(
+            f"params['beta'] must have shape (1,) or (num_classes,), got {tuple(b.shape)}"
+        )
+    if b.device != embeddings.device:
+        raise ValueError(
+            f"params['beta'] is on {b.device} but embeddings are on {embeddings.device}"
+        )
+    return b
+
+
+@batch_loss(
+    margin,
+    distance=lp(),
+    reducer=divisor(),
+    unchunkable_with={
+        "params": "a learnable beta adds an already-reduced (or divisor-scaled) regularisation term"
+    },
+)
+def _margin_terms(
+    batch: Batch, *, params, margin, nu, beta, triplets_per_anchor
+) -> dict[str, Terms]:
+    """The margin loss's terms and, for a learnable ``β``, its regularisation ``ν·β``."""
+    if triplets_per_anchor != "all" and batch.indices_tuple is None:
+        raise ValueError(
+            f'triplets_per_anchor must be "all" (got {triplets_per_anchor!r}); for a random '
+            "subset of triplets pass a miner's result (e.g. pf.miners.triplet_margin(..., "
+            "tuples_per_anchor=k)) as indices_tuple"
+        )
+    alpha = _checks.hyper(margin, "margin")
+    nu = _checks.hyper(nu, "nu")
+    s = batch.distance.sign()
+    beta_v, per_class = _boundary(batch, params, beta)
+    listed = as_triplets(batch.indices_tuple)
+    if listed is not None:
+        t = listed.for_rows(batch.rows)
+        a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
+        d_ap, d_an = batch.pair_values(a, p), batch.pair_values(a, n)
+        w = t.valid.to(d_ap.dtype)
+        b_t = beta_v[a] if per_class else beta_v
+        pos_l, neg_l = _margin_parts(d_ap, d_an, b_t, alpha, s)
+        div = w @ (pos_l > 0).to(w.dtype) + w @ (neg_l > 0).to(w.dtype)
+        rows = batch.num_anchors
+        terms: dict[str, Terms] = {
+            "margin_loss": DenseTerms(
+                pos_l + neg_l, w, "triplet", rows, anchor_index=a, divisor=div
+            )
+        }
+        if params is not None and per_class:
+            reg = b_t * scalar_like(nu, b_t)
+            terms["beta_reg_loss"] = DenseTerms(
+                reg, w, "element", rows, anchor_index=a, divisor=div
+            )
+        any_triplet = w.sum() > 0
+    else:
+        d, it = batch.mat, batch.indices_tuple
+        pos, neg = batch.masks
+        b_col = beta_v.unsqueeze(-1) if per_class else beta_v
+        pos_l, neg_l = _margin_parts(d, d, b_col, alpha, s)
+        product = not isinstance(it, (TripletWindow, TripletMask))
+        if product:  # labels, pairs (a1, p, a2, n), MinedPairs: all (a, p) × (a, n)
+            n_pos, n_neg = pos.sum(-1), neg.sum(-1)
+            wp, wn, total = pos * n_neg.unsqueeze(-1), neg * n_pos.unsqueeze(-1), n_pos * n_neg
+        else:  # a triplet selection: its pair counts are the triplet multiplicities
+            wp, wn, total = pos, neg, pos.sum(-1)
+        div = wp.reshape(-1) @ (pos_l > 0).to(wp.dtype).reshape(-1)
+        div = div + wn.reshape(-1) @ (neg_l > 0).to(wn.dtype).reshape(-1)
+        select = None if product else it
+        terms = {"margin_loss": _MarginTerms(pos_l, neg_l, pos, neg, wp, wn, total, select, div)}
+        if params is not None and per_class:
+            reg = beta_v * scalar_like(nu, beta_v)
+            terms["beta_reg_loss"] = DenseTerms(
+                reg, total, "element", batch.num_anchors, divisor=div
+            )
+        any_triplet = total.sum() > 0
+    if params is not None and not per_class:  # one boundary: ν·β, already reduced
+        reg = beta_v * scalar_like(nu, beta_v)
+        terms["beta_reg_loss"] = AlreadyReduced(
+            torch.where(any_triplet, reg, torch.zeros_like(reg))
+        )
+    return terms
+
+
+_MARGIN = margin.spec
+
+
+def _boundary(batch: Batch, params, beta) -> tuple[float | Tensor, bool]:
+    """``(β, per_class)``: the fixed ``beta`` (no ``params``), the one learnable value, or
+    ``(B,)`` per anchor row, its class's value (``per_class``)."""
+    if params is None:
+        beta_v = _checks.hyper(beta, "beta")
+        if isinstance(beta_v, Tensor):
+            beta_v = beta_v.to(dtype=batch.dtype, device=batch.embeddings.device)
+        return beta_v, False
+    b = _beta_param(params, batch.embeddings).to(batch.dtype)
+    if b.shape[0] == 1:
+        return b[0], False
+    if batch.labels is None:
+        raise ValueError("params['beta'] with one value per class needs labels")
+    _params.class_labels(batch.all_labels, b.shape[0])
+    return b[batch.labels.long()], True
+
+
+def _margin_parts(d_ap, d_an, beta_, alpha, s: float) -> tuple[Tensor, Tensor]:
+    """``([s(d_ap − β) + α]_+, [s(β − d_an) + α]_+)`` (PML's ``distance.margin``)."""
+    m = scalar_like(alpha, d_ap)
+    pos_l = F.relu(s * (d_ap - beta_) + m)
+    neg_l = F.relu(s * (beta_ - d_an) + m)
+    return pos_l, neg_l
+
+
+@dataclass(frozen=True, eq=False)
+class _MarginTerms(Terms):
+    """Margin-loss triplets ``(a, p, n)`` with loss ``u_ap + v_an``, never enumerated.
+
+    ``wp``/``wn`` are the pairs' triplet multiplicities and ``total`` each anchor's number of
+    triplets. ``select is None``: the triplets are all ``(a, p) × (a, n)`` with weights
+    ``pos_ap·neg_an`` (a product, so a value window is counted by sorting); otherwise a miner's
+    triplet selection (no value windows)."""
+
+    u: Tensor  # (B, M) positive parts
+    v: Tensor  # (B, M) negative parts
+    pos: Tensor
+    neg: Tensor
+    wp: Tensor
+    wn: Tensor
+    total: Tensor
+    select: Any
+    divisor: Tensor | None = None
+    kind: str = "triplet"
+
+    @property
+    def num_anchors(self) -> int:  # type: ignore[override]
+        return self.u.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.u.device
+
+    def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
+        if low is None and high is None:
+            return (self.wp * self.u).sum(-1) + (self.wn * self.v).sum(-1), self.total
+        if self.select is not None:
+            raise ValueError(
+                "margin with a TripletWindow/TripletMask miner result supports the divisor(), "
+                "mean(), sum(), class_weighted() and per_anchor() reducers, not a value window "
+                "(avg_nonzero/threshold); pass tuples_per_anchor to the miner instead"
+            )
+        return _pair_sum_window(self.u, self.pos, self.v, self.neg, low, high)
+
+    def dense(self) -> dict[str, Any]:
+        losses = self.u.unsqueeze(-1) + self.v.unsqueeze(-2)
+        if self.select is None:
+            weights = self.pos.unsqueeze(-1) * self.neg.unsqueeze(-2)
+        else:
+            weights = self.select.select(0, self.u.shape[-2]).to(losses.dtype)
+        return {"losses": losses, "weights": weights, "kind": self.kind}
+
+
+def _pair_sum_window(
+    u: Tensor, cu: Tensor, v: Tensor, cv: Tensor, low: Bound, high: Bound
+) -> tuple[Tensor, Tensor]:
+    r"""Per row ``(Σ_{p,n} cu_p cv_n (u_p + v_n), Σ cu_p cv_n)`` over ``low < u_p + v_n < high``.
+
+    One sort of each row's ``v``, prefix sums of ``cv`` and ``cv·v``, and a binary search per
+    ``p`` for ``low − u_p < v_n < high − u_p``: ``O(B·M log M)``, never the ``(B, M, M)`` cube.
+    The sort and the search carry no gradient; the values flow through the gathered sums.
+    """
+    vs, order = v.detach().sort(-1)
+    cvs = cv.gather(-1, order)
+    vals = v.gather(-1, order)
+    zero = torch.zeros_like(cvs[..., :1])
+    cum_w = torch.cat([zero, cvs.cumsum(-1)], -1)
+    cum_s = torch.cat([zero, (cvs * vals).cumsum(-1)], -1)
+    ud = u.detach()
+    m = v.shape[-1]
+    if low is None:
+        lo = torch.zeros_like(ud, dtype=torch.long)
+    else:
+        lo = torch.searchsorted(vs, torch.rsub(ud, low).contiguous(), right=True)
+    if high is None:
+        hi = torch.full_like(ud, m, dtype=torch.long)
+    else:
+        hi = torch.searchsorted(vs, torch.rsub(ud, high).contiguous(), right=False)
+    hi = torch.maximum(hi, lo)
+    cnt = cum_w.gather(-1, hi) - cum_w.gather(-1, lo)
+    sv = cum_s.gather(-1, hi) - cum_s.gather(-1, lo)
+    count = (cu * cnt).sum(-1)
+    total = (cu * (u * cnt + sv)).sum(-1)
+    return total, count
+
+
+def selectively_contrastive_triplet(
     embeddings: Tensor,
     labels: Tensor | None = None,
     *,
-    margin: float | Tensor = 0.2,
-    swap: bool = False,
-    smooth_loss: bool = False,
-    distance: Distance | None = None,
-    reducer: Reducer | None = None,
-    ref_emb: Tensor | None = None,
-    ref_labels: Tensor | None = None,
-    indices_tuple=None,
-    mat: Tensor | None = None,
-    embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
-    embedding_reg_weight: float | Tensor = 1.0,
+    temperature: float | Tensor = 0.1,
+    penalty: float | Tensor = 1.0,
+    hard_cutoff: float | Tensor | None = None,
+    **inputs: Unpack[BatchInputs],
 ) -> Tensor:
-    r"""Triplet margin loss over all triplets (or the given ones).
+    r"""Selectively contrastive triplet loss: hard negatives are only pushed away.
 
-    With ``e`` the distance (a similarity enters as ``-s``) and margin ``m``:
+    Per anchor ``a``, with similarity ``s`` (a distance enters as ``-d``): the easiest positive
+    ``p = argmax_{p ∈ P(a)} s_ap`` and the hardest negative ``n = argmax_{n ∈ N(a)} s_an`` form
+    one triplet (the selection is not differentiated), whose loss is
 
     .. math::
-        \ell_{apn} = [e_{ap} - e_{an} + m]_+ \quad(\text{smooth\_loss: } \log(1 + e^{e_{ap} - e_{an} + m}))
+        \ell_a = \begin{cases}
+            λ\, s_{an} & \text{if } s_{an} > s_{ap}\ (\text{or } s_{an} > c) \\
+            -\log \dfrac{e^{s_{ap}/τ}}{e^{s_{ap}/τ} + e^{s_{an}/τ}}
+                = \log\big(1 + e^{(s_{an} - s_{ap})/τ}\big) & \text{otherwise}
+        \end{cases}
 
-    over every triplet with ``label(p) = label(a) ≠ label(n)`` (``p ≠ a`` in self mode), or over
-    the triplets of ``indices_tuple`` (PML pairs ``(a1, p, a2, n)`` become the triplets that
-    share an anchor, weighted by multiplicity, as in PML). ``swap=True`` replaces ``e_an`` by
-    ``min(e_an, e_pn)``.
+    with ``λ = penalty``, ``τ = temperature`` and the optional cut-off ``c = hard_cutoff``. The
+    first case (the paper's selectively contrastive ``L_SC``) lowers only the hard negative's similarity and
+    leaves the positive alone; the second is the NCA triplet loss. Anchors without a positive or
+    a negative have no triplet. The default reducer averages over the anchors that have one,
+    which is the authors' ``(L_easy + λ·L_hard) / (N_easy + N_hard)``.
 
-    All-triplet hinge losses are counted and summed without enumerating triplets (see the module
-    docstring); ``smooth_loss``, ``swap`` and ``threshold`` reducers use an exact anchor-chunked
-    O(B·M²) evaluation.
+    Differences from the authors' code (``SCTLoss``): their ``0.8`` cut-off is ``hard_cutoff=0.8``
+    here (the paper's rule, ``None``, is the default); they skip positives with ``s > 0.9999``
+    (duplicate images) and triplets whose mined similarity is exactly ±1; here every positive
+    and every triplet counts (drop duplicates from the batch, or pass an ``indices_tuple``).
+    An ``indices_tuple`` restricts the candidate positives and negatives to the listed pairs.
 
     Args:
-        embeddings, labels, ref_emb, ref_labels, indices_tuple, mat: as in
-            :func:`pmlfunc.losses.contrastive`.
-        margin: default ``0.2`` (PML 3's default; PML 2.9.0 used 0.05).
-        swap: use the positive–negative distance when it violates the margin more.
-        smooth_loss: softplus instead of the hinge.
-        distance: default ``lp()``.
-        reducer: default ``avg_nonzero()`` over triplets.
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
+        temperature: ``τ > 0`` of the NCA term (default ``0.1``, the authors').
+        penalty: ``λ``, the weight of the hard-negative term (default ``1``).
+        hard_cutoff: also treat a triplet as hard when ``s_an > hard_cutoff`` (default ``None``).
+        **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
+            default ``cosine()``; ``reducer``: default ``mean()`` over anchors with a triplet.
 
     Returns:
         0-d tensor in ``embeddings.dtype``.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-        >>> loss = triplet_margin(emb, labels, margin=0.2)
+        >>> loss = pf.losses.selectively_contrastive_triplet(emb, labels, penalty=1.0)
 
-    Reference: Weinberger, Saul, "Distance Metric Learning for Large Margin Nearest Neighbor
-    Classification", JMLR 2009; Schroff et al., "FaceNet", CVPR 2015 (swap: Balntas et al.,
-    "Learning local feature descriptors with triplets and shallow convolutional neural networks",
-    BMVC 2016).
+    Reference: Xuan, Stylianou, Liu, Pless, "Hard Negative Examples are Hard, but Useful",
+    ECCV 2020.
     """
-    return run(
-        TRIPLET_MARGIN,
+    return selectively_contrastive_triplet.spec(
         embeddings,
         labels,
-        ref_emb,
-        ref_labels,
-        indices_tuple,
-        mat,
-        distance,
-        reducer,
-        embedding_regularizer=embedding_regularizer,
-        embedding_reg_weight=embedding_reg_weight,
-        margin=margin,
-        swap=swap,
-        smooth_loss=smooth_loss,
+        inputs,
+        temperature=temperature,
+        penalty=penalty,
+        hard_cutoff=hard_cutoff,
     )
 
 
-def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[str, Terms]:
-    margin = _checks.hyper(margin, "margin")
-    swap, smooth_loss = bool(swap), bool(smooth_loss)
-    sign = batch.distance.sign()
-    it = batch.indices_tuple
-    if it is not None and not is_mined(it) and len(it) == 3:  # a PML triplet tuple
-        a, p, n = (t.long() for t in it)
-        it = MinedTriplets(a, p, n, torch.ones(a.shape, device=a.device))
-    if isinstance(it, MinedTriplets):
-        a, p, n = it.anchors.long(), it.positives.long(), it.negatives.long()
-        weights = it.valid
-        if batch.rows is not None:  # a chunk: the triplets of its own anchors
-            r0, r1 = batch.rows
-            weights = weights * ((a >= r0) & (a < r1)).to(weights.dtype)
-            a = (a - r0).clamp(0, r1 - r0 - 1)
-        # only the listed pairs' distances: O(L·D), not the B × M matrix
-        e_ap, e_an = sign * batch.pair_values(a, p), sign * batch.pair_values(a, n)
-        if swap:
-            if batch.ref_emb is not None:
-                e_pn = sign * batch.distance.pairs(batch.ref_emb[p], batch.ref_emb[n])
-            else:
-                e_pn = sign * batch.pair_values(p, n)
-            e_an = torch.minimum(e_an, e_pn)
-        x = e_ap - e_an + scalar_like(margin, e_ap)
-        losses = F.softplus(x) if smooth_loss else F.relu(x)
-        weights = weights.to(losses.dtype)
-        terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
-        return {"loss": terms}
-    e = sign * batch.mat
-    margin = scalar_like(margin, e)
-    e_pn = _ref_self(batch, sign) if swap and batch.ref_emb is not None else None
-    swap_self = swap and batch.ref_emb is None
-    if isinstance(it, (TripletWindow, TripletMask)):
-        # the miner's own label masks (the batch's masks hold its pair multiplicities)
-        select = _select_rows(it, batch.rows)
-        if isinstance(it, TripletWindow):
-            pos, neg = select.pos.to(e.dtype), select.neg.to(e.dtype)
-        else:
-            pos = neg = torch.ones_like(e)
-        fast = (
-            isinstance(it, TripletWindow)
-            and batch.rows is None
-            and _same_source(it.source, batch.source)
-        )
-        terms = AllTriplets(
-            e, pos, neg, margin, smooth_loss, e_pn, swap_self, select=select, fast_window=fast
-        )
-        return {"loss": terms}
-    terms = AllTriplets(
-        e,
-        batch.masks.pos,
-        batch.masks.neg,
-        margin,
-        smooth_loss,
-        e_pn,
-        swap_self,
-        binary=not batch.counts,
-        diagonal=batch.diagonal,
-    )
-    return {"loss": terms}
-
-
-def _triplet_unchunkable(*, swap, **_) -> str | None:
-    if swap:
-        return "swap=True compares each positive with each negative (rows of other anchors)"
-    return None
-
-
-TRIPLET_MARGIN = LossSpec(
-    "triplet_margin", _triplet_margin_terms, lp(), avg_nonzero(), _triplet_unchunkable
-)
-register(triplet_margin, TRIPLET_MARGIN)
-
-
-def _ref_self(batch, sign: float) -> Tensor:
-    """``e`` between reference rows (for swap with a separate reference set)."""
-    return sign * batch.distance.matrix(batch.ref_emb)
+@batch_loss(selectively_contrastive_triplet, distance=cosine(), reducer=mean())
+def _sct_terms(batch: Batch, *, temperature, penalty, hard_cutoff) -> dict[str, Terms]:
+    temperature = _checks.hyper(temperature, "temperature", positive=True)
+    penalty = _checks.hyper(penalty, "penalty")
+    if hard_cutoff is not None:
+        hard_cutoff = _checks.hyper(hard_cutoff, "hard_cutoff")
+    s = batch.similarity()
+    pos, neg = batch.masks
+    keep_p, keep_n = (pos > 0).to(s.dtype), (neg > 0).to(s.dtype)
+    sd = s.detach()
+    ip = masked(sd, keep_p).argmax(-1, keepdim=True)
+    i_n = masked(sd, keep_n).argmax(-1, keepdim=True)
+    s_ap = s.gather(-1, ip).squeeze(-1)
+    s_an = s.gather(-1, i_n).squeeze(-1)
+    valid = keep_p.amax(-1) * keep_n.amax(-1)
+    hard = s_an.detach() > s_ap.detach()
+    if hard_cutoff is not None:
+        hard = hard | (s_an.detach() > scalar_like(hard_cutoff, s))
+    nca = F.softplus((s_an - s_ap) / scalar_like(temperature, s))
+    losses = torch.where(hard, scalar_like(penalty, s) * s_an, nca)
+    return {"loss": DenseTerms(losses, valid, "triplet", batch.num_anchors)}

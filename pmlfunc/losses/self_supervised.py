@@ -1,0 +1,119 @@
+"""Self-supervised losses of two views of a batch, without labels.
+
+| function | what it is | PML |
+|---|---|---|
+| :func:`vicreg` | invariance + variance + covariance of two views | ``VICRegLoss`` |
+
+The contrastive self-supervised objectives (NT-Xent/SimCLR, DCL) are softmax losses
+(:mod:`pmlfunc.losses.softmax`): with ``labels`` the sample index, both views of a sample are a
+positive pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .._ops import scalar_like
+from ..reducers import AlreadyReduced, Reducer, elements, mean, reduce
+
+__all__ = ["vicreg"]
+
+
+def vicreg(
+    embeddings: Tensor,
+    ref_emb: Tensor,
+    *,
+    invariance_lambda: float | Tensor = 25.0,
+    variance_mu: float | Tensor = 25.0,
+    covariance_v: float | Tensor = 1.0,
+    eps: float | Tensor = 1e-4,
+    reducer: Reducer | None = None,
+) -> Tensor:
+    r"""VICReg: variance-invariance-covariance regularisation of two views of a batch.
+
+    For two views ``Z = embeddings`` and ``Z' = ref_emb`` (``B × D``, row ``i`` of each is the
+    same sample), with ``Var`` the unbiased variance over the batch and ``C(Z)`` the unbiased
+    ``D × D`` covariance matrix:
+
+    .. math::
+        L = \lambda\, R\Big(\big\{\tfrac{1}{D}\lVert z_i - z'_i\rVert^2\big\}_i\Big)
+          + \mu\, R\Big(\big\{\tfrac12 [1 - \sqrt{\mathrm{Var}(Z_{:,d}) + ε}]_+\big\}_d\Big)
+          + \mu\, R\Big(\big\{\tfrac12 [1 - \sqrt{\mathrm{Var}(Z'_{:,d}) + ε}]_+\big\}_d\Big)
+          + \nu\, \frac{1}{D}\sum_{d \ne e} \big(C(Z)_{de}^2 + C(Z')_{de}^2\big)
+
+    ``R`` is the reducer, applied to each of the first three sub-losses (``invariance_loss``,
+    ``variance_loss1``, ``variance_loss2``); the covariance term is already reduced and is added
+    as it is, whatever the reducer (as in PML). There are no labels, pairs or distance: PML's
+    ``VICRegLoss`` rejects them too. The covariance term costs one ``D × D`` matrix per view.
+
+    Args:
+        embeddings: ``(B, D)`` float tensor, the first view (``B ≥ 2``: the variance is unbiased).
+        ref_emb: ``(B, D)`` float tensor, the second view, row-aligned with ``embeddings``
+            (PML: ``loss_fn(embeddings, ref_emb=ref_emb)``).
+        invariance_lambda: weight λ of the invariance term (default ``25``).
+        variance_mu: weight μ of the variance terms (default ``25``).
+        covariance_v: weight ν of the covariance term (default ``1``).
+        eps: ``ε`` added to the variance under the square root (default ``1e-4``).
+        reducer: default ``mean()``.
+
+    Returns:
+        0-d tensor in ``embeddings.dtype``.
+
+    Example:
+        >>> z1, z2 = torch.randn(8, 4), torch.randn(8, 4)
+        >>> loss = pf.losses.vicreg(z1, z2, invariance_lambda=25.0)
+
+    Reference: Bardes, Ponce, LeCun, "VICReg: Variance-Invariance-Covariance Regularization for
+    Self-Supervised Learning", ICLR 2022.
+    """
+    _checks.embeddings(embeddings)
+    if ref_emb is None:
+        raise ValueError("vicreg needs ref_emb: the second view of the batch, row-aligned")
+    _checks.embeddings(ref_emb, "ref_emb")
+    _checks.same_space(embeddings, ref_emb)
+    if ref_emb.shape[0] != embeddings.shape[0]:
+        raise ValueError(
+            f"ref_emb must have as many rows as embeddings (two views of one batch), got "
+            f"{ref_emb.shape[0]} and {embeddings.shape[0]}"
+        )
+    if embeddings.shape[0] < 2:
+        raise ValueError("vicreg needs a batch of at least 2 rows (the variance is unbiased)")
+    lam = _checks.hyper(invariance_lambda, "invariance_lambda")
+    mu = _checks.hyper(variance_mu, "variance_mu")
+    nu = _checks.hyper(covariance_v, "covariance_v")
+    eps = _checks.hyper(eps, "eps", nonnegative=True)
+    reducer = mean() if reducer is None else reducer
+    cd = _checks.compute_dtype(embeddings.dtype)
+    x, y = embeddings.to(cd), ref_emb.to(cd)
+    lam, mu, nu, eps = (scalar_like(v, x) for v in (lam, mu, nu, eps))
+    diff = x - y
+    invariance = (diff * diff).mean(-1)
+    covariance = nu * (_off_diagonal_cov_sq(x) + _off_diagonal_cov_sq(y)) / x.shape[1]
+    terms = {
+        "invariance_loss": elements(lam * invariance),
+        "variance_loss1": elements(mu * _variance_hinge(x, eps)),
+        "variance_loss2": elements(mu * _variance_hinge(y, eps)),
+        "covariance_loss": AlreadyReduced(covariance),  # added as it is, whatever the reducer
+    }
+    return reduce(reducer, terms, None, embeddings.dtype)
+
+
+def _variance_hinge(x: Tensor, eps: float | Tensor) -> Tensor:
+    """Per column ``[1 − √(Var + ε)]₊ / 2`` (unbiased variance over the rows)."""
+    std = torch.sqrt(x.var(dim=0) + eps)
+    return F.relu(1.0 - std) / 2
+
+
+def _off_diagonal_cov_sq(x: Tensor) -> Tensor:
+    """``Σ_{d≠e} C_de²`` of the unbiased covariance ``C`` of the columns of ``x``.
+
+    The diagonal is subtracted before squaring (not ``‖C‖² − Σ C_dd²``, which cancels when the
+    features are nearly decorrelated: the regime VICReg drives them to).
+    """
+    xc = x - x.mean(dim=0)
+    cov = (xc.t() @ xc) / (x.shape[0] - 1)
+    off = cov - torch.diag_embed(cov.diagonal())
+    return (off * off).sum()
