@@ -3,6 +3,7 @@ broken links and anchors, docstrings griffe cannot parse, API objects that canno
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,15 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "site" / "api" / "losses" / "index.html").is_file()
+
+
+def test_readme_lists_exactly_the_chunkable_losses():
+    """The README's list of chunkable losses is the registry's (the docs page generates its
+    table from the same specs, ``docs/_hooks/generated_tables.py``)."""
+    import pmlfunc as pf
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| `pf.chunked`"))
+    listed = row.split("`pf.chunked.chunkable()`:", 1)[1].split(";", 1)[0]
+    names = tuple(re.findall(r"`(\w+)`", listed))
+    assert names == pf.chunked.chunkable()
