@@ -1,7 +1,9 @@
 """Input validation shared by every public function.
 
-Checks look at shapes, dtypes and devices only (never at values), so they cost nothing under
-``torch.compile`` and never synchronise with the host. Each error names the argument.
+Checks look at shapes, dtypes and devices (never at values), so they cost nothing under
+``torch.compile`` and never synchronise with the host; the one exception, :func:`index`, reads
+index values only in eager mode on CPU and asserts on the device elsewhere. Each error names the
+argument and what was expected.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import numbers
 
 import torch
 from torch import Tensor
+
+from ._ops import inside_transform
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -36,8 +40,15 @@ def embeddings(x: object, name: str = "embeddings") -> Tensor:
     return x
 
 
-def labels(y: object, batch_size: int, device: torch.device, name: str = "labels") -> Tensor:
-    """Validate a 1-D integer label vector of length ``batch_size`` on ``device``."""
+def labels(
+    y: object,
+    batch_size: int,
+    device: torch.device,
+    name: str = "labels",
+    rows_of: str = "embeddings",
+) -> Tensor:
+    """Validate a 1-D integer label vector on ``device``, one label per row of ``rows_of``
+    (``batch_size`` rows)."""
     if not isinstance(y, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of integer class ids, got {type(y).__name__}"
@@ -47,10 +58,38 @@ def labels(y: object, batch_size: int, device: torch.device, name: str = "labels
     if y.ndim != 1:
         raise ValueError(f"{name} must be 1-D of shape (batch_size,), got shape {tuple(y.shape)}")
     if y.shape[0] != batch_size:
-        raise ValueError(f"{name} has length {y.shape[0]} but there are {batch_size} embeddings")
+        raise ValueError(
+            f"{name} has length {y.shape[0]} but {rows_of} has {batch_size} rows (one label per row)"
+        )
     if y.device != device:
-        raise ValueError(f"{name} is on {y.device} but the embeddings are on {device}")
+        raise ValueError(f"{name} is on {y.device} but {rows_of} is on {device}")
     return y
+
+
+def index(t: Tensor, size: int, name: str) -> Tensor:
+    """Integer indices into ``size`` rows, negative ones wrapped (Python's and PML's rule:
+    ``-1`` is the last row), after checking ``−size ≤ t < size``.
+
+    The check reads values, so it runs where that costs nothing and cannot break a trace: in
+    eager mode on CPU it raises an ``IndexError`` naming ``name``, the first offending position
+    and the valid range. On CUDA and under ``torch.compile`` it is a device-side assert
+    (``torch._assert_async``: no host sync; a ``RuntimeError`` when it fires). Inside
+    ``torch.func`` transforms (no batching rule for the assert) it is not checked.
+    """
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 index tensor, got {t.dtype}")
+    if not inside_transform() and t.numel() > 0:
+        inside = (t >= -size) & (t < size)
+        if t.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not bool(inside.all()):
+                pos = int((~inside).nonzero()[0, 0])
+                raise IndexError(
+                    f"{name}[{pos}] = {int(t[pos])} is out of range for {size} rows "
+                    f"(valid: -{size} <= index < {size})"
+                )
+        elif t.device.type != "meta":
+            torch._assert_async(inside.all(), f"{name}: an index is out of range for {size} rows")
+    return torch.where(t < 0, t + size, t)
 
 
 def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "embeddings") -> None:

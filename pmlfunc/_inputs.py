@@ -19,16 +19,16 @@ def validate(
     ref_emb: Tensor | None = None,
     ref_labels: Tensor | None = None,
     indices_tuple=None,
-) -> None:
-    """Check a loss's or a miner's inputs (shapes, dtypes, devices only; never values)."""
+):
+    """Check a loss's or a miner's inputs (shapes, dtypes, devices; index values as
+    :func:`~pmlfunc.tuples.check_tuple` does) and return ``indices_tuple`` ready to use: a PML
+    tuple with its negative indices wrapped, a miner's result as it is."""
     _checks.embeddings(embeddings)
     b = embeddings.shape[0]
     if labels is not None:
         _checks.labels(labels, b, embeddings.device)
     elif indices_tuple is None:
         raise ValueError("labels and indices_tuple cannot both be None")
-    if indices_tuple is not None and not is_mined(indices_tuple):
-        check_tuple(indices_tuple)
     if ref_emb is not None:
         _checks.embeddings(ref_emb, "ref_emb")
         _checks.same_space(embeddings, ref_emb)
@@ -39,9 +39,13 @@ def validate(
         if ref_labels is not None:
             if labels is None:
                 raise ValueError("ref_labels was given but labels is None")
-            _checks.labels(ref_labels, ref_emb.shape[0], embeddings.device, "ref_labels")
+            _checks.labels(ref_labels, ref_emb.shape[0], ref_emb.device, "ref_labels", "ref_emb")
     elif ref_labels is not None:
         raise ValueError("ref_labels was given without ref_emb")
+    if indices_tuple is not None and not is_mined(indices_tuple):
+        m = b if ref_emb is None else ref_emb.shape[0]
+        indices_tuple = check_tuple(indices_tuple, (b, m))
+    return indices_tuple
 
 
 def matrix(

@@ -8,7 +8,8 @@
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
-| :func:`scatter_` | ``buf.scatter_(-1, ...)`` in place where the transforms allow |
+| :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
+| :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
 
 Masks enter by arithmetic rather than ``where`` wherever a mask is scattered: on CPU a ``where``
 with a scattered mask is ~25× slower than a multiply-add.
@@ -20,7 +21,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "bin_floor",
     "cross_entropy",
+    "index_copy_",
+    "inside_transform",
     "masked",
     "masked_logsumexp",
     "ratio",
@@ -57,7 +61,9 @@ def row_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> Ten
     low = -torch.finfo(x.dtype).max
     buf = masked(x, keep)
     shift = buf.amax(-1, keepdim=True)
-    has_any = shift > low
+    # Empty rows (nothing kept, or only −inf) are −finfo.max; a NaN shift is not empty: it
+    # propagates, so that a non-finite input never reads as an empty row (a loss of 0).
+    has_any = ~(shift <= low)
     shift = torch.where(has_any, shift, 0.0)
     s = _exp_shifted_(buf, shift, weights).sum(-1, keepdim=True)
     lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
@@ -107,11 +113,21 @@ def masked_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> 
 
 
 def ratio(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` with 0 where ``den == 0`` (and a zero, not NaN, gradient there)."""
-    nonzero = den > 0
-    return torch.where(
-        nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num)
-    )
+    """``num / den`` with 0 where ``den == 0`` (and a zero, not NaN, gradient there).
+
+    Non-finite values are never read as an empty selection: a NaN ``den`` gives NaN, and where
+    ``den == 0`` the result is ``num · 0`` (0 for a finite ``num``, NaN for a non-finite one: a
+    sum over no selected terms that met a NaN term, weighted 0, is NaN).
+    """
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), num * 0)
+
+
+def bin_floor(t: Tensor, lo: int, hi: int) -> Tensor:
+    """``floor(t)`` clamped to ``[lo, hi]``, with NaN mapped to ``lo``: a valid histogram node
+    for every input, as a float tensor without gradient (turn it into indices with ``.long()``).
+    A non-finite ``t`` still reaches the loss through the interpolation weights it is used in."""
+    return torch.floor(t.detach()).nan_to_num(float(lo)).clamp(lo, hi)
 
 
 def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
@@ -146,6 +162,12 @@ except ImportError:  # pragma: no cover - a torch without it: always take the sa
         return 0
 
 
+def inside_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is running: its tensors
+    cannot be read on the host, and some ops lack batching rules."""
+    return _functorch_level() is not None
+
+
 def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:
     """``buf.scatter_(-1, index, src)`` in place when possible.
 
@@ -154,6 +176,14 @@ def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:
     mode and under ``torch.compile``, in place saves a copy of ``buf`` (on CPU, a fresh buffer's
     page faults cost more than the scatter itself).
     """
-    if torch.compiler.is_compiling() or _functorch_level() is None:
+    if torch.compiler.is_compiling() or not inside_transform():
         return buf.scatter_(-1, index, src)
     return buf.scatter(-1, index, src)
+
+
+def index_copy_(buf: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """``buf.index_copy_(dim, index, src)`` in place when possible (out of place inside
+    ``torch.func`` transforms, as :func:`scatter_`)."""
+    if torch.compiler.is_compiling() or not inside_transform():
+        return buf.index_copy_(dim, index, src)
+    return buf.index_copy(dim, index, src)

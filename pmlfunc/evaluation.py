@@ -248,7 +248,7 @@ def retrieval_metrics(
     separate = reference is not None
     reference, exclude = _resolve_sets(query, reference, exclude_self)
     device = query.device
-    query_labels = _checks.labels(query_labels, query.shape[0], device, "query_labels")
+    query_labels = _checks.labels(query_labels, query.shape[0], device, "query_labels", "query")
     if not separate:
         if reference_labels is not None:
             raise ValueError("reference_labels was given without reference")
@@ -257,7 +257,7 @@ def retrieval_metrics(
         raise ValueError("reference_labels is required when reference is given")
     else:
         reference_labels = _checks.labels(
-            reference_labels, reference.shape[0], device, "reference_labels"
+            reference_labels, reference.shape[0], device, "reference_labels", "reference"
         )
     if isinstance(recall_ks, (str, bytes)) or not isinstance(recall_ks, Sequence):
         raise TypeError(f"recall_ks must be a sequence of positive ints, got {recall_ks!r}")

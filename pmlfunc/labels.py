@@ -74,8 +74,8 @@ def tuple_masks(
     """Pair-count masks from a PML index tuple: pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``
     (a triplet tuple contributes its ``(a, p)`` and ``(a, n)`` pairs, as PML's ``convert_to_pairs``).
 
-    Indices are not range-checked here (that would need a host sync); out-of-range indices raise
-    inside ``index_add`` in eager mode.
+    Indices are range-checked and negative ones wrapped by
+    :func:`~pmlfunc.tuples.check_tuple`.
 
     Example:
         >>> a, p, n = torch.tensor([0]), torch.tensor([1]), torch.tensor([2])
@@ -84,7 +84,7 @@ def tuple_masks(
                 [0., 0., 0.],
                 [0., 0., 0.]])
     """
-    t = check_tuple(indices_tuple)
+    t = check_tuple(indices_tuple, shape)
     if device is None:
         device = t[0].device
     a1, p, a2, n = (t[0], t[1], t[0], t[2]) if len(t) == 3 else t

@@ -17,6 +17,8 @@ import optree
 import torch
 from torch import Tensor
 
+from ._ops import inside_transform
+
 __all__ = [
     "check",
     "class_labels",
@@ -80,7 +82,7 @@ def class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None
     """
     if torch.compiler.is_compiling() or labels.device.type != "cpu" or labels.numel() == 0:
         return
-    if torch._C._functorch.maybe_current_level() is not None:
+    if inside_transform():
         return
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= num_classes:

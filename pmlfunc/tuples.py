@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _checks
+
 __all__ = [
     "MINED_TYPES",
     "MinedPairs",
@@ -50,8 +52,20 @@ def cube_chunk(m: int) -> int:
     return max(1, CUBE_BLOCK // max(1, m * m))
 
 
-def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
-    """Validate a PML index tuple (3 or 4 1-D integer tensors of matching lengths)."""
+_ROLES = {3: ("anchors", "positives", "negatives"), 4: ("a1", "p", "a2", "n")}
+
+
+def check_tuple(indices_tuple: object, shape: tuple[int, int] | None = None) -> tuple[Tensor, ...]:
+    """Validate a PML index tuple: 3 ``(anchors, positives, negatives)`` or 4 ``(a1, p, a2, n)``
+    1-D int32/int64 tensors of matching lengths.
+
+    With ``shape = (B, M)`` the indices are also checked against it (anchors index the ``B``
+    query rows, the others the ``M`` reference rows) and returned with negative indices wrapped,
+    as PML and Python index: an ``IndexError`` naming the offending position and the valid range
+    in eager mode on CPU; elsewhere a device-side assert (``torch._assert_async``, no host sync),
+    except inside ``torch.func`` transforms, where indices are not checked. Every loss reads a
+    PML tuple through this function.
+    """
     if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
         raise ValueError(
             "indices_tuple must be a tuple of 3 (anchors, positives, negatives) or 4 (a1, p, a2, n) index tensors"
@@ -59,8 +73,10 @@ def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
     for i, t in enumerate(indices_tuple):
         if not isinstance(t, Tensor):
             raise TypeError(f"indices_tuple[{i}] must be a tensor, got {type(t).__name__}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"indices_tuple[{i}] must be an integer index tensor, got {t.dtype}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(
+                f"indices_tuple[{i}] must be an int32 or int64 index tensor, got {t.dtype}"
+            )
         if t.ndim != 1:
             raise ValueError(f"indices_tuple[{i}] must be 1-D, got shape {tuple(t.shape)}")
     n = len(indices_tuple)
@@ -71,7 +87,14 @@ def check_tuple(indices_tuple: object) -> tuple[Tensor, ...]:
         raise ValueError(
             f"indices_tuple (a1, p, a2, n) needs len(a1) == len(p) and len(a2) == len(n), got {lengths}"
         )
-    return tuple(indices_tuple)
+    if shape is None:
+        return tuple(indices_tuple)
+    b, m = shape
+    sizes = (b, m, m) if n == 3 else (b, m, b, m)
+    return tuple(
+        _checks.index(t, size, f"indices_tuple[{i}] ({role})")
+        for i, (t, size, role) in enumerate(zip(indices_tuple, sizes, _ROLES[n], strict=True))
+    )
 
 
 def _pair_rows(x: Tensor, rows: tuple[int, int] | None) -> Tensor:
@@ -353,8 +376,9 @@ def sample_weights(
     t = check_tuple(indices_tuple)
     if all(x.shape[0] == 0 for x in t):
         return None
-    if anchors_only:
+    if anchors_only:  # the other indices refer to a reference set: not counted here
         t = (t[0],) if len(t) == 3 else (t[0], t[2])
+    t = tuple(_checks.index(x, batch_size, "indices_tuple (sample indices)") for x in t)
     idx = torch.cat([x.reshape(-1).to(device=device, dtype=torch.long) for x in t])
     counts = torch.zeros(batch_size, dtype=dtype, device=device)
     counts = counts.index_add(0, idx, torch.ones(idx.shape, dtype=dtype, device=device))

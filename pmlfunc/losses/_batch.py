@@ -246,7 +246,7 @@ def prepare(
     anchor ``rows`` only when given (a chunk's rows against the whole reference set; ``anchors``
     may carry those rows as a tensor of their own, so that their gradient is taken
     separately)."""
-    validate(
+    indices_tuple = validate(
         embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
     )
     b = embeddings.shape[0]

@@ -567,15 +567,13 @@ def _meta_classes(indices_tuple, generator, n: int, k: int, device) -> Tensor:
                 "manifold's indices_tuple is the (N,) tensor of meta-classes (PML's convention), "
                 f"got {type(t).__name__}"
             )
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"indices_tuple (meta-classes) must be integer, got {t.dtype}")
         if tuple(t.shape) != (n,):
             raise ValueError(
                 f"indices_tuple (meta-classes) must have shape ({n},), got {tuple(t.shape)}"
             )
         if t.device != device:
             raise ValueError(f"indices_tuple is on {t.device} but embeddings are on {device}")
-        return t.long()
+        return _checks.index(t, k, "indices_tuple (meta-classes, one per proxy)").long()
     if n < k:
         raise ValueError(
             f"manifold draws every proxy at least once: needs batch size >= number of proxies, "

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import ratio, scalar_like
+from .._ops import bin_floor, ratio, scalar_like
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
 from ..tuples import (
@@ -183,7 +183,7 @@ def _fast_ap_terms(batch: Batch, *, num_bins) -> dict[str, Terms]:
     delta = 2.0**batch.distance.power / num_bins
     # Triangular kernel: node floor(t) and the next one (t = d/Δ), exactly PML's pulses there.
     t = d / delta
-    low = torch.floor(t.detach()).clamp(0, num_bins - 1)
+    low = bin_floor(t, 0, num_bins - 1)
     w_low = F.relu(1 - (t - low).abs())
     w_high = F.relu(1 - (t - low - 1).abs())
     idx = low.long()
@@ -196,7 +196,7 @@ def _fast_ap_terms(batch: Batch, *, num_bins) -> dict[str, Terms]:
     cum_pos = torch.cumsum(h_pos, -1)
     cum_all = torch.cumsum(h_pos + h_neg, -1)
     prod = h_pos * cum_pos
-    safe = (prod > 0) & (cum_all > 0)
+    safe = (prod != 0) & (cum_all != 0)  # NaN stays NaN: a non-finite input is never "empty"
     ap_sum = torch.where(safe, prod / torch.where(safe, cum_all, 1.0), 0.0).sum(-1)
     n_pos = pos.sum(-1)
     losses = 1 - ap_sum / n_pos.clamp_min(1)
@@ -285,7 +285,7 @@ def _histogram_terms(batch: Batch, *, n_bins, delta) -> dict[str, Terms]:
     pos_u = ((pos | pos.t()) & upper).to(s.dtype)  # filter_pairs: sorted, unique pairs
     neg_u = ((neg | neg.t()) & upper).to(s.dtype)
     t = (s + 1) / delta
-    r = torch.floor(t.detach()).clamp(0, size - 2)
+    r = bin_floor(t, 0, size - 2)
     a = t - r  # weight of node r + 1
     idx = r.long().reshape(-1)
     a, b = a.reshape(-1), (1 - a).reshape(-1)
@@ -501,12 +501,12 @@ def _dsm_list(v: Tensor, w: Tensor, lo, delta, k: int):
     """Histogram and loss parts of explicitly listed values ``v = d_ap − d_an`` (weights ``w``)."""
     t = (v - lo) / delta
     tc = t.clamp(0, k - 1)
-    i0 = torch.floor(tc.detach()).clamp(max=k - 2)
+    i0 = bin_floor(tc, 0, k - 2)
     a = tc - i0
     i0 = i0.long()
     zero = torch.zeros(k, dtype=v.dtype, device=v.device)
     hist = zero.scatter_add(0, i0, w * (1 - a)).scatter_add(0, i0 + 1, w * a)
-    seg = torch.floor(t.detach()).clamp(0, k - 1).long()
+    seg = bin_floor(t, 0, k - 1).long()
     return hist, w.sum(), lambda cdf: (w * cdf[seg] * v).sum()
 
 
@@ -647,7 +647,7 @@ def dynamic_soft_margin(
             mat=mat,
         )
         d, parts, product = batch.mat, None, batch.masks
-        triplets = as_triplets(indices_tuple)
+        triplets = as_triplets(batch.indices_tuple)
         if triplets is not None:
             a, p, n = triplets.anchors.long(), triplets.positives.long(), triplets.negatives.long()
             parts, product = (d[a, p] - d[a, n], triplets.valid.to(d.dtype)), None
