@@ -1,37 +1,42 @@
-"""Every docstring example of the public modules runs (``>>>`` lines, with ``torch`` and ``pf``
-in scope). Modules whose examples need a process group or a trained encoder (``distributed``,
-``chunked``) are shown, not run."""
+"""Every docstring example of the package runs, from this one place: each module of ``pmlfunc``
+(``pkgutil.walk_packages``) through ``doctest.testmod`` with ``torch`` and ``pf`` in scope. A
+public module (no leading underscore in its last name part) must have examples; a private one
+runs those it has. That each public loss and miner has an example of its own is checked in
+test_conformance.py."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import pkgutil
 
 import pytest
 import torch
 
 import pmlfunc as pf
 
-MODULES = [
-    "pmlfunc.reducers",
-    "pmlfunc.tuples",
-    "pmlfunc.miners",
-    "pmlfunc.regularizers",
-    "pmlfunc.wrappers",
-    "pmlfunc.distances",
-    "pmlfunc.labels",
-    "pmlfunc.losses.pairs",
-    "pmlfunc.losses.pair_weighting",
-    "pmlfunc.losses.triplets",
-    "pmlfunc.losses.softmax",
-    "pmlfunc.losses.self_supervised",
-    "pmlfunc.losses.proxies",
-    "pmlfunc.losses.neighbors",
-    "pmlfunc.losses.ranking",
-]
+MODULES = [pf.__name__] + [m.name for m in pkgutil.walk_packages(pf.__path__, f"{pf.__name__}.")]
+
+# Public modules without an example yet (a property that does not hold: the library's to fix).
+NO_EXAMPLES = {
+    "pmlfunc.losses": "the losses package's docstring (the loss → module table) has no example",
+    "pmlfunc.params": "pmlfunc.params has no docstring example",
+}
 
 
-@pytest.mark.parametrize("name", MODULES)
+def _is_public(name: str) -> bool:
+    return not name.rsplit(".", 1)[-1].startswith("_")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NO_EXAMPLES[n]))
+        if n in NO_EXAMPLES
+        else n
+        for n in MODULES
+    ],
+)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     result = doctest.testmod(
@@ -40,5 +45,12 @@ def test_docstring_examples_run(name):
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
         report=False,
     )
-    assert result.attempted > 0, f"{name} has no examples"
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+    if _is_public(name):
+        assert result.attempted > 0, f"{name} has no examples"
+
+
+def test_every_module_is_walked():
+    """The walk finds the package's modules at every depth (a check of the walk itself)."""
+    assert {"pmlfunc", "pmlfunc.losses", "pmlfunc.losses.pairs", "pmlfunc.miners"} <= set(MODULES)
+    assert all(importlib.import_module(n).__name__ == n for n in MODULES)

@@ -1,0 +1,583 @@
+"""The properties every public loss and miner keeps, checked over one registry of them.
+
+The registry is built against ``pf.losses.__all__`` and ``pf.miners.__all__``: a public name that
+is neither registered nor excluded (with the reason) fails
+:func:`test_registry_covers_every_public_loss_and_miner`, so a new loss cannot be forgotten.
+Each entry knows how to draw small inputs for its function (labels or multi-hot labels, params
+from its ``*_init``, the hyper-parameters it requires) and which tensors are differentiated (the
+embeddings, a reference set, the params leaves). Every entry is run through:
+
+* ``torch.autograd.gradcheck`` in float64 (losses);
+* ``torch.func.grad`` equal to autograd's gradient (losses);
+* ``torch.compile(fullgraph=True)`` equal to eager: values and gradients of a loss, the
+  fixed-shape result of a miner;
+* a run on ``device="meta"`` (shapes only: the rule that makes compile and CUDA graphs work);
+* an example in the function's docstring (the examples themselves run in test_docstrings.py).
+
+A batch loss that takes a reference set is registered twice: against the batch itself and
+against a separate reference set (``name[ref]``). What is specific to one family (references,
+PML parity, deviations, variant-specific compile tests) is in that family's test file.
+"""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+import pmlfunc as pf
+
+F64, F32 = torch.float64, torch.float32
+B, M, D, C = 8, 6, 4, 5  # batch rows, reference rows, embedding size, classes
+LABELS = [0, 0, 1, 1, 1, 2, 3, 3]  # uneven classes and a singleton
+REF_LABELS = [0, 1, 1, 4, 3, 2]  # shares some classes, has one the batch lacks
+SEED = 17  # the counter-based generator of the stochastic miners and of manifold
+
+# Public names that are not losses or miners, and why.
+EXCLUDED = {
+    # the TypedDict documenting the keyword arguments every batch loss shares: not a function
+    "BatchInputs": "the shared keyword arguments of the batch losses, documented as a type",
+    # params and state constructors: they build a loss's inputs, checked with the loss
+    **{
+        f"{name}_init": "builds the params dict of a learnable loss"
+        for name in (
+            "arcface",
+            "cosface",
+            "dynamic_arcface",
+            "large_margin_softmax",
+            "manifold",
+            "margin",
+            "normalized_softmax",
+            "p2s_grad",
+            "proxy_anchor",
+            "proxy_nca",
+            "soft_triple",
+            "sphereface",
+            "subcenter_arcface",
+        )
+    },
+    "dynamic_soft_margin_init_state": "builds the histogram state of dynamic_soft_margin",
+    # helpers that compute a loss's inputs, not a loss
+    "dynamic_arcface_margins": "computes dynamic_arcface's per-class margins from class counts",
+    "manifold_meta_classes": "draws manifold's meta-classes from a seed (manifold's generator=)",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# the registry
+# ----------------------------------------------------------------------------------------------
+class Draw:
+    """Inputs of one call, drawn from a fixed seed in float64 and then moved to ``dtype`` on
+    ``device`` (``"meta"``: shapes only)."""
+
+    def __init__(self, dtype: torch.dtype = F64, device: str = "cpu"):
+        self.gen = torch.Generator().manual_seed(0)
+        self.dtype, self.device = dtype, device
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, dtype=F64).to(self.device, self.dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.gen, dtype=F64).to(self.device, self.dtype)
+
+    def labels(self, values: list[int] = LABELS) -> torch.Tensor:
+        return torch.tensor(values).to(self.device)
+
+    def multi_hot(self, rows: int, classes: int) -> torch.Tensor:
+        return (torch.rand(rows, classes, generator=self.gen) < 0.4).to(self.device)
+
+    def params(self, init: Callable[..., dict], *args: Any, **kw: Any) -> dict[str, torch.Tensor]:
+        """``init(*args, **kw)`` (drawn from this seed where it is random), moved."""
+        if "generator" in inspect.signature(init).parameters:
+            kw["generator"] = self.gen
+        return {k: v.to(self.device, self.dtype) for k, v in init(*args, dtype=F64, **kw).items()}
+
+    def seed(self, value: int = SEED) -> torch.Tensor:
+        return torch.tensor(value).to(self.device)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a registered function: the tensors it is differentiated in (by name:
+    ``embeddings``, ``ref_emb``, ``params.<key>``) and ``run(**wrt)``, the function's output."""
+
+    wrt: dict[str, torch.Tensor]
+    run: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered loss or miner.
+
+    Attributes:
+        fn: the public function.
+        make: draws one :class:`Call` of it with a :class:`Draw`.
+        backend: the ``torch.compile`` backend of its compile check. ``aot_eager`` (full-graph
+            capture, functionalisation and the compiled autograd graph, without code
+            generation) where inductor's lowering of the counter-based hash of
+            ``pmlfunc._random`` costs 18-40 s on a 2-core CPU.
+        gradcheck: ``torch.autograd.gradcheck`` options where its defaults do not fit.
+        constant: ``(names, why)``: the differentiated tensors whose gradient is by design not
+            the derivative of the value, held constant by gradcheck.
+    """
+
+    fn: Callable[..., Any]
+    make: Callable[[Draw], Call]
+    backend: str = "inductor"
+    gradcheck: Mapping[str, float] = field(default_factory=dict)
+    constant: tuple[tuple[str, ...], str] | None = None
+
+
+def _hyper(d: Draw, hp: Mapping[str, Any], drawn: Mapping[str, Callable] | None) -> dict:
+    """The hyper-parameters of one call: ``hp`` as given, ``drawn`` made with the draw."""
+    return {**hp, **{k: draw(d) for k, draw in (drawn or {}).items()}}
+
+
+def _accepts_ref(fn: Callable) -> bool:
+    spec = getattr(fn, "spec", None)
+    return spec is not None and "ref_emb" not in spec.refuses
+
+
+def batch(
+    fn: Callable,
+    *,
+    labels: Callable[[Draw, int], torch.Tensor] | None = None,
+    mined: bool = False,
+    backend: str = "inductor",
+    gradcheck: Mapping[str, float] | None = None,
+    constant: tuple[tuple[str, ...], str] | None = None,
+    drawn: Mapping[str, Callable[[Draw], torch.Tensor]] | None = None,
+    **hp: Any,
+) -> dict[str, Entry]:
+    """The entries of a batch loss ``fn(embeddings, labels, **hp)``: on a batch of ``B`` rows;
+    against a separate reference set of ``M`` rows (``name[ref]``, both differentiated) when
+    the loss takes one; on an ``indices_tuple`` mined from the drawn rows (``name[mined]``)
+    when ``mined``. ``labels(draw, rows)`` draws other labels than :data:`LABELS`; ``drawn``
+    holds tensor hyper-parameters made on the draw's device."""
+
+    def draw_labels(d: Draw, rows: int, values: list[int]) -> torch.Tensor:
+        return d.labels(values) if labels is None else labels(d, rows)
+
+    def self_mode(d: Draw, mine: bool = False) -> Call:
+        emb, y = d.randn(B, D), draw_labels(d, B, LABELS)
+        kw = _hyper(d, hp, drawn)
+        if mine:
+            kw["indices_tuple"] = _pair_margin(emb, y)
+        return Call({"embeddings": emb}, lambda embeddings: fn(embeddings, y, **kw))
+
+    def ref_mode(d: Draw) -> Call:
+        y, ry = draw_labels(d, B, LABELS), draw_labels(d, M, REF_LABELS)
+        wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(M, D)}
+        kw = _hyper(d, hp, drawn)
+        return Call(
+            wrt,
+            lambda embeddings, ref_emb: fn(embeddings, y, ref_emb=ref_emb, ref_labels=ry, **kw),
+        )
+
+    options = {"backend": backend, "gradcheck": gradcheck or {}, "constant": constant}
+    name = fn.__name__
+    out = {name: Entry(fn, self_mode, **options)}
+    if _accepts_ref(fn):
+        out[f"{name}[ref]"] = Entry(fn, ref_mode, **options)
+    if mined:
+        out[f"{name}[mined]"] = Entry(fn, lambda d: self_mode(d, mine=True), **options)
+    return out
+
+
+def learnable(
+    fn: Callable,
+    init: Callable,
+    *init_args: Any,
+    drawn: Mapping[str, Callable[[Draw], torch.Tensor]] | None = None,
+    **hp: Any,
+) -> Callable[[Draw], Call]:
+    """``fn(embeddings, labels, params, **hp)``, params from ``init(*init_args)`` (their
+    leaves differentiated); ``drawn`` holds tensor hyper-parameters drawn on the device."""
+
+    def make(d: Draw) -> Call:
+        y = d.labels()
+        params = d.params(init, *init_args)
+        wrt = {"embeddings": d.randn(B, D), **{f"params.{k}": v for k, v in params.items()}}
+        kw = _hyper(d, hp, drawn)
+
+        def run(embeddings, **leaves):
+            given = {k.removeprefix("params."): v for k, v in leaves.items()}
+            return fn(embeddings, y, given, **kw)
+
+        return Call(wrt, run)
+
+    return make
+
+
+def miner(fn: Callable, rows: int = B, **hp: Any) -> Callable[[Draw], Call]:
+    """``fn(embeddings, labels, **hp)``; ``generator=True`` passes the seed tensor."""
+
+    def make(d: Draw) -> Call:
+        y = d.labels((LABELS * 2)[:rows])
+        kw = {k: d.seed() if k == "generator" else v for k, v in hp.items()}
+        return Call({"embeddings": d.randn(rows, D)}, lambda embeddings: fn(embeddings, y, **kw))
+
+    return make
+
+
+def _pair_margin(emb: torch.Tensor, labels: torch.Tensor):
+    return pf.miners.pair_margin(emb, labels, pos_margin=0.4, neg_margin=1.0)
+
+
+def _multi_hot(d: Draw, rows: int) -> torch.Tensor:
+    return d.multi_hot(rows, 3)
+
+
+def _vicreg(d: Draw) -> Call:
+    wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
+    return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
+
+
+def _dynamic_soft_margin(d: Draw) -> Call:
+    state = {"hist": d.rand(10)}
+    y = d.labels()
+    return Call(
+        {"embeddings": d.randn(B, D)},
+        lambda embeddings: pf.losses.dynamic_soft_margin(embeddings, y, state, momentum=0.5),
+    )
+
+
+def _manifold(d: Draw) -> Call:
+    params = d.params(pf.losses.manifold_init, D, 3)
+    seed = d.seed()
+
+    def run(embeddings, proxies):
+        return pf.losses.manifold(
+            embeddings, None, {"proxies": proxies}, generator=seed, margin=0.05
+        )
+
+    return Call({"embeddings": d.randn(B, D), "proxies": params["proxies"]}, run)
+
+
+def _margins(d: Draw) -> torch.Tensor:
+    return torch.linspace(0.1, 0.6, C, dtype=F64).to(d.device, d.dtype)
+
+
+def _scalar(value: float) -> Callable[[Draw], torch.Tensor]:
+    """A 0-d tensor hyper-parameter on the draw's device."""
+    return lambda d: torch.tensor(value, dtype=F64).to(d.device, d.dtype)
+
+
+def _distinct_betas(num_classes: int, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``margin_init``'s per-class betas, made distinct (a gradient sent to the wrong class
+    shows)."""
+    beta = pf.losses.margin_init(1.2, num_classes, dtype=dtype)["beta"]
+    return {"beta": beta + 0.05 * torch.arange(num_classes, dtype=dtype)}
+
+
+# Losses whose ops inductor already generates code for in another entry (contrastive,
+# multi_similarity, ...): dynamo's full-graph capture and AOT autograd only, ~8 s less each.
+_SHARED = "aot_eager"
+_RANKING_GRADCHECK = {"eps": 1e-7, "atol": 1e-6}  # histogram bins: kinks at the bin nodes
+L = pf.losses
+LOSSES: dict[str, Entry] = {
+    # pairs
+    **batch(L.contrastive, pos_margin=0.1, neg_margin=0.8),
+    **batch(L.signal_to_noise_ratio_contrastive, pos_margin=0.1, neg_margin=0.9, backend=_SHARED),
+    **batch(L.intra_pair_variance, pos_eps=0.05, neg_eps=0.02, backend=_SHARED),
+    **batch(
+        L.threshold_consistent_margin,
+        mined=True,
+        margin_plus=0.5,
+        margin_minus=0.1,
+        lambda_plus=0.7,
+    ),
+    # pair_weighting
+    **batch(L.multi_similarity, alpha=2.0, beta=10.0, base=0.5),
+    **batch(
+        L.circle,
+        backend=_SHARED,
+        m=0.3,
+        gamma=20.0,
+        constant=(
+            ("embeddings", "ref_emb"),
+            "circle detaches its pair weights α_p, α_n (PML, paper code): test_pair_weighting "
+            "checks its gradient against the loss with those weights frozen",
+        ),
+    ),
+    **batch(L.lifted_structure, neg_margin=1.2, pos_margin=0.1),
+    **batch(L.generalized_lifted_structure, neg_margin=1.2, pos_margin=0.1, backend=_SHARED),
+    **batch(L.tuplet_margin, margin=8.0, scale=16.0),
+    # triplets
+    **batch(L.triplet_margin, margin=0.2),
+    **batch(L.margin, margin=0.25, beta=1.25),
+    "margin[params]": Entry(
+        L.margin, learnable(L.margin, _distinct_betas, C, nu=0.1, reducer=pf.reducers.mean())
+    ),
+    **batch(L.selectively_contrastive_triplet, temperature=0.2, penalty=1.3, hard_cutoff=0.3),
+    # softmax
+    **batch(L.ntxent, temperature=0.3),
+    **batch(L.supcon, temperature=0.3),
+    **batch(L.decoupled_contrastive, temperature=0.3, sigma=0.5),
+    **batch(L.multi_supcon, labels=_multi_hot, temperature=0.5, threshold=0.2),
+    # self_supervised
+    "vicreg": Entry(L.vicreg, _vicreg),
+    # neighbors
+    **batch(L.nca, mined=True, softmax_scale=2.0),
+    **batch(L.npairs, mined=True),
+    **batch(L.angular, mined=True, alpha=35.0),
+    **batch(L.instance, gamma=8.0),
+    **batch(L.ranked_list, margin=0.6, Tn=3.0, Tp=1.5, imbalance=0.3),
+    "manifold": Entry(L.manifold, _manifold, backend="aot_eager"),
+    # ranking
+    **batch(L.fast_ap, mined=True, num_bins=6, gradcheck=_RANKING_GRADCHECK),
+    **batch(L.histogram, mined=True, n_bins=10, gradcheck=_RANKING_GRADCHECK),
+    **batch(L.smooth_ap, drawn={"temperature": _scalar(0.3)}),
+    **batch(L.pnp, variant="Iu", anneal=0.3),
+    "dynamic_soft_margin": Entry(
+        L.dynamic_soft_margin, _dynamic_soft_margin, gradcheck=_RANKING_GRADCHECK
+    ),
+    # proxies
+    "proxy_anchor": Entry(
+        L.proxy_anchor, learnable(L.proxy_anchor, L.proxy_anchor_init, C, D, alpha=4.0)
+    ),
+    "proxy_nca": Entry(
+        L.proxy_nca, learnable(L.proxy_nca, L.proxy_nca_init, C, D, softmax_scale=5.0)
+    ),
+    "normalized_softmax": Entry(
+        L.normalized_softmax,
+        learnable(L.normalized_softmax, L.normalized_softmax_init, C, D, temperature=0.5),
+    ),
+    "soft_triple": Entry(
+        L.soft_triple,
+        learnable(
+            L.soft_triple,
+            partial(L.soft_triple_init, centers_per_class=3),
+            C,
+            D,
+            la=10.0,
+            gamma=0.3,
+        ),
+    ),
+    "p2s_grad": Entry(
+        L.p2s_grad,
+        learnable(L.p2s_grad, L.p2s_grad_init, C, D),
+        constant=(
+            ("params.weight",),
+            "p2s_grad's weight gradient is straight-through the renormalisation PML does in "
+            "place (test_proxies checks it against PML and the reference)",
+        ),
+    ),
+    # margin_softmax
+    "large_margin_softmax": Entry(
+        L.large_margin_softmax,
+        learnable(L.large_margin_softmax, L.large_margin_softmax_init, C, D),
+    ),
+    "sphereface": Entry(L.sphereface, learnable(L.sphereface, L.sphereface_init, C, D)),
+    "cosface": Entry(L.cosface, learnable(L.cosface, L.cosface_init, C, D, scale=8.0)),
+    "arcface": Entry(L.arcface, learnable(L.arcface, L.arcface_init, C, D, scale=8.0)),
+    "subcenter_arcface": Entry(
+        L.subcenter_arcface,
+        learnable(L.subcenter_arcface, L.subcenter_arcface_init, C, D, scale=8.0),
+    ),
+    "dynamic_arcface": Entry(
+        L.dynamic_arcface,
+        learnable(
+            L.dynamic_arcface, L.dynamic_arcface_init, C, D, scale=8.0, drawn={"margins": _margins}
+        ),
+    ),
+}
+N = pf.miners
+_STOCHASTIC = "aot_eager"  # the counter-based hash (see Entry.backend)
+MINERS: dict[str, Entry] = {
+    "angular": Entry(N.angular, miner(N.angular, angle=30)),
+    "angular[tuples_per_anchor]": Entry(
+        N.angular,
+        miner(N.angular, angle=30, tuples_per_anchor=2, generator=True),
+        backend=_STOCHASTIC,
+    ),
+    "batch_easy_hard": Entry(N.batch_easy_hard, miner(N.batch_easy_hard)),
+    "batch_hard": Entry(N.batch_hard, miner(N.batch_hard)),
+    "distance_weighted": Entry(
+        N.distance_weighted, miner(N.distance_weighted, generator=True), backend=_STOCHASTIC
+    ),
+    "embeddings_already_packaged_as_triplets": Entry(
+        N.embeddings_already_packaged_as_triplets,
+        miner(N.embeddings_already_packaged_as_triplets, rows=9),
+    ),
+    "hdc": Entry(N.hdc, miner(N.hdc, filter_percentage=0.5)),
+    "multi_similarity": Entry(N.multi_similarity, miner(N.multi_similarity)),
+    "pair_margin": Entry(N.pair_margin, miner(N.pair_margin, pos_margin=0.4, neg_margin=1.0)),
+    "pair_margin[tuples_per_anchor]": Entry(
+        N.pair_margin,
+        miner(N.pair_margin, tuples_per_anchor=3, generator=True),
+        backend=_STOCHASTIC,
+    ),
+    "triplet_margin": Entry(N.triplet_margin, miner(N.triplet_margin, margin=0.3)),
+    "triplet_margin[tuples_per_anchor]": Entry(
+        N.triplet_margin,
+        miner(N.triplet_margin, tuples_per_anchor=3, generator=True),
+        backend=_STOCHASTIC,
+    ),
+    "uniform_histogram": Entry(
+        N.uniform_histogram,
+        miner(N.uniform_histogram, num_bins=4, generator=True),
+        backend=_STOCHASTIC,
+    ),
+}
+EVERYTHING = {
+    **{f"losses.{k}": v for k, v in LOSSES.items()},
+    **{f"miners.{k}": v for k, v in MINERS.items()},
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss of a loss function's output (``dynamic_soft_margin`` returns its state too)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def leaves(call: Call) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().requires_grad_(True) for k, v in call.wrt.items()}
+
+
+def value_and_grads(run: Callable, call: Call) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """``run``'s output on fresh leaves of ``call.wrt`` and the gradients of its loss."""
+    x = leaves(call)
+    out = run(**x)
+    return out, torch.autograd.grad(loss_of(out), list(x.values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# the properties
+# ----------------------------------------------------------------------------------------------
+def _public(module) -> dict[str, Any]:
+    return {name: getattr(module, name) for name in module.__all__}
+
+
+def test_registry_covers_every_public_loss_and_miner():
+    for module, entries in ((pf.losses, LOSSES), (pf.miners, MINERS)):
+        public = _public(module)
+        registered = {e.fn for e in entries.values()}
+        excluded = EXCLUDED if module is pf.losses else {}
+        missing = [n for n, f in public.items() if f not in registered and n not in excluded]
+        assert not missing, f"{module.__name__}: neither registered nor excluded: {missing}"
+        stale = [n for n in excluded if n not in public]
+        assert not stale, f"excluded names that are not public: {stale}"
+        both = [n for n, f in public.items() if f in registered and n in excluded]
+        assert not both, f"both registered and excluded: {both}"
+        foreign = [e.fn.__name__ for e in entries.values() if e.fn not in public.values()]
+        assert not foreign, f"{module.__name__}: registered but not public: {foreign}"
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_gradcheck(name):
+    entry = LOSSES[name]
+    call = entry.make(Draw(F64))
+    held, why = entry.constant or ((), "")
+    varying = [k for k in call.wrt if k not in held]
+    if not varying:
+        pytest.skip(why)
+    x = leaves(call)
+
+    def f(*v):
+        return loss_of(call.run(**{**x, **dict(zip(varying, v, strict=True))}))
+
+    assert torch.autograd.gradcheck(f, tuple(x[k] for k in varying), **entry.gradcheck)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_func_grad_equals_autograd(name):
+    call = LOSSES[name].make(Draw(F64))
+    names = list(call.wrt)
+
+    def loss(*v):
+        return loss_of(call.run(**dict(zip(names, v, strict=True))))
+
+    got = torch.func.grad(loss, argnums=tuple(range(len(names))))(*call.wrt.values())
+    _, want = value_and_grads(call.run, call)
+    for k, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14, msg=lambda m, k=k: f"{k}: {m}")
+    assert any(w.abs().max() > 0 for w in want), "every gradient is zero: nothing was compared"
+
+
+def _assert_outputs_equal(got: Any, want: Any, **tol: float) -> None:
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    assert got_spec == want_spec
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(b, torch.Tensor) and b.is_floating_point():
+            torch.testing.assert_close(a, b, **tol)
+        elif isinstance(b, torch.Tensor):
+            assert torch.equal(a, b), f"{a} != {b}"
+        else:
+            assert a == b
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(EVERYTHING))
+def test_compile_fullgraph_equals_eager(name):
+    """One compiled function per entry, called once: its output (a loss's value and extra
+    outputs, a miner's fixed-shape result) and a loss's gradients equal eager's."""
+    entry = EVERYTHING[name]
+    call = entry.make(Draw(F32))
+    torch._dynamo.reset()
+    compiled = torch.compile(call.run, fullgraph=True, backend=entry.backend)
+    if name.startswith("miners."):
+        _assert_outputs_equal(compiled(**call.wrt), call.run(**call.wrt))
+    else:
+        got, got_grads = value_and_grads(compiled, call)
+        want, want_grads = value_and_grads(call.run, call)
+        _assert_outputs_equal((got, got_grads), (want, want_grads), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", list(EVERYTHING))
+def test_runs_on_meta(name):
+    """Inputs on the meta device: a loss gives a 0-d loss of the embeddings' dtype and
+    gradients of every differentiated tensor's shape; a miner a result on meta."""
+    call = EVERYTHING[name].make(Draw(F32, "meta"))
+    if name.startswith("miners."):
+        tensors = [t for t in tree_flatten(call.run(**call.wrt))[0] if isinstance(t, torch.Tensor)]
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+        return
+    x = leaves(call)
+    loss = loss_of(call.run(**x))
+    assert loss.device.type == "meta" and loss.shape == () and loss.dtype == F32
+    grads = torch.autograd.grad(loss, list(x.values()))
+    for (k, v), g in zip(x.items(), grads, strict=True):
+        assert g.shape == v.shape and g.device.type == "meta", k
+
+
+def _documented() -> dict[str, Callable]:
+    """Every public function of ``pf.losses`` and ``pf.miners`` (registered or excluded)."""
+    out = {}
+    for module in (pf.losses, pf.miners):
+        for name, obj in _public(module).items():
+            if inspect.isfunction(obj):
+                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = obj
+    return out
+
+
+NO_EXAMPLE = {
+    "losses.manifold_meta_classes": "manifold_meta_classes's docstring has no example",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NO_EXAMPLE[n]))
+        if n in NO_EXAMPLE
+        else n
+        for n in _documented()
+    ],
+)
+def test_docstring_has_an_example(name):
+    fn = _documented()[name]
+    examples = [t for t in doctest.DocTestFinder().find(fn, name) if t.examples]
+    assert examples, f"{name} has no example in its docstring"
