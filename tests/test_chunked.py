@@ -170,6 +170,15 @@ def test_no_tensor_larger_than_a_chunk_block(name):
     assert chunked.largest <= max(chunk * b, 8 * chunk * d, b * d)
 
 
+@pytest.mark.parametrize("loss", [pf.losses.lifted_structure, pf.losses.intra_pair_variance])
+def test_losses_that_do_not_decompose_raise(loss):
+    """lifted_structure's positive pair reads its positive's row; intra_pair_variance's
+    terms need the mean over every pair."""
+    emb, labels = torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match="cannot be chunked"):
+        pf.chunked.value_and_grad(loss, chunk_size=2)(emb, labels)
+
+
 def test_errors():
     emb, labels, kw = _data(with_ref=True)
     with pytest.raises(ValueError, match="does not decompose over anchors"):

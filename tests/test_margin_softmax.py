@@ -1,13 +1,15 @@
 """Tests of the margin-softmax (classifier-head) losses in ``pmlfunc.losses.margin_softmax``.
 
 What they prove:
-  * a naive float64 reference (loops over samples and classes, written from the papers' formulas
-    with ``arccos``/``cos(mθ)``, nothing shared with the implementation) on values and gradients
-    with respect to the embeddings and the parameters;
+  * a naive float64 reference (tests/reference/margin_softmax.py: loops over samples and classes,
+    written from the papers' formulas with ``arccos``/``cos(mθ)``, nothing shared with the
+    implementation) on values and gradients with respect to the embeddings and the parameters;
   * PML 2.9.0 parity (values, embedding and weight gradients) in float64 and float32, across
     hyper-parameters, uneven label layouts with absent classes, PML's reducers and miner tuples;
-  * ``gradcheck``, ``torch.func.grad`` over the parameter dict, a compiled training step,
-    the meta device, finite gradients at ``|cos| = 1``, low precision, bad input and the inits.
+  * ``gradcheck`` on data reaching every branch, ``vmap``, a compiled training step, finite
+    gradients at ``|cos| = 1``, low precision, bad input and the inits (on meta too). The
+    properties every loss keeps (gradcheck, torch.func.grad over the parameter dict, compile,
+    the meta device, a docstring example) are in test_conformance.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import reducers as pml_reducers
+from reference import margin_softmax as margin_softmax_ref
 
 from pmlfunc import reducers
 from pmlfunc.losses.margin_softmax import (
@@ -84,71 +87,6 @@ def make_data(name: str, gen, dtype=torch.float64, k: int = 3, b: int | None = N
     return x.to(dtype), labels, {"weight": w.to(dtype)}
 
 
-# ----------------------------------------------------------------------------------------------
-# naive float64 reference
-# ----------------------------------------------------------------------------------------------
-def _norm(v):
-    return torch.sqrt(sum(v[t] * v[t] for t in range(v.shape[0])))
-
-
-def _cos(a, b):
-    return sum(a[t] * b[t] for t in range(a.shape[0])) / (_norm(a) * _norm(b))
-
-
-def ref_loss(name, x, labels, w, *, margin=None, scale=None, margins=None, miner=None):
-    """Mean over samples of -log softmax at the target, built entry by entry."""
-    defaults = {
-        "large_margin_softmax": (4, 1.0),
-        "sphereface": (4, 1.0),
-        "cosface": (0.35, 64.0),
-        "arcface": (0.5, 64.0),
-        "subcenter_arcface": (0.5, 64.0),
-        "dynamic_arcface": (None, 64.0),
-    }[name]
-    margin = defaults[0] if margin is None else margin
-    scale = defaults[1] if scale is None else scale
-    terms = []
-    for i in range(x.shape[0]):
-        y = int(labels[i])
-        xi = x[i]
-        logits = []
-        for j in range(w.shape[0]):
-            if name in SUBCENTER:
-                cos = max(
-                    (_cos(xi, w[j, kk]) for kk in range(w.shape[1])),
-                    key=lambda v: float(v.detach()),
-                )
-            else:
-                cos = _cos(xi, w[j])
-            if j == y:
-                theta = torch.acos(cos)
-                if name in ("large_margin_softmax", "sphereface"):
-                    k = math.floor(float(theta.detach()) * margin / math.pi)
-                    value = (-1) ** k * torch.cos(margin * theta) - 2 * k
-                elif name == "cosface":
-                    value = cos - margin
-                else:
-                    m = float(margins[y]) if name == "dynamic_arcface" else margin
-                    if float(theta.detach()) <= math.pi - m:
-                        value = torch.cos(theta + m)
-                    else:
-                        value = torch.cos(theta) - m * math.sin(m)
-            else:
-                value = cos
-            if name == "large_margin_softmax":
-                value = value * _norm(xi) * _norm(w[j])
-            elif name == "sphereface":
-                value = value * _norm(xi)
-            logits.append(scale * value)
-        top = max(float(z.detach()) for z in logits)
-        lse = torch.log(sum(torch.exp(z - top) for z in logits)) + top
-        term = lse - logits[y]
-        if miner is not None:
-            term = term * miner[i]
-        terms.append(term)
-    return sum(terms) / len(terms)
-
-
 def value_and_grads(fn, x, params):
     x = x.detach().clone().requires_grad_(True)
     p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
@@ -185,7 +123,11 @@ def test_matches_naive_reference(name, kw, gen):
     ref_kw = dict(kw)
     if name == "dynamic_arcface":
         ref_kw["margins"] = kwargs["margins"]
-    want = value_and_grads(lambda e, p: ref_loss(name, e, labels, p["weight"], **ref_kw), x, params)
+    want = value_and_grads(
+        lambda e, p: margin_softmax_ref.margin_softmax(name, e, labels, p["weight"], **ref_kw),
+        x,
+        params,
+    )
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10)
 
@@ -358,7 +300,7 @@ def test_pml_parity_indices_tuple(name, kind, gen):
         for v in torch.cat(t):
             counts[v] += 1
         miner = counts / counts.max()
-        ref = ref_loss(name, x, labels, params["weight"], miner=miner)
+        ref = margin_softmax_ref.margin_softmax(name, x, labels, params["weight"], miner=miner)
         torch.testing.assert_close(got[0], ref, rtol=1e-9, atol=1e-10)
 
 
@@ -388,10 +330,10 @@ def test_subcenter_column_order_matches_pml(gen):
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd, torch.func, compile, meta
+# gradcheck on every branch, vmap, a compiled training step
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_gradcheck(name, gen):
+def test_gradcheck_on_every_branch(name, gen):
     fn = LOSSES[name][0]
     x, labels, params = make_data(name, gen)
     kw = default_kwargs(name)
@@ -400,17 +342,6 @@ def test_gradcheck(name, gen):
     x = x.requires_grad_(True)
     w = params["weight"].requires_grad_(True)
     assert torch.autograd.gradcheck(lambda e, p: fn(e, labels, {"weight": p}, **kw), (x, w))
-
-
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_func_grad_over_params_equals_autograd(name, gen):
-    fn = LOSSES[name][0]
-    x, labels, params = make_data(name, gen)
-    kw = default_kwargs(name)
-    g = torch.func.grad(lambda e, y, p: fn(e, y, p, **kw), argnums=2)(x, labels, params)
-    assert set(g) == {"weight"}
-    _, _, gw = value_and_grads(lambda e, p: fn(e, labels, p, **kw), x, params)
-    torch.testing.assert_close(g["weight"], gw, rtol=1e-12, atol=1e-13)
 
 
 def test_vmap_over_batches(gen):
@@ -458,23 +389,6 @@ def test_compile_training_step(name, gen):
     for a, b in [*zip(e1.values(), e0.values(), strict=True), (p1["weight"], p0["weight"])]:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not torch.equal(p0["weight"], loss_params["weight"])  # the step did update the params
-
-
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_meta_device(name):
-    fn, init = LOSSES[name]
-    emb = torch.empty(16, D, device="meta", requires_grad=True)
-    labels = torch.empty(16, dtype=torch.int64, device="meta")
-    params = init(C, D, device="meta")
-    params = {k: v.requires_grad_(True) for k, v in params.items()}
-    kw = default_kwargs(name)
-    if "margins" in kw:
-        kw["margins"] = torch.empty(C, device="meta")
-    out = fn(emb, labels, params, **kw)
-    assert out.device.type == "meta" and out.shape == () and out.dtype == emb.dtype
-    out.backward()
-    assert emb.grad is not None and emb.grad.shape == emb.shape
-    assert params["weight"].grad.shape == params["weight"].shape
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,6 +535,7 @@ def test_init(name):
     assert d["weight"].dtype == torch.float64 and d["weight"].shape == shape
     if name in SUBCENTER:
         assert init(C, D)["weight"].shape == (C, 3, D)  # PML's default sub_centers=3
+    assert init(C, D, device="meta", **kw)["weight"].device.type == "meta"
 
 
 @pytest.mark.parametrize("name", list(PML_CLASSES))
@@ -632,15 +547,6 @@ def test_init_equals_pml_draw(name):
     pml = PML_CLASSES[name](num_classes=C, embedding_size=D, **kw)
     ours = init(C, D, generator=torch.Generator().manual_seed(123), **kw)["weight"]
     torch.testing.assert_close(ours.reshape(-1, D).t(), pml.W.detach(), rtol=0, atol=0)
-
-
-def test_docstring_examples():
-    import doctest
-
-    from pmlfunc.losses import margin_softmax
-
-    result = doctest.testmod(margin_softmax)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_init_distribution():

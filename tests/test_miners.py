@@ -9,7 +9,8 @@ Covered:
   4. the stochastic miners (``distance_weighted``, ``uniform_histogram``): validity,
      reproducibility and the sampling distribution;
   5. a loss on a mined result equals the loss on its ``.to_indices()`` tuple;
-  6. ``torch.compile(fullgraph=True)``, ``torch.func.grad`` and the meta device;
+  6. miner → loss pipelines under ``torch.compile(fullgraph=True)``, ``torch.func.grad`` and on
+     the meta device (each miner alone: test_conformance.py);
   7. one ``mat=`` shared by a miner and several losses;
   8. input errors;
   9. ``pf.chunked.value_and_grad`` on mined tuples.
@@ -26,6 +27,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import assert_same, value_and_grads
 from pytorch_metric_learning import distances as pml_distances
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
@@ -119,23 +121,6 @@ def assert_same_triplets(ours, theirs):
     got = ours.to_indices()
     assert len(got) == 3
     assert multiset(*got) == multiset(*theirs), "triplets differ"
-
-
-def value_and_grads(fn, *tensors):
-    """``fn(*leaves)`` and its gradients w.r.t. fresh leaf copies of ``tensors``."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
-    out = fn(*leaves)
-    assert out.ndim == 0, f"loss must be 0-d, got {tuple(out.shape)}"
-    grads = torch.autograd.grad(out, leaves, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
-    return out.detach(), grads
-
-
-def assert_same(got, want, **tol):
-    (gv, gg), (wv, wg) = got, want
-    torch.testing.assert_close(gv, wv, **tol, msg=lambda m: f"value: {m}")
-    for k, (a, b) in enumerate(zip(gg, wg, strict=True)):
-        torch.testing.assert_close(a, b, **tol, msg=lambda m, k=k: f"grad of input {k}: {m}")
 
 
 def seed(s):
@@ -1203,7 +1188,7 @@ def test_loss_on_mined_equals_loss_on_to_indices(miner, loss):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. transforms: torch.compile, torch.func, meta
+# 6. miner → loss pipelines under torch.compile, torch.func, on meta
 # ----------------------------------------------------------------------------------------------
 def _pair_margin_triplet(x, y, s):
     mined = miners.pair_margin(x, y, pos_margin=0.6, neg_margin=1.2)
@@ -1305,40 +1290,6 @@ def test_func_grad_equals_autograd(name):
     assert value != 0
     g = torch.func.grad(lambda x: fn(x, labels, s))(emb)
     torch.testing.assert_close(g, grad, **TOL64)
-
-
-META_MINERS = {
-    "pair_margin": lambda x, y, s: miners.pair_margin(x, y),
-    "multi_similarity": lambda x, y, s: miners.multi_similarity(x, y),
-    "hdc": lambda x, y, s: miners.hdc(x, y),
-    "uniform_histogram": lambda x, y, s: miners.uniform_histogram(x, y, generator=s),
-    "batch_easy_hard": lambda x, y, s: miners.batch_easy_hard(x, y),
-    "batch_hard": lambda x, y, s: miners.batch_hard(x, y),
-    "triplet_margin": lambda x, y, s: miners.triplet_margin(x, y),
-    "triplet_margin_k": lambda x, y, s: miners.triplet_margin(
-        x, y, tuples_per_anchor=3, generator=s
-    ),
-    "angular": lambda x, y, s: miners.angular(x, y),
-    "angular_k": lambda x, y, s: miners.angular(x, y, tuples_per_anchor=3, generator=s),
-    "distance_weighted": lambda x, y, s: miners.distance_weighted(x, y, generator=s),
-    "pair_margin_k": lambda x, y, s: miners.pair_margin(x, y, tuples_per_anchor=3, generator=s),
-    "packaged": lambda x, y, s: miners.embeddings_already_packaged_as_triplets(x, y),
-}
-
-
-@pytest.mark.parametrize("name", META_MINERS)
-def test_miners_run_on_meta(name):
-    x = torch.empty(12, 5, device="meta", requires_grad=True)
-    y = torch.empty(12, dtype=torch.int64, device="meta")
-    s = torch.empty((), dtype=torch.int64, device="meta")
-    mined = META_MINERS[name](x, y, s)
-    for t in mined:
-        if isinstance(t, torch.Tensor):
-            assert t.device.type == "meta"
-    loss = pf.losses.triplet_margin(x, y, indices_tuple=mined)
-    assert loss.device.type == "meta" and loss.shape == ()
-    loss = pf.losses.contrastive(x, y, indices_tuple=mined)
-    assert loss.device.type == "meta" and loss.shape == ()
 
 
 @pytest.mark.parametrize("name", PIPELINES)

@@ -1,12 +1,15 @@
 """Tests for the proxy / classifier losses of ``pmlfunc.losses.proxies``.
 
 Every loss is checked against
-  * a naive float64 loop reference written here (values, gradients w.r.t. embeddings and params);
+  * a naive float64 loop reference (tests/reference/proxies.py; values, gradients w.r.t.
+    embeddings and params);
   * pytorch-metric-learning 2.9.0 (values, embedding and parameter gradients; float64 and float32;
     several label layouts, classes absent from the batch, hyper-parameters, distances, reducers,
     mined index tuples), our parameters copied into PML's parameter in PML's layout;
-  * ``torch.autograd.gradcheck``, ``torch.func.grad`` over the params dict, one compiled training
-    step, the meta device, |cos| = 1, float16/bfloat16, bad input and the ``*_init`` schemes.
+  * ``torch.func.vmap``, one compiled training step, tensor hyper-parameters, |cos| = 1,
+    float16/bfloat16, bad input and the ``*_init`` schemes. The properties every loss keeps
+    (gradcheck, torch.func.grad over the params dict, compile, the meta device, a docstring
+    example) are in test_conformance.py.
 
 Deliberate deviations from PML 2.9.0 (tested against the reference, not PML):
   (a) ``proxy_anchor`` with ``class_weighted``: PML weights proxy ``c``'s term by the class of
@@ -30,6 +33,7 @@ from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
 from pytorch_metric_learning import reducers as pml_reducers
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from reference import proxies as proxies_ref
 
 import pmlfunc.distances as pfd
 import pmlfunc.reducers as pfr
@@ -208,135 +212,12 @@ def pml_renorm(w):
     return w.t().renorm(2, 1, 1e-5).mul(1e5).t()
 
 
-# ----------------------------------------------------------------------------------------------
-# naive float64 loop references (PML's semantics)
-# ----------------------------------------------------------------------------------------------
-def _sim(kind, a, b):
-    """``(value, is_similarity)`` for one pair of vectors, PML's distances written out."""
-    if kind == "cosine":
-        return (a @ b) / (a.norm() * b.norm()), True
-    if kind == "dot":
-        return a @ b, True
-    an, bn = a / a.norm(), b / b.norm()
-    sq = ((an - bn) ** 2).sum()
-    if kind == "lp_sq":
-        return sq, False
-    return sq.sqrt(), False
-
-
-def _miner_weights_ref(indices_tuple, n, anchors_only=False):
-    """PML's ``convert_to_weights`` by counting."""
-    if indices_tuple is None or all(len(t) == 0 for t in indices_tuple):
-        return [1.0] * n
-    if anchors_only:
-        tensors = (
-            [indices_tuple[0]] if len(indices_tuple) == 3 else [indices_tuple[0], indices_tuple[2]]
-        )
-    else:
-        tensors = list(indices_tuple)
-    counts = [0] * n
-    for t in tensors:
-        for i in t.tolist():
-            counts[i] += 1
-    top = max(counts)
-    return [c / top for c in counts]
-
-
-def ref_proxy_anchor(emb, labels, proxies, *, margin=0.1, alpha=32.0, dist="cosine", tup=None):
-    n, c_ = emb.shape[0], proxies.shape[0]
-    mw = _miner_weights_ref(tup, n)
-    y = labels.tolist()
-    pos_total, neg_total, with_pos = 0.0, 0.0, 0
-    for c in range(c_):
-        pos_sum, neg_sum, has_pos, has_neg = 0.0, 0.0, False, False
-        for i in range(n):
-            s, is_sim = _sim(dist, emb[i], proxies[c])
-            sign = -1.0 if is_sim else 1.0
-            if y[i] == c:
-                pos_sum = pos_sum + torch.exp(alpha * sign * (s - margin) + mw[i] - 1.0)
-                has_pos = True
-            else:
-                neg_sum = neg_sum + torch.exp(alpha * sign * (-margin - s) + mw[i] - 1.0)
-                has_neg = True
-        if has_pos:
-            pos_total = pos_total + torch.log(1.0 + pos_sum)
-            with_pos += 1
-        if has_neg:
-            neg_total = neg_total + torch.log(1.0 + neg_sum)
-    return pos_total / with_pos + neg_total / c_
-
-
-def _log_softmax_own(z, y):
-    top = max(float(v.detach()) for v in z)  # a constant shift, for range only
-    return z[y] - top - torch.log(sum(torch.exp(v - top) for v in z))
-
-
-def ref_proxy_nca(emb, labels, proxies, *, softmax_scale=1.0, dist="lp_sq", tup=None):
-    n, c_ = emb.shape[0], proxies.shape[0]
-    mw = _miner_weights_ref(tup, n, anchors_only=True)
-    total, count = 0.0, 0
-    for i in range(n):
-        z = []
-        for c in range(c_):
-            s, is_sim = _sim(dist, emb[i], proxies[c])
-            z.append(softmax_scale * (s if is_sim else -s))
-        logp = _log_softmax_own(z, int(labels[i]))
-        if math.exp(logp.detach().item()) != 0:
-            total = total - logp * mw[i]
-            count += 1
-    return total / count
-
-
-def ref_normalized_softmax(emb, labels, weight, *, temperature=0.05, dist="cosine", tup=None):
-    n, c_ = emb.shape[0], weight.shape[0]
-    mw = _miner_weights_ref(tup, n)
-    p = 2.0
-    total = 0.0
-    for i in range(n):
-        z = []
-        for c in range(c_):
-            w_hat = weight[c] / weight[c].abs().pow(p).sum().pow(1 / p)
-            s, is_sim = _sim(dist, emb[i], w_hat)
-            z.append((s if is_sim else -s) / temperature)
-        total = total - _log_softmax_own(z, int(labels[i])) * mw[i]
-    return total / n
-
-
-def ref_soft_triple(
-    emb, labels, weight, *, la=20.0, gamma=0.1, margin=0.01, dist="cosine", tup=None
-):
-    n, c_, k_ = emb.shape[0], weight.shape[0], weight.shape[1]
-    mw = _miner_weights_ref(tup, n)
-    total = 0.0
-    for i in range(n):
-        z = []
-        for c in range(c_):
-            sims = [_sim(dist, emb[i], weight[c, k])[0] for k in range(k_)]
-            den = sum(torch.exp(s / gamma) for s in sims)
-            s_ic = sum(torch.exp(s / gamma) / den * s for s in sims)
-            z.append(la * (s_ic - (margin if c == int(labels[i]) else 0.0)))
-        total = total - _log_softmax_own(z, int(labels[i])) * mw[i]
-    return total / n
-
-
-def ref_p2s_grad(emb, labels, weight_hat):
-    """Takes the (already unit-norm) weight PML uses; gradients are w.r.t. it."""
-    n, c_ = emb.shape[0], weight_hat.shape[0]
-    total = 0.0
-    for i in range(n):
-        for c in range(c_):
-            cos = (emb[i] @ weight_hat[c]) / emb[i].norm()
-            cos = cos.clamp(-1.0, 1.0)
-            total = total + (cos - (1.0 if c == int(labels[i]) else 0.0)) ** 2
-    return total / (n * c_)
-
-
-REFS = {
-    "proxy_anchor": ref_proxy_anchor,
-    "proxy_nca": ref_proxy_nca,
-    "normalized_softmax": ref_normalized_softmax,
-    "soft_triple": ref_soft_triple,
-    "p2s_grad": ref_p2s_grad,
+REFS = {  # the float64 loop references (tests/reference/proxies.py)
+    "proxy_anchor": proxies_ref.proxy_anchor,
+    "proxy_nca": proxies_ref.proxy_nca,
+    "normalized_softmax": proxies_ref.normalized_softmax,
+    "soft_triple": proxies_ref.soft_triple,
+    "p2s_grad": proxies_ref.p2s_grad,
 }
 
 
@@ -553,48 +434,20 @@ def test_p2s_grad_other_reducers_reduce_per_sample_terms(gen):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. gradcheck, torch.func
+# 3. the straight-through weight gradient, torch.func.vmap, tensor hyper-parameters
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES)
-def test_gradcheck(name, gen):
-    labels = lab([0, 0, 1, 2, 2, 4])
-    emb, params = make(name, gen, labels)
-    spec = SPECS[name]
-    hp = spec["hp"][1] if name != "proxy_anchor" else {"margin": 0.1, "alpha": 4.0}
-    e = emb.clone().requires_grad_(True)
-    p = params[spec["key"]].clone().requires_grad_(name != "p2s_grad")  # deviation (b)
-    assert torch.autograd.gradcheck(
-        lambda e, p: spec["fn"](e, labels, {spec["key"]: p}, **hp), (e, p)
-    )
-
-
 def test_p2s_grad_weight_gradient_is_straight_through(gen):
     """Deviation (b): d loss / d w equals the true gradient w.r.t. the renormalised weight."""
     labels = lab(UNEVEN)
     emb, params = make("p2s_grad", gen, labels, scale=3.0)
     w = params["weight"]
     w_hat = pml_renorm(w).requires_grad_(True)
-    (g_true,) = torch.autograd.grad(ref_p2s_grad(emb, labels, w_hat), w_hat)
+    (g_true,) = torch.autograd.grad(proxies_ref.p2s_grad(emb, labels, w_hat), w_hat)
     _, _, g = run_pf("p2s_grad", emb, labels, params)
     torch.testing.assert_close(g, g_true, **REF_TOL)
     # and the embedding gradient is the true one: gradcheck with the weight fixed
     e = emb.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda e: p2s_grad(e, labels, params), (e,))
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_func_grad_over_params_dict_equals_autograd(name, gen):
-    labels = lab(UNEVEN)
-    emb, params = make(name, gen, labels)
-    spec = SPECS[name]
-    hp = spec["hp"][1]
-    grads = torch.func.grad(lambda e, y, p: spec["fn"](e, y, p, **hp), argnums=(0, 2))(
-        emb, labels, params
-    )
-    _, ge, gp = run_pf(name, emb, labels, params, **hp)
-    assert set(grads[1]) == {spec["key"]}
-    torch.testing.assert_close(grads[0], ge, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(grads[1][spec["key"]], gp, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -701,21 +554,14 @@ def test_compile_tensor_hyperparameters_do_not_recompile(gen):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. meta device, |cos| = 1, low precision
+# 5. params made on meta, |cos| = 1, low precision
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
-def test_meta_device_forward_and_backward(name):
-    spec = SPECS[name]
-    params = spec["init"](C, D, device="meta")
+def test_init_on_meta(name):
+    """``*_init(device="meta")`` makes the params on meta (the loss on meta:
+    test_conformance.py)."""
+    params = SPECS[name]["init"](C, D, device="meta")
     assert all(v.device.type == "meta" for v in params.values())
-    params = {k: v.requires_grad_(True) for k, v in params.items()}
-    emb = torch.empty(7, D, device="meta", requires_grad=True)
-    labels = torch.zeros(7, dtype=torch.int64, device="meta")
-    out = spec["fn"](emb, labels, params)
-    assert out.shape == () and out.device.type == "meta"
-    out.backward()
-    assert emb.grad.shape == emb.shape
-    assert params[spec["key"]].grad.shape == params[spec["key"]].shape
 
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])

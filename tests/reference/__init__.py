@@ -1,8 +1,10 @@
-"""Naive float64 reference implementations of the five core losses.
+"""Naive float64 references of every loss, one module per loss family (named like the
+``pmlfunc.losses`` modules), and the loops they share: distances, pairs, triplets, reducers.
 
-Written from PML 2.9.0's semantics with plain Python loops over pairs, triplets and anchors.
-Nothing here imports pmlfunc. Every number is a float64 torch scalar, so gradients of the
-reference come from ``torch.autograd`` on the inputs.
+Each reference is written from its paper or from PML 2.9.0's semantics (its docstring says which)
+with plain Python loops over pairs, triplets, anchors and classes. Nothing here imports pmlfunc.
+Every number is a float64 torch scalar, so gradients of a reference come from ``torch.autograd``
+on its inputs.
 
 Distances are given as ``(name, kwargs)``:
     ("lp", {"p": 2, "power": 1, "normalize": True}), ("cosine", {}), ("dot", {}), ("snr", {})
@@ -24,6 +26,20 @@ SIMILARITIES = {"cosine", "dot"}
 def _normalize_row(x, p):
     norm = sum(x[k].abs() ** p for k in range(x.shape[0])) ** (1.0 / p)
     return x / norm.clamp_min(1e-12)
+
+
+def unit(x):
+    """``x`` over its Euclidean norm, summed entry by entry."""
+    return x / torch.sqrt(sum(x[k] * x[k] for k in range(x.shape[0])))
+
+
+def lse(xs):
+    """log Σ e^x over a list of 0-d tensors; ``None`` for an empty list (PML's logsumexp of an
+    empty set is 0: callers add 0 for it)."""
+    if not xs:
+        return None
+    top = max(float(x.detach()) for x in xs)
+    return top + torch.log(sum(torch.exp(x - top) for x in xs))
 
 
 def _variance(v):
@@ -66,6 +82,11 @@ def is_similarity(distance):
     return distance[0] in SIMILARITIES
 
 
+def oriented(value, distance):
+    """``value`` oriented so that larger means closer (a distance negated)."""
+    return value if is_similarity(distance) else -value
+
+
 def pml_margin(x, y, distance):
     """PML's ``distance.margin(x, y)``: x - y for distances, y - x for similarities."""
     return y - x if is_similarity(distance) else x - y
@@ -78,7 +99,7 @@ def _as_list(t):
     return [int(v) for v in t]
 
 
-def pairs(labels, ref_labels, self_mode, indices_tuple=None):
+def pair_lists(labels, ref_labels, self_mode, indices_tuple=None):
     """(pos_pairs, neg_pairs) as lists of (anchor, other), with PML's duplicates kept."""
     if indices_tuple is not None:
         if len(indices_tuple) == 4:
@@ -99,24 +120,25 @@ def pairs(labels, ref_labels, self_mode, indices_tuple=None):
     return pos, neg
 
 
-def triplets(labels, ref_labels, self_mode, indices_tuple=None):
+def triplet_lists(labels, ref_labels, self_mode, indices_tuple=None):
     """All (a, p, n) triplets, or PML's conversion of a given index tuple."""
     if indices_tuple is not None and len(indices_tuple) == 3:
         return list(zip(*(_as_list(t) for t in indices_tuple), strict=True))
-    pos, neg = pairs(labels, ref_labels, self_mode, indices_tuple)
+    pos, neg = pair_lists(labels, ref_labels, self_mode, indices_tuple)
     return [(a, p, n) for (a, p) in pos for (a2, n) in neg if a2 == a]
 
 
 # ----------------------------------------------------------------------------------------------
 # reducers
 # ----------------------------------------------------------------------------------------------
-def _zero(emb):
+def zero(emb):
+    """A 0-d zero that stays in ``emb``'s autograd graph (a loss with nothing to average)."""
     return (emb * 0).sum()
 
 
 def _mean(vals, emb):
     if len(vals) == 0:
-        return _zero(emb)
+        return zero(emb)
     return sum(vals) / len(vals)
 
 
@@ -130,7 +152,7 @@ def reduce(losses, anchors, others, kind, reducer, emb, labels, batch_size):
     if name == "mean":
         return _mean(losses, emb)
     if name == "sum":
-        return sum(losses) if losses else _zero(emb)
+        return sum(losses) if losses else zero(emb)
     if name in ("avg_nonzero", "threshold"):
         low = 0.0 if name == "avg_nonzero" else kw.get("low")
         high = None if name == "avg_nonzero" else kw.get("high")
@@ -159,188 +181,64 @@ def reduce(losses, anchors, others, kind, reducer, emb, labels, batch_size):
         rows = []
         for i in range(batch_size):
             vals = [v for (a, _), v in cell.items() if a == i]
-            rows.append(sum(vals) / len(vals) if vals else _zero(emb))
+            rows.append(sum(vals) / len(vals) if vals else zero(emb))
         return reduce(
             rows, list(range(batch_size)), None, "element", inner, emb, labels, batch_size
         )
     raise ValueError(name)
 
 
-# ----------------------------------------------------------------------------------------------
-# losses
-# ----------------------------------------------------------------------------------------------
-def _setup(emb, labels, ref_emb, ref_labels, distance):
+def setup(emb, labels, ref_emb, ref_labels, distance):
+    """``(self_mode, ref, ref_labels, matrix)`` of the reference-set rule: without ``ref_emb``
+    the batch is compared with itself."""
     self_mode = ref_emb is None
     ref = emb if self_mode else ref_emb
     rl = labels if self_mode else ref_labels
     return self_mode, ref, rl, distance_matrix(emb, ref, distance)
 
 
-def contrastive(
-    emb,
-    labels=None,
-    *,
-    pos_margin=0.0,
-    neg_margin=1.0,
-    distance=("lp", {}),
-    reducer=("avg_nonzero", {}),
-    ref_emb=None,
-    ref_labels=None,
-    indices_tuple=None,
-):
-    self_mode, _, rl, mat = _setup(emb, labels, ref_emb, ref_labels, distance)
-    pos, neg = pairs(labels, rl, self_mode, indices_tuple)
-    relu = torch.nn.functional.relu
-    pos_l = [relu(pml_margin(mat[a][p], pos_margin, distance)) for a, p in pos]
-    neg_l = [relu(pml_margin(neg_margin, mat[a][n], distance)) for a, n in neg]
-    B = emb.shape[0]
+def reduce_pairs(losses, pairs, kind, reducer, emb, labels):
+    """:func:`reduce` for one loss per ``(anchor, other)`` pair of ``pairs``."""
     return reduce(
-        pos_l, [a for a, _ in pos], [p for _, p in pos], "pos_pair", reducer, emb, labels, B
-    ) + reduce(neg_l, [a for a, _ in neg], [n for _, n in neg], "neg_pair", reducer, emb, labels, B)
-
-
-def triplet_margin(
-    emb,
-    labels=None,
-    *,
-    margin=0.2,
-    swap=False,
-    smooth_loss=False,
-    distance=("lp", {}),
-    reducer=("avg_nonzero", {}),
-    ref_emb=None,
-    ref_labels=None,
-    indices_tuple=None,
-):
-    self_mode, ref, rl, mat = _setup(emb, labels, ref_emb, ref_labels, distance)
-    trips = triplets(labels, rl, self_mode, indices_tuple)
-    pn_mat = distance_matrix(ref, ref, distance) if swap else None
-    losses = []
-    for a, p, n in trips:
-        ap, an = mat[a][p], mat[a][n]
-        if swap:
-            pn = pn_mat[p][n]
-            an = torch.maximum(an, pn) if is_similarity(distance) else torch.minimum(an, pn)
-        v = pml_margin(ap, an, distance) + margin
-        losses.append(
-            torch.nn.functional.softplus(v) if smooth_loss else torch.nn.functional.relu(v)
-        )
-    return reduce(
-        losses, [t[0] for t in trips], None, "triplet", reducer, emb, labels, emb.shape[0]
+        losses, [a for a, _ in pairs], [o for _, o in pairs], kind, reducer, emb, labels, len(emb)
     )
 
 
-def ntxent(
-    emb,
-    labels=None,
-    *,
-    temperature=0.07,
-    distance=("cosine", {}),
-    reducer=("mean", {}),
-    ref_emb=None,
-    ref_labels=None,
-    indices_tuple=None,
-):
-    self_mode, _, rl, mat = _setup(emb, labels, ref_emb, ref_labels, distance)
-    pos, neg = pairs(labels, rl, self_mode, indices_tuple)
-    if not pos or not neg:  # PML: zero loss unless there is a positive and a negative pair
-        return _zero(emb)
-    sign = 1.0 if is_similarity(distance) else -1.0
-    tiny = torch.finfo(emb.dtype).tiny
-    losses = []
-    for a, p in pos:
-        num = torch.exp(sign * mat[a][p] / temperature)
-        den = num + sum(
-            (torch.exp(sign * mat[a2][n] / temperature) for a2, n in neg if a2 == a), 0.0
+def reduce_rows(losses, reducer, emb, labels):
+    """:func:`reduce` for one loss per query row."""
+    return reduce(losses, list(range(len(emb))), None, "element", reducer, emb, labels, len(emb))
+
+
+def masks(labels, ref_labels, self_mode, indices_tuple, b, m):
+    """``(P, N, any_pos, any_neg)``: 0/1 ``b × m`` pair masks as nested lists of bools (PML's
+    matrix-based losses build 0/1 masks: a pair listed twice counts once)."""
+    pos, neg = pair_lists(labels, ref_labels, self_mode, indices_tuple)
+    pos_set, neg_set = set(pos), set(neg)
+    p = [[(i, j) in pos_set for j in range(m)] for i in range(b)]
+    n = [[(i, j) in neg_set for j in range(m)] for i in range(b)]
+    return p, n, bool(pos_set), bool(neg_set)
+
+
+def similarity(x, y, name):
+    """The similarity of two rows (larger means closer) under the distance called ``name``
+    with its default options: cosine, dot, or minus the normalised Euclidean distance."""
+    return oriented(pair_distance(x, y, (name, {})), (name, {}))
+
+
+def miner_weights(indices_tuple, n, anchors_only=False):
+    """PML's ``convert_to_weights``: each row's count in the tuple (its anchors only, when
+    ``anchors_only``) over the largest count; all ones without a tuple or with an empty one."""
+    if indices_tuple is None or all(len(t) == 0 for t in indices_tuple):
+        return [1.0] * n
+    if anchors_only:
+        tensors = (
+            [indices_tuple[0]] if len(indices_tuple) == 3 else [indices_tuple[0], indices_tuple[2]]
         )
-        losses.append(-torch.log(num / den + tiny))
-    return reduce(
-        losses,
-        [a for a, _ in pos],
-        [p for _, p in pos],
-        "pos_pair",
-        reducer,
-        emb,
-        labels,
-        emb.shape[0],
-    )
-
-
-def _masks(labels, rl, self_mode, indices_tuple, B, M):
-    pos, neg = pairs(labels, rl, self_mode, indices_tuple)
-    pos_set, neg_set = set(pos), set(neg)  # PML builds 0/1 masks: duplicates collapse
-    P = [[(i, j) in pos_set for j in range(M)] for i in range(B)]
-    N = [[(i, j) in neg_set for j in range(M)] for i in range(B)]
-    return P, N, bool(pos_set), bool(neg_set)
-
-
-def supcon(
-    emb,
-    labels=None,
-    *,
-    temperature=0.1,
-    distance=("cosine", {}),
-    reducer=("avg_nonzero", {}),
-    ref_emb=None,
-    ref_labels=None,
-    indices_tuple=None,
-):
-    self_mode, ref, rl, mat = _setup(emb, labels, ref_emb, ref_labels, distance)
-    B, M = emb.shape[0], ref.shape[0]
-    P, N, any_pos, any_neg = _masks(labels, rl, self_mode, indices_tuple, B, M)
-    if not (any_pos and any_neg):  # PML: zero loss unless both kinds of pair exist
-        return _zero(emb)
-    sign = 1.0 if is_similarity(distance) else -1.0
-    tiny = torch.finfo(emb.dtype).tiny
-    losses = []
-    for i in range(B):
-        logits = [sign * mat[i][j] / temperature for j in range(M)]
-        keep = [logits[j] for j in range(M) if P[i][j] or N[i][j]]
-        if keep:
-            mx = max(float(v.detach()) for v in keep)
-            lse = mx + torch.log(sum(torch.exp(v - mx) for v in keep))
-        npos = sum(P[i])
-        total = sum((logits[j] - lse for j in range(M) if P[i][j]), _zero(emb))
-        losses.append(-total / (npos + tiny))
-    return reduce(losses, list(range(B)), None, "element", reducer, emb, labels, B)
-
-
-def multi_similarity(
-    emb,
-    labels=None,
-    *,
-    alpha=2.0,
-    beta=50.0,
-    base=0.5,
-    distance=("cosine", {}),
-    reducer=("mean", {}),
-    ref_emb=None,
-    ref_labels=None,
-    indices_tuple=None,
-):
-    self_mode, ref, rl, mat = _setup(emb, labels, ref_emb, ref_labels, distance)
-    B, M = emb.shape[0], ref.shape[0]
-    P, N, _, _ = _masks(labels, rl, self_mode, indices_tuple, B, M)
-    losses = []
-    for i in range(B):
-        pos_terms = [
-            torch.exp(alpha * pml_margin(mat[i][j], base, distance)) for j in range(M) if P[i][j]
-        ]
-        neg_terms = [
-            torch.exp(beta * pml_margin(base, mat[i][j], distance)) for j in range(M) if N[i][j]
-        ]
-        lp = torch.log(1 + sum(pos_terms)) / alpha if pos_terms else _zero(emb)
-        ln = torch.log(1 + sum(neg_terms)) / beta if neg_terms else _zero(emb)
-        losses.append(lp + ln)
-    return reduce(losses, list(range(B)), None, "element", reducer, emb, labels, B)
-
-
-LOSSES = {
-    "contrastive": contrastive,
-    "triplet_margin": triplet_margin,
-    "ntxent": ntxent,
-    "supcon": supcon,
-    "multi_similarity": multi_similarity,
-}
-
-__all__ = ["LOSSES", "distance_matrix", "pair_distance", "reduce"]
+    else:
+        tensors = list(indices_tuple)
+    counts = [0] * n
+    for t in tensors:
+        for i in t.tolist():
+            counts[i] += 1
+    top = max(counts)
+    return [c / top for c in counts]

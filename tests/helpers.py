@@ -1,0 +1,63 @@
+"""Helpers the test modules share: seeded data, values with gradients, and their comparison."""
+
+from __future__ import annotations
+
+import torch
+
+F64, F32 = torch.float64, torch.float32
+UNEVEN = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4]  # uneven classes; 2 and 4 are singletons
+REF_LABELS = [0, 1, 1, 5, 3, 3, 0, 2]  # a reference set: shares some classes, has an unseen one
+EDGE_LAYOUTS = {  # legal batches with nothing, or almost nothing, to compare
+    "batch_of_one": [3],
+    "no_positives": [0, 1, 2, 3, 4],
+    "no_negatives": [1, 1, 1, 1, 1],
+    "two_rows_same": [0, 0],
+    "two_rows_distinct": [0, 1],
+}
+
+
+def randn(gen, *shape, dtype=F64):
+    """Normal draws in float64 (the same numbers whatever ``dtype``), then cast."""
+    return torch.randn(*shape, generator=gen, dtype=F64).to(dtype)
+
+
+def lab(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def value_and_grads(fn, *tensors):
+    """``fn(*leaves)`` and the gradient of the result w.r.t. fresh leaf copies of ``tensors``
+    (zeros for an input it does not use). A tuple result is a loss and its state."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    if isinstance(out, tuple):
+        out = out[0]
+    assert out.ndim == 0, f"loss must be 0-d, got shape {tuple(out.shape)}"
+    grads = torch.autograd.grad(out, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    return out.detach(), grads
+
+
+def assert_same(got, want, **tol):
+    """Two ``(value, grads)`` results equal (``want`` cast to ``got``'s dtypes)."""
+    (gv, gg), (wv, wg) = got, want
+    torch.testing.assert_close(gv, wv.to(gv.dtype), **tol, msg=lambda m: f"value: {m}")
+    for k, (a, b) in enumerate(zip(gg, wg, strict=True)):
+        torch.testing.assert_close(
+            a, b.to(a.dtype), **tol, msg=lambda m, k=k: f"grad of input {k}: {m}"
+        )
+
+
+def finite(fn, *tensors):
+    """:func:`value_and_grads`, asserting the value and every gradient are finite."""
+    value, grads = value_and_grads(fn, *tensors)
+    assert torch.isfinite(value), f"loss not finite: {value}"
+    for g in grads:
+        assert torch.isfinite(g).all(), f"gradient not finite: {g}"
+    return value, grads
+
+
+def assert_vmap_equals_a_loop(fn, x):
+    """``vmap(fn)`` over two problems equals ``fn`` on each."""
+    batched = torch.func.vmap(fn)(torch.stack([x, 2 * x + 1]))
+    torch.testing.assert_close(batched, torch.stack([fn(x), fn(2 * x + 1)]))

@@ -1,0 +1,48 @@
+"""Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg.
+
+Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
+two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
+view.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import zero
+
+
+def vicreg(z1, z2, lam=25.0, mu=25.0, nu=1.0, eps=1e-4, reducer="mean"):
+    """Invariance, variance and covariance terms entry by entry; ``reducer`` (``"mean"``,
+    ``"sum"`` or ``"avg_nonzero"``) reduces the per-row and per-dimension terms."""
+    b, d = z1.shape
+
+    def red(vals):
+        if reducer == "sum":
+            return sum(vals)
+        if reducer == "avg_nonzero":
+            kept = [v for v in vals if float(v.detach()) > 0]
+            return sum(kept) / len(kept) if kept else zero(z1)
+        return sum(vals) / len(vals)
+
+    inv = [lam * sum((z1[i, k] - z2[i, k]) ** 2 for k in range(d)) / d for i in range(b)]
+
+    def var_terms(z):
+        out = []
+        for k in range(d):
+            m = sum(z[i, k] for i in range(b)) / b
+            var = sum((z[i, k] - m) ** 2 for i in range(b)) / (b - 1)
+            out.append(mu * torch.relu(1 - (var + eps).sqrt()) / 2)
+        return out
+
+    def cov(z):
+        means = [sum(z[i, k] for i in range(b)) / b for k in range(d)]
+        total = zero(z)
+        for k in range(d):
+            for m in range(d):
+                if k != m:
+                    c = sum((z[i, k] - means[k]) * (z[i, m] - means[m]) for i in range(b)) / (b - 1)
+                    total = total + c * c
+        return total / d
+
+    return red(inv) + red(var_terms(z1)) + red(var_terms(z2)) + nu * (cov(z1) + cov(z2))
