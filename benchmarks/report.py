@@ -83,7 +83,14 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:,.1f}×" if a / b < 1000 else f"{a / b:,.0f}×"
 
 
-def markdown(runs: list[dict[str, Any]], title: str, command: str | None = None) -> str:
+def markdown(
+    runs: list[dict[str, Any]],
+    title: str,
+    command: str | None = None,
+    preamble: list[str] | None = None,
+) -> str:
+    """The Markdown page of ``runs``; ``preamble``: lines placed after the introduction, before
+    the tables (``benchmarks.gpu_check`` puts its steps, tests and capacity there)."""
     table = rows(runs)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in table:
@@ -96,6 +103,7 @@ def markdown(runs: list[dict[str, Any]], title: str, command: str | None = None)
         "beside PML 2.9.0 and the matmul floor `(E @ E.T).sum()` in the same process. Peak: the",
         "memory one step adds (CPU: live tensor storage; CUDA: allocated above the baseline).",
         "",
+        *(preamble or []),
     ]
     skipped: list[str] = []
     for (batch, dtype, mode), members in sorted(groups.items(), key=lambda kv: kv[0]):

@@ -140,8 +140,50 @@ def _one_step(step: _Step):
     return lambda: step.backward(step.forward())
 
 
+def _result(step: _Step) -> tuple[Any, Any]:
+    """One eager step's output and gradients, detached."""
+    out = step.forward()
+    grads = step.backward(out)
+    return _detached(out), _detached(grads)
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a miner's NamedTuple
+        return type(x)(*(_detached(v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
+def mismatch(
+    kind: str, ref: tuple[Any, Any], got: tuple[Any, Any], dtype: torch.dtype
+) -> str | None:
+    """How a step's ``(output, gradients)`` differs from the reference ``ref`` (``None``: within
+    the parity tolerance, relative to each tensor's largest entry). Miners are not compared."""
+    if kind == "mine":
+        return None
+    (ref_out, ref_grads), (out, grads) = ref, got
+    if kind == "loss":
+        pairs = [("loss", ref_out, out)]
+        pairs += [
+            (f"gradient {i}", r, g) for i, (r, g) in enumerate(zip(ref_grads, grads, strict=True))
+        ]
+    else:  # value_and_grad: the output is (loss, gradient)
+        pairs = [("loss", ref_out[0], out[0]), ("gradient", ref_out[1], out[1])]
+    rtol = C.parity_rtol(dtype)
+    for name, r, g in pairs:
+        r, g = r.detach().double(), g.detach().double()
+        err, scale = float((g - r).abs().max()), float(r.abs().max())
+        if not err <= rtol * scale + 1e-6:  # NaN fails too
+            return f"{name} differs from eager: max |difference| {err:.3g}, max |eager| {scale:.3g}"
+    return None
+
+
 def _graphed(step: _Step, device: torch.device):
-    """Capture forward+backward in one CUDA graph; returns a replay function."""
+    """Capture forward+backward in one CUDA graph; returns a replay function and the captured
+    ``(output, gradients)``, which every replay recomputes."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -151,8 +193,8 @@ def _graphed(step: _Step, device: torch.device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step.forward()
-        step.backward(out)
-    return graph.replay, out
+        grads = step.backward(out)
+    return graph.replay, (out, grads)
 
 
 def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
@@ -198,8 +240,10 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
         with C.set_threads(args.threads):
             t0 = time.perf_counter()
             out = step.forward()
-            record["loss"] = step.check(out, step.backward(out))
+            grads = step.backward(out)
+            record["loss"] = step.check(out, grads)
             first = time.perf_counter() - t0
+            reference = None if member.kind == "mine" else (_detached(out), _detached(grads))
             if first > args.max_step_seconds:
                 return {
                     **record,
@@ -209,16 +253,33 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
                 }
             record["flops"] = C.step_flops(_one_step(step))
             record["peak_memory_mib"] = C.step_peak_mib(_one_step(step), device)
+            # A compiled or replayed step is compared with eager when eager repeats itself (a
+            # member that draws a new subset every step cannot be compared).
+            comparable = (
+                mode != "eager"
+                and reference is not None
+                and mismatch(member.kind, reference, _result(step), dtype) is None
+            )
+            got = None
             if mode == "compile":
-                step.fn = torch.compile(fn, fullgraph=True)
+                step.fn = torch.compile(
+                    fn, fullgraph=True, backend=getattr(args, "compile_backend", "inductor")
+                )
                 _sync(device)
                 t0 = time.perf_counter()
-                step.backward(step.forward())
+                got = _result(step)
                 _sync(device)
                 record["first_step_ms"] = (time.perf_counter() - t0) * 1e3
             replay = None
             if mode == "cudagraph":
-                replay, _ = _graphed(step, device)
+                replay, got = _graphed(step, device)
+                replay()
+                _sync(device)
+            if comparable:
+                bad = mismatch(member.kind, reference, got, dtype)
+                if bad is not None:
+                    return {**record, "status": "error", "reason": f"{mode}: {bad}"}
+                record["checked_against_eager"] = True
             fwd, bwd, total = [], [], []
             for i in range(args.warmup + args.repeats):
                 _sync(device)
@@ -278,6 +339,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impl", default=None, help="comma-separated implementations (default: all)")
     p.add_argument("--mode", default="eager", help=f"comma-separated, from {MODES}")
     p.add_argument("--anchor-batch-size", type=int, default=256)
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of --mode compile (eager: tracing only, for quick checks)",
+    )
     p.add_argument("--pml-memory-limit-gib", type=float, default=8.0)
     p.add_argument(
         "--max-step-seconds",
@@ -310,6 +376,36 @@ def _distributed(args: argparse.Namespace) -> dict[str, Any] | None:
     return distributed.main([str(f) for f in flags])
 
 
+def environment() -> dict[str, Any]:
+    """Versions, machine, device, git revision and time of a run."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_revision": git_revision(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+CONFIG_KEYS = ("batch_size", "dimensions", "samples_per_class", "dtype", "threads", "repeats",
+               "warmup", "device", "anchor_batch_size")  # fmt: skip
+
+
+def run_document(
+    args: argparse.Namespace, results: list[dict[str, Any]], env: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON a run writes (what ``benchmarks.report`` reads): configuration, environment
+    (``env``, default :func:`environment`) and the entries."""
+    return {
+        "config": {k: getattr(args, k) for k in CONFIG_KEYS}
+        | {"modes": args.modes, "seed": C.SEED},
+        "environment": environment() if env is None else env,
+        "results": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse(argv)
     if args.case == "distributed":
@@ -337,33 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             if hasattr(progress, "set_postfix_str"):
                 progress.set_postfix_str(f"{case.name}/{impl}/{mode}")
             results.append(measure(case, impl, args, mode))
-    run = {
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "batch_size",
-                "dimensions",
-                "samples_per_class",
-                "dtype",
-                "threads",
-                "repeats",
-                "warmup",
-                "device",
-                "anchor_batch_size",
-            )
-        }
-        | {"modes": args.modes, "seed": C.SEED},
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "git_revision": git_revision(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-        "results": results,
-    }
+    run = run_document(args, results)
     for r in results:
         median = r["stats"]["median"] if r.get("stats") else None
         shown = f"{median:10.3f} ms" if median is not None else f"{r['status']:>13}"
