@@ -249,14 +249,18 @@ def _dynamic_soft_margin(d: Draw) -> Call:
     )
 
 
-def _manifold(d: Draw) -> Call:
+def _manifold(d: Draw, given: bool = False) -> Call:
+    """manifold drawing its meta-classes from ``generator=``, or (``given``) on meta-classes
+    drawn beforehand and passed as ``indices_tuple``."""
     params = d.params(pf.losses.manifold_init, D, 3)
     seed = d.seed()
+    if given:
+        kw = {"indices_tuple": pf.losses.manifold_meta_classes(seed, B, 3)}
+    else:
+        kw = {"generator": seed}
 
     def run(embeddings, proxies):
-        return pf.losses.manifold(
-            embeddings, None, {"proxies": proxies}, generator=seed, margin=0.05
-        )
+        return pf.losses.manifold(embeddings, None, {"proxies": proxies}, margin=0.05, **kw)
 
     return Call({"embeddings": d.randn(B, D), "proxies": params["proxies"]}, run)
 
@@ -331,6 +335,7 @@ LOSSES: dict[str, Entry] = {
     **batch(L.instance, gamma=8.0),
     **batch(L.ranked_list, margin=0.6, Tn=3.0, Tp=1.5, imbalance=0.3),
     "manifold": Entry(L.manifold, _manifold, backend="aot_eager"),
+    "manifold[meta_classes]": Entry(L.manifold, partial(_manifold, given=True)),
     # ranking
     **batch(L.fast_ap, mined=True, num_bins=6, gradcheck=_RANKING_GRADCHECK),
     **batch(L.histogram, mined=True, n_bins=10, gradcheck=_RANKING_GRADCHECK),
