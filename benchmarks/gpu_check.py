@@ -121,8 +121,8 @@ class Settings:
     # NT-Xent capacity searches: (implementation, first batch, ceiling).
     capacity: tuple[tuple[str, int, int], ...] = (
         ("pml", 512, 1 << 20),
-        ("pmlfunc", 4096, 1 << 20),
-        ("pmlfunc-tiled", 16384, 1 << 18),
+        ("pmlfunc", 16384, 1 << 20),
+        ("pmlfunc-tiled", 32768, 1 << 18),
     )
     capacity_min_seconds: float = 15.0
     budget_fraction: float = 0.9
@@ -528,7 +528,8 @@ def bench_configs(settings: Settings) -> list[tuple[int, str]]:
 
 def bench_jobs(settings: Settings, cases: Iterable[str] = SEED_CASES) -> list[dict[str, Any]]:
     """Every entry the benchmark step measures, most valuable first: for each configuration
-    every eager entry and every CUDA-graph one (pmlfunc and floor), then the compiled ones."""
+    every eager entry and every CUDA-graph one (pmlfunc and floor), then the compiled ones
+    (every pmlfunc loss of a configuration before its floors)."""
     from .cases import library, registry
 
     table = registry()
@@ -538,14 +539,13 @@ def bench_jobs(settings: Settings, cases: Iterable[str] = SEED_CASES) -> list[di
     plan += [(cfg, "compile") for cfg in compiled]
     jobs = []
     for (batch, dtype), mode in plan:
-        for case in cases:
-            for impl in table[case].members:
-                if mode != "eager" and library(impl) == "pml":
-                    continue  # PML is measured eager only
-                key = f"b{batch}/{dtype}/{mode}/{case}/{impl}"
-                jobs.append(
-                    dict(key=key, batch=batch, dtype=dtype, mode=mode, case=case, impl=impl)
-                )
+        members = [(case, impl) for case in cases for impl in table[case].members]
+        if mode != "eager":  # PML is measured eager only; compiled floors after every loss
+            members = [m for m in members if library(m[1]) != "pml"]
+            members.sort(key=lambda m: library(m[1]) == "floor" and mode == "compile")
+        for case, impl in members:
+            key = f"b{batch}/{dtype}/{mode}/{case}/{impl}"
+            jobs.append(dict(key=key, batch=batch, dtype=dtype, mode=mode, case=case, impl=impl))
     return jobs
 
 
