@@ -14,9 +14,13 @@ embeddings, a reference set, the params leaves). Every entry is run through:
 * a run on ``device="meta"`` (shapes only: the rule that makes compile and CUDA graphs work);
 * an example in the function's docstring (the examples themselves run in test_docstrings.py).
 
-A batch loss that takes a reference set is registered twice: against the batch itself and
-against a separate reference set (``name[ref]``). What is specific to one family (references,
-PML parity, deviations, variant-specific compile tests) is in that family's test file.
+A function may have several entries, one per path worth checking: a batch loss that takes a
+reference set is registered against the batch itself and against a separate reference set
+(``name[ref]``); the losses compiled on mined tuples before are also registered on one
+(``name[mined]``); ``margin[params]`` (learnable betas), ``manifold[meta_classes]`` (given
+meta-classes) and the bounded miners (``name[tuples_per_anchor]``) are paths of their own. What is
+specific to one family (references, PML parity, deviations, variant-specific compile tests) is in
+that family's test file.
 """
 
 from __future__ import annotations
@@ -122,7 +126,9 @@ class Entry:
         backend: the ``torch.compile`` backend of its compile check. ``aot_eager`` (full-graph
             capture, functionalisation and the compiled autograd graph, without code
             generation) where inductor's lowering of the counter-based hash of
-            ``pmlfunc._random`` costs 18-40 s on a 2-core CPU.
+            ``pmlfunc._random`` costs 18-40 s on a 2-core CPU (the stochastic miners,
+            manifold's ``generator=``), and where another entry already has inductor generate
+            code for the same ops (:data:`_SHARED`).
         gradcheck: ``torch.autograd.gradcheck`` options where its defaults do not fit.
         constant: ``(names, why)``: the differentiated tensors whose gradient is by design not
             the derivative of the value, held constant by gradcheck.
