@@ -152,6 +152,17 @@ class Loss:
 
 
 L = pf.losses
+
+
+def halves(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+    """A two-set loss (CLIP, SigLIP) on the two halves of the batch: rows i and B/2 + i pair."""
+    return lambda e, y, p: fn(e[: B // 2], e[B // 2 :], p, **kw)
+
+
+def on_device(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(DEVICE) for k, v in params.items()}
+
+
 LOSSES: dict[str, Loss] = {
     "pairs.contrastive": Loss(lambda e, y, p: L.contrastive(e, y, neg_margin=1.4)),
     "pairs.threshold_consistent_margin": Loss(lambda e, y, p: L.threshold_consistent_margin(e, y)),
@@ -188,6 +199,8 @@ LOSSES: dict[str, Loss] = {
     "margin_softmax.cosface": Loss(
         lambda e, y, p: L.cosface(e, y, p), lambda: init(L.cosface_init, C, D)
     ),
+    "cross_modal.clip": Loss(halves(L.clip), lambda: on_device(L.clip_init())),
+    "cross_modal.siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
 }
 
 
@@ -296,21 +309,24 @@ def test_pml_index_tuple_captured_and_replayed_equals_eager():
 # the tiled and the anchor-chunked paths
 # ----------------------------------------------------------------------------------------------
 TILED = {
-    "ntxent": lambda e, y: L.ntxent(e, y, temperature=0.07, chunk_size=24),
-    "supcon": lambda e, y: L.supcon(e, y, temperature=0.1, chunk_size=24),
+    "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07, chunk_size=24)),
+    "supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1, chunk_size=24)),
+    "clip": Loss(halves(L.clip, chunk_size=24), lambda: on_device(L.clip_init())),
+    "siglip": Loss(halves(L.siglip, chunk_size=24), lambda: on_device(L.siglip_init())),
 }
 DENSE = {
-    "ntxent": lambda e, y: L.ntxent(e, y, temperature=0.07),
-    "supcon": lambda e, y: L.supcon(e, y, temperature=0.1),
+    "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
+    "supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1)),
+    "clip": Loss(halves(L.clip), lambda: on_device(L.clip_init())),
+    "siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
 }
 
 
 @needs_graphs
 @pytest.mark.parametrize("name", list(TILED))
 def test_tiled_loss_captured_equals_eager_and_dense(name):
-    tiled = loss_step(Loss(lambda e, y, p: TILED[name](e, y)), [])
-    dense = loss_step(Loss(lambda e, y, p: DENSE[name](e, y)), [])
-    data = draws()
+    tiled, data = loss_draws(TILED[name])
+    dense, _ = loss_draws(DENSE[name])
     replay_equals_eager(tiled, data)
     assert_same(tiled(*data[-1]), dense(*data[-1]), rtol=1e-5, atol=1e-6)
 

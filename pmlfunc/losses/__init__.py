@@ -11,6 +11,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.pair_weighting`` | ``multi_similarity``, ``circle``, ``lifted_structure``, ``generalized_lifted_structure``, ``tuplet_margin`` |
 | ``pmlfunc.losses.triplets`` | ``triplet_margin``, ``margin``, ``selectively_contrastive_triplet`` |
 | ``pmlfunc.losses.softmax`` | ``ntxent``, ``supcon``, ``decoupled_contrastive``, ``multi_supcon`` |
+| ``pmlfunc.losses.cross_modal`` | ``clip``, ``siglip`` (two aligned sets; the tiled engine with ``chunk_size``) |
 | ``pmlfunc.losses.self_supervised`` | ``vicreg`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
@@ -18,10 +19,19 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.margin_softmax`` | ``large_margin_softmax``, ``sphereface``, ``cosface``, ``arcface``, ``subcenter_arcface``, ``dynamic_arcface`` |
 
 How a batch loss is written (its public function, its terms, its spec ``loss.spec``) is in
-``pmlfunc/losses/_batch.py``; the proxy and classifier losses are written directly.
+``pmlfunc/losses/_batch.py``; the proxy and classifier losses are written directly. The softmax
+and sigmoid contrastive losses (``ntxent``, ``supcon``, ``clip``, ``siglip``) share one tiled
+engine for ``chunk_size=`` (``pmlfunc/losses/_tiled.py``).
+
+Example:
+    >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    >>> sorted(name for name in pf.losses.__all__ if name.startswith("n"))
+    ['nca', 'normalized_softmax', 'normalized_softmax_init', 'npairs', 'ntxent']
+    >>> loss = pf.losses.ntxent(emb, labels, temperature=0.1)
 """
 
 from ._batch import BatchInputs
+from .cross_modal import clip, clip_init, siglip, siglip_init
 from .margin_softmax import (
     arcface,
     arcface_init,
@@ -90,6 +100,8 @@ __all__ = [
     "arcface",
     "arcface_init",
     "circle",
+    "clip",
+    "clip_init",
     "contrastive",
     "cosface",
     "cosface_init",
@@ -128,6 +140,8 @@ __all__ = [
     "proxy_nca_init",
     "ranked_list",
     "selectively_contrastive_triplet",
+    "siglip",
+    "siglip_init",
     "signal_to_noise_ratio_contrastive",
     "smooth_ap",
     "soft_triple",

@@ -21,12 +21,12 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import masked_logsumexp, scalar_like
+from .._ops import masked_logsumexp, matmul, scalar_like
 from ..distances import cosine, resolve
 from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
 from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized
-from ._streaming import ntxent_streaming, supcon_streaming
+from ._tiled import tiled_softmax
 
 __all__ = ["decoupled_contrastive", "multi_supcon", "ntxent", "supcon"]
 
@@ -62,7 +62,7 @@ def ntxent(
             default ``cosine()``; ``reducer``: default ``mean()`` over positive pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -74,9 +74,7 @@ def ntxent(
     Predictive Coding", 2018.
     """
     if chunk_size is not None:
-        return ntxent_streaming(
-            embeddings, labels, temperature=temperature, chunk_size=chunk_size, **inputs
-        )
+        return tiled_softmax("ntxent", embeddings, labels, temperature, chunk_size, inputs)
     return ntxent.spec(embeddings, labels, inputs, temperature=temperature)
 
 
@@ -122,7 +120,7 @@ def supcon(
             default ``cosine()``; ``reducer``: default ``avg_nonzero()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -131,9 +129,7 @@ def supcon(
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     if chunk_size is not None:
-        return supcon_streaming(
-            embeddings, labels, temperature=temperature, chunk_size=chunk_size, **inputs
-        )
+        return tiled_softmax("supcon", embeddings, labels, temperature, chunk_size, inputs)
     return supcon.spec(embeddings, labels, inputs, temperature=temperature)
 
 
@@ -198,7 +194,7 @@ def decoupled_contrastive(
             ``mean()`` over positive pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> z = torch.randn(8, 4)  # two views of 4 samples
@@ -293,7 +289,7 @@ def multi_supcon(
             default ``cosine()``; ``reducer``: default ``avg_nonzero()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb = torch.randn(4, 8)
@@ -352,7 +348,9 @@ def multi_supcon(
     losses = torch.where(has_pairs, -mean_log_prob, torch.zeros_like(mean_log_prob))
     reducer = inputs.get("reducer")
     reducer = avg_nonzero() if reducer is None else reducer
-    loss = reduce(reducer, {"loss": elements(losses)}, None, embeddings.dtype)
+    loss = reduce(
+        reducer, {"loss": elements(losses)}, None, _checks.compute_dtype(embeddings.dtype)
+    )
     return regularized(loss, embeddings, inputs)
 
 
@@ -378,6 +376,6 @@ def _jaccard(labels: Tensor, ref_labels: Tensor | None, dtype: torch.dtype) -> T
     """``(B, M)`` Jaccard similarities of multi-hot rows (0 where both sets are empty)."""
     y = labels.to(dtype)
     r = y if ref_labels is None else ref_labels.to(dtype)
-    inter = y @ r.t()
+    inter = matmul(y, r.t())
     union = y.sum(-1, keepdim=True) + r.sum(-1).unsqueeze(0) - inter
     return inter / torch.where(union > 0, union, 1.0)

@@ -1,0 +1,264 @@
+r"""Losses of two aligned sets (image–text pairs): CLIP's symmetric InfoNCE and SigLIP's pairwise
+sigmoid loss, with a learnable logit scale (and bias).
+
+Row ``i`` of ``emb_a`` and row ``i`` of ``emb_b`` are a pair. With ``â``, ``b̂`` the
+L2-normalised rows (``normalize=True``), ``t = exp(logit_scale)`` and ``b`` the logit bias (0
+when ``params`` has none), every loss here reads the ``N × N`` logits
+
+.. math::
+    S_{ij} = t\,\hat a_i \cdot \hat b_j + b.
+
+| loss | per row / pair | PML |
+|---|---|---|
+| :func:`clip` | ``(R_i[lse_j S_ij − mean_{P(i)} S_ij] + R_j[lse_i S_ij − mean_{P(j)} S_ij]) / 2`` | none |
+| :func:`siglip` | ``Σ_ij softplus(−z_ij S_ij) / N``, ``z = +1`` for positives, ``−1`` otherwise | none |
+
+The positives of row ``i`` are ``P(i) = {j : labels_j = labels_i}`` (``labels=None``: only
+``j = i``). ``chunk_size=k`` runs the tiled engine (:mod:`pmlfunc.losses._tiled`): the same numbers
+in ``O(k·N)`` memory in both passes, a plain ``loss.backward()``. Float16/bfloat16 embeddings are
+computed in float32 and the loss is float32; the logit scale and bias enter in log space, so a
+large scale or bias does not overflow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .._ops import matmul
+from ..reducers import Reducer
+from ._tiled import tiled_loss, tiled_reducer
+
+__all__ = ["clip", "clip_init", "siglip", "siglip_init"]
+
+
+def clip(
+    emb_a: Tensor,
+    emb_b: Tensor,
+    params: dict[str, Tensor],
+    *,
+    labels: Tensor | None = None,
+    normalize: bool = True,
+    max_logit_scale: float | None = None,
+    chunk_size: int | None = None,
+    reducer: Reducer | None = None,
+) -> Tensor:
+    r"""CLIP's symmetric contrastive loss (InfoNCE in both directions), multi-positive with labels.
+
+    With the logits ``S`` of the module docstring and ``P(i)`` the positives of row ``i``:
+
+    .. math::
+        \ell^{a→b}_i = \log \sum_j e^{S_{ij}} - \frac{1}{|P(i)|} \sum_{j \in P(i)} S_{ij},
+        \qquad
+        \ell^{b→a}_j = \log \sum_i e^{S_{ij}} - \frac{1}{|P(j)|} \sum_{i \in P(j)} S_{ij}
+
+    and ``L = (mean_i ℓ^{a→b}_i + mean_j ℓ^{b→a}_j) / 2``. Without labels ``P(i) = {i}``: the
+    cross entropy of CLIP (Radford et al.) and open_clip's ``ClipLoss``. With labels every pair of
+    equal labels is a positive, averaged over the row's positives as SupCon does (Khosla et al.),
+    in both directions.
+
+    Args:
+        emb_a: ``(N, D)`` float tensor, the first set (e.g. images).
+        emb_b: ``(N, D)`` float tensor, the second set (e.g. texts), row-aligned with ``emb_a``.
+        params: ``{"logit_scale": 0-d, "logit_bias": 0-d (optional)}`` from :func:`clip_init`;
+            ``logit_scale`` is in log space (``t = exp(logit_scale)``), as CLIP keeps it.
+        labels: ``(N,)`` integer class ids of the pairs, or ``None`` (each pair its own class).
+        normalize: L2-normalise the rows first (default ``True``).
+        max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp`` (CLIP and
+            open_clip clamp the parameter at ``math.log(100)`` after each step; passing it here
+            clamps inside the loss instead, with a zero gradient above the bound).
+        chunk_size: if given, the tiled path (``O(chunk_size × N)`` memory in both passes).
+        reducer: ``mean()`` (default) or ``sum()`` over rows and columns (``R`` above).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> a, b = torch.randn(8, 16), torch.randn(8, 16)
+        >>> loss = pf.losses.clip(a, b, pf.losses.clip_init())
+
+    References: Radford et al., "Learning Transferable Visual Models From Natural Language
+    Supervision" (CLIP), ICML 2021; Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
+    """
+    a, b, t, bias, labels = _pair_inputs(
+        "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale
+    )
+    red = tiled_reducer("clip", reducer)
+    if chunk_size is not None:
+        chunk = _checks.chunk_size(chunk_size)
+        return tiled_loss(
+            a, b, labels, None, scale=t, bias=bias, chunk=chunk, kind="clip", reducer=red
+        )
+    s = _logits(a, b, t, bias)
+    pos = _positives(labels, s)
+    n_pos = pos.sum(-1)  # every row and column has itself: no empty set
+    rows = torch.logsumexp(s, -1) - (pos * s).sum(-1) / n_pos
+    cols = torch.logsumexp(s, 0) - (pos * s).sum(0) / n_pos
+    reduce = torch.mean if red == "mean" else torch.sum
+    return (reduce(rows) + reduce(cols)) / 2
+
+
+def siglip(
+    emb_a: Tensor,
+    emb_b: Tensor,
+    params: dict[str, Tensor],
+    *,
+    labels: Tensor | None = None,
+    normalize: bool = True,
+    max_logit_scale: float | None = None,
+    chunk_size: int | None = None,
+    reducer: Reducer | None = None,
+) -> Tensor:
+    r"""SigLIP's pairwise sigmoid loss: every pair a binary classification.
+
+    With the logits ``S`` of the module docstring and ``z_ij = +1`` when ``j ∈ P(i)``, ``−1``
+    otherwise:
+
+    .. math::
+        L = -\frac{1}{N} \sum_{i,j} \log σ(z_{ij} S_{ij})
+          = \frac{1}{N} \sum_{i,j} \mathrm{softplus}(-z_{ij} S_{ij})
+
+    (the paper's normalisation by the batch size ``N``). No softmax, so no row statistics: the
+    tiled path is a plain sum over tiles.
+
+    Args:
+        emb_a: ``(N, D)`` float tensor, the first set.
+        emb_b: ``(N, D)`` float tensor, row-aligned with ``emb_a``.
+        params: ``{"logit_scale": 0-d, "logit_bias": 0-d}`` from :func:`siglip_init`
+            (``t = exp(logit_scale)``; without ``"logit_bias"``, ``b = 0``).
+        labels: ``(N,)`` integer class ids of the pairs, or ``None`` (each pair its own class).
+        normalize: L2-normalise the rows first (default ``True``).
+        max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp``.
+        chunk_size: if given, the tiled path (``O(chunk_size × N)`` memory in both passes).
+        reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ / N²``) or
+            ``sum()``.
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> a, b = torch.randn(8, 16), torch.randn(8, 16)
+        >>> loss = pf.losses.siglip(a, b, pf.losses.siglip_init())
+
+    Reference: Zhai, Mustafa, Kolesnikov, Beyer, "Sigmoid Loss for Language Image Pre-Training"
+    (SigLIP), ICCV 2023.
+    """
+    a, b, t, bias, labels = _pair_inputs(
+        "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale
+    )
+    red = tiled_reducer("siglip", reducer)
+    if chunk_size is not None:
+        chunk = _checks.chunk_size(chunk_size)
+        return tiled_loss(
+            a, b, labels, None, scale=t, bias=bias, chunk=chunk, kind="siglip", reducer=red
+        )
+    s = _logits(a, b, t, bias)
+    z = 1.0 - 2.0 * _positives(labels, s)  # −z: −1 on positives, +1 elsewhere
+    total = F.softplus(z * s).sum()
+    return {"batch": total / s.shape[0], "mean": total / s.numel(), "sum": total}[red]
+
+
+def clip_init(
+    logit_scale: float = math.log(1 / 0.07),
+    logit_bias: float | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """Parameters of :func:`clip`: ``{"logit_scale": 0-d}`` (and ``"logit_bias"`` when given).
+
+    ``logit_scale`` is in log space; CLIP initialises it at ``log(1/0.07)`` (a temperature of
+    0.07). CLIP has no bias; pass ``logit_bias`` to learn one.
+
+    Example:
+        >>> round(float(pf.losses.clip_init()["logit_scale"].exp()), 2)
+        14.29
+    """
+    return _init(logit_scale, logit_bias, dtype, device)
+
+
+def siglip_init(
+    logit_scale: float = math.log(10.0),
+    logit_bias: float | None = -10.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
+    """Parameters of :func:`siglip`: ``{"logit_scale": 0-d, "logit_bias": 0-d}``, by default the
+    paper's ``t' = log 10`` and ``b = −10`` (``logit_bias=None``: no bias).
+
+    Example:
+        >>> {k: round(float(v), 3) for k, v in pf.losses.siglip_init().items()}
+        {'logit_scale': 2.303, 'logit_bias': -10.0}
+    """
+    return _init(logit_scale, logit_bias, dtype, device)
+
+
+def _init(logit_scale, logit_bias, dtype, device) -> dict[str, Tensor]:
+    params = {
+        "logit_scale": torch.tensor(
+            _checks.number(logit_scale, "logit_scale"), dtype=dtype, device=device
+        )
+    }
+    if logit_bias is not None:
+        params["logit_bias"] = torch.tensor(
+            _checks.number(logit_bias, "logit_bias"), dtype=dtype, device=device
+        )
+    return params
+
+
+def _pair_inputs(name, emb_a, emb_b, params, labels, normalize, max_logit_scale):
+    """Validated ``(â, b̂, t, b, labels)`` in the compute dtype."""
+    _checks.embeddings(emb_a, "emb_a")
+    _checks.embeddings(emb_b, "emb_b")
+    _checks.same_space(emb_a, emb_b, "emb_b", "emb_a")
+    if emb_b.shape[0] != emb_a.shape[0]:
+        raise ValueError(
+            f"{name} pairs row i of emb_a with row i of emb_b: they need as many rows, got "
+            f"{emb_a.shape[0]} and {emb_b.shape[0]}"
+        )
+    if labels is not None:
+        _checks.labels(labels, emb_a.shape[0], emb_a.device, "labels", "emb_a")
+    if not isinstance(params, dict) or "logit_scale" not in params:
+        raise TypeError(
+            f"params must be a dict with a 'logit_scale' entry (from pf.losses.{name}_init()), got "
+            f"{params if not isinstance(params, dict) else sorted(params)!r}"
+        )
+    unknown = sorted(set(params) - {"logit_scale", "logit_bias"})
+    if unknown:
+        raise ValueError(f"params has unknown entries {unknown} (expected logit_scale, logit_bias)")
+    cd = _checks.compute_dtype(emb_a.dtype)
+    scale = _scalar_param(params, "logit_scale", emb_a, cd)
+    if max_logit_scale is not None:
+        scale = scale.clamp(max=_checks.number(max_logit_scale, "max_logit_scale"))
+    bias = _scalar_param(params, "logit_bias", emb_a, cd) if "logit_bias" in params else None
+    a, b = emb_a.to(cd), emb_b.to(cd)
+    if normalize:
+        a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
+    return a, b, scale.exp(), bias, labels
+
+
+def _scalar_param(params, key: str, like: Tensor, dtype: torch.dtype) -> Tensor:
+    v = params[key]
+    if not isinstance(v, Tensor) or v.ndim != 0 or not v.dtype.is_floating_point:
+        raise TypeError(f"params[{key!r}] must be a 0-d floating-point tensor, got {v!r}")
+    if v.device != like.device:
+        raise ValueError(f"params[{key!r}] is on {v.device} but emb_a is on {like.device}")
+    return v.to(dtype)
+
+
+def _logits(a: Tensor, b: Tensor, t: Tensor, bias: Tensor | None) -> Tensor:
+    s = matmul(a, b.transpose(-1, -2)) * t
+    return s if bias is None else s + bias
+
+
+def _positives(labels: Tensor | None, s: Tensor) -> Tensor:
+    """The ``(N, N)`` 0/1 float positives: equal labels, or the diagonal."""
+    n = s.shape[0]
+    if labels is None:
+        return torch.eye(n, dtype=s.dtype, device=s.device)
+    return (labels.unsqueeze(-1) == labels.unsqueeze(-2)).to(s.dtype)
