@@ -8,6 +8,7 @@
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
+| :func:`matmul`, :func:`einsum` | in the operands' dtype, also under ``torch.autocast`` |
 | :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
 | :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
 
@@ -23,15 +24,19 @@ from torch import Tensor
 __all__ = [
     "bin_floor",
     "cross_entropy",
+    "einsum",
+    "fresh",
     "index_copy_",
     "inside_transform",
     "masked",
     "masked_logsumexp",
+    "matmul",
     "ratio",
     "row_logsumexp",
     "row_softmax",
     "rshift",
     "scalar_like",
+    "scalar_tensor",
     "scatter_",
     "shift",
 ]
@@ -128,6 +133,42 @@ def bin_floor(t: Tensor, lo: int, hi: int) -> Tensor:
     for every input, as a float tensor without gradient (turn it into indices with ``.long()``).
     A non-finite ``t`` still reaches the loss through the interpolation weights it is used in."""
     return torch.floor(t.detach()).nan_to_num(float(lo)).clamp(lo, hi)
+
+
+def _autocast_device(t: Tensor) -> str:
+    return "cpu" if t.device.type == "meta" else t.device.type
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` with autocast off: in the operands' dtype (float32 for a loss's low-precision
+    inputs), also inside ``torch.autocast``. Under autocast a matmul runs in bfloat16/float16,
+    which turns the Euclidean expansion's cancellation and every reduction's sums into wrong
+    numbers; a loss's matmuls are a small part of a step."""
+    with torch.autocast(_autocast_device(a), enabled=False):
+        return torch.matmul(a, b)
+
+
+def einsum(equation: str, *operands: Tensor) -> Tensor:
+    """``torch.einsum`` with autocast off (as :func:`matmul`)."""
+    with torch.autocast(_autocast_device(operands[0]), enabled=False):
+        return torch.einsum(equation, *operands)
+
+
+def scalar_tensor(value: float | Tensor, ref: Tensor) -> Tensor:
+    """``value`` as a 0-d tensor of ``ref``'s dtype and device. A Python number is filled on the
+    device (``torch.full``), not copied from the host: ``torch.as_tensor(x, device="cuda")`` is
+    a blocking host-to-device copy that CUDA-graph capture refuses."""
+    if isinstance(value, Tensor):
+        return value.to(dtype=ref.dtype, device=ref.device)
+    return torch.full((), value, dtype=ref.dtype, device=ref.device)
+
+
+def fresh(out: Tensor) -> Tensor:
+    """The output of an autograd Function's forward that was built in place, made safe for
+    ``torch.compile`` on PyTorch < 2.13: there a Function whose forward returns a tensor it
+    modified in place gets its gradient routed to the wrong tensor (pytorch#180642); a view of
+    it does not. Free (a view) and a no-op outside compile."""
+    return out.view_as(out) if torch.compiler.is_compiling() else out
 
 
 def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:

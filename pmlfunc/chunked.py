@@ -228,5 +228,5 @@ def _chunked(
     if want_ref:
         results.append(ref_vjp(g_ref)[0])
     results = [results[0 if n == "embeddings" or not want_x else 1] for n in names]
-    out = total.to(embeddings.dtype)
+    out = total.to(cd)  # the loss's dtype: float32 for float16/bfloat16 embeddings
     return out, (results[0] if len(names) == 1 else tuple(results))

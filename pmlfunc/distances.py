@@ -94,7 +94,7 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     sq_x = (x * x).sum(-1).unsqueeze(-1)
     sq_y = (y * y).sum(-1).unsqueeze(-2)
     # One B × M buffer, updated in place (every fresh CPU buffer costs page faults).
-    d2 = torch.mm(x, y.transpose(-1, -2)).mul_(-2.0).add_(sq_x).add_(sq_y)
+    d2 = _ops.matmul(x, y.transpose(-1, -2)).mul_(-2.0).add_(sq_x).add_(sq_y)
     n_cols = d2.shape[-1]
     k = min(budget, n_cols - 1 if self_mode else n_cols)
     if k > 0:
@@ -130,8 +130,8 @@ def _euclid_backward(
         # g / d, and 0 (not NaN) at d = 0 (duplicates, the diagonal), without a where.
         dd = (d * d).clamp_min_(torch.finfo(d.dtype).tiny)
         w = (g * d).div_(dd)
-    grad_x = x * w.sum(-1, keepdim=True) - w @ y
-    grad_y = y * w.sum(-2).unsqueeze(-1) - w.transpose(-1, -2) @ x
+    grad_x = x * w.sum(-1, keepdim=True) - _ops.matmul(w, y)
+    grad_y = y * w.sum(-2).unsqueeze(-1) - _ops.matmul(w.transpose(-1, -2), x)
     return grad_x, grad_y
 
 
@@ -143,7 +143,7 @@ class _SafeEuclidean(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, y: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
         d2 = _expansion(x, y, budget, self_mode=False, normalized=normalized)
-        return d2 if squared else d2.sqrt_()
+        return _ops.fresh(d2 if squared else d2.sqrt_())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -166,7 +166,7 @@ class _SafeEuclideanSelf(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
         d2 = _expansion(x, x, budget, self_mode=True, normalized=normalized)
-        return d2 if squared else d2.sqrt_()
+        return _ops.fresh(d2 if squared else d2.sqrt_())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -192,7 +192,7 @@ class _ExactTies(torch.autograd.Function):
     @staticmethod
     def forward(mat: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         # cols is None in self mode (compile rejects one tensor given twice)
-        return _merge_ties_(mat.clone(), rows, rows if cols is None else cols)
+        return _ops.fresh(_merge_ties_(mat.clone(), rows, rows if cols is None else cols))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -402,7 +402,7 @@ class _Dot(_Normalizing):
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         x, y = self._normalized(x, y)
-        mat = x @ (x if y is None else y).transpose(-1, -2)
+        mat = _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
         rows = _first_equal_rows(x)
         return _ExactTies.apply(mat, rows, None if y is None else _first_equal_rows(y))
 

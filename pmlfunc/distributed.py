@@ -273,7 +273,7 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
         total = mine.detach().clone()
         dist.all_reduce(total, group=group)
         w = dist.get_world_size(group)
-        return (w * mine + (total - w * mine).detach()).to(all_emb.dtype)
+        return w * mine + (total - w * mine).detach()  # in the compute dtype, as the loss
 
     return share
 

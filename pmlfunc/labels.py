@@ -125,7 +125,10 @@ def any_pairs(
         n_pos, n_neg = (
             (t[0].shape[0], t[0].shape[0]) if len(t) == 3 else (t[0].shape[0], t[2].shape[0])
         )
-        return torch.tensor(n_pos > 0, device=device), torch.tensor(n_neg > 0, device=device)
+        return (  # filled on the device: no host-to-device copy (CUDA-graph capture)
+            torch.full((), n_pos > 0, dtype=torch.bool, device=device),
+            torch.full((), n_neg > 0, dtype=torch.bool, device=device),
+        )
     lo, hi = labels.amin(), labels.amax()
     if ref_labels is None:
         ordered = labels.sort().values

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _ops
 from ._inputs import matrix, validate
 from ._random import seed_tensor, uniform
 from .distances import Distance, cosine, lp, resolve
@@ -672,7 +672,7 @@ def _angular_block(x, y, pos, neg, start, stop, threshold) -> Tensor:
     a = x[start:stop]
     aa, yy = (a * a).sum(-1), (y * y).sum(-1)
     sa, sy = a.sum(-1), y.sum(-1)
-    ay, gyy = a @ y.T, y @ y.T  # (chunk, M), (M, M)
+    ay, gyy = _ops.matmul(a, y.T), _ops.matmul(y, y.T)  # (chunk, M), (M, M)
 
     def dist(sq):
         return sq.clamp_min(0).sqrt()

@@ -6,6 +6,11 @@ class-major: ``(num_classes, D)``, or ``(num_classes, K, D)`` for sub-centres. T
 ``torch.func.grad(loss, argnums=2)``, ``functional_call``, optimizers and compiled steps all see
 them. Nothing here mutates or casts a parameter in place: float16/bfloat16 embeddings are
 computed in float32 against the parameters, and the caller's tensors are never touched.
+
+Example:
+    >>> params = pf.losses.arcface_init(num_classes=10, embedding_size=16)
+    >>> pf.params.count(params)  # parameters in the tree
+    160
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import ratio
+from ._ops import matmul, ratio
 
 __all__ = [
     "AlreadyReduced",
@@ -141,7 +141,7 @@ class DenseTerms(Terms):
 
     def totals(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         w = self._selected(low, high)
-        return w.reshape(-1) @ self.losses.reshape(-1), w.sum()
+        return matmul(w.reshape(-1), self.losses.reshape(-1)), w.sum()
 
     def dense(self) -> dict[str, Any]:
         out = {"losses": self.losses, "weights": self.weights, "kind": self.kind}
@@ -257,7 +257,9 @@ class _Divisor(Reducer):
             raise ValueError(
                 "reducer=divisor() needs a loss that supplies a divisor; this loss does not (use sum() or mean())"
             )
-        return torch.as_tensor(terms.divisor, device=terms.device)
+        if isinstance(terms.divisor, Tensor):
+            return terms.divisor
+        return torch.full((), float(terms.divisor), device=terms.device)
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         total = terms.totals()[0]

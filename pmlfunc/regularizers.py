@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _ops
 from .reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 
 __all__ = [
@@ -30,8 +30,11 @@ __all__ = [
 
 
 def _input(x: object, name: str) -> tuple[Tensor, torch.dtype]:
+    """``x`` in the compute dtype, and the regularizer's dtype: that one too (float32 for
+    float16/bfloat16 inputs), as the losses'."""
     _checks.embeddings(x, name)
-    return x.to(_checks.compute_dtype(x.dtype)), x.dtype
+    cd = _checks.compute_dtype(x.dtype)
+    return x.to(cd), cd
 
 
 def _reduce(values: Tensor, reducer: Reducer | None, default: Reducer, out_dtype) -> Tensor:
@@ -97,7 +100,7 @@ def regular_face(weights: Tensor, *, reducer: Reducer | None = None) -> Tensor:
     if w.shape[0] < 2:
         raise ValueError(f"weights needs at least 2 rows (classes), got {w.shape[0]}")
     unit = torch.nn.functional.normalize(w, dim=-1)
-    cos = unit @ unit.T
+    cos = _ops.matmul(unit, unit.T)
     with torch.no_grad():  # the nearest other class, as PML picks it (no gradient through argmax)
         masked = cos.clone().fill_diagonal_(-torch.inf)
         nearest = masked.argmax(-1, keepdim=True)
@@ -134,7 +137,7 @@ def sparse_centers(
             f"weights must have num_classes * centers_per_class = {num_classes * k} rows, got {w.shape[0]}"
         )
     unit = torch.nn.functional.normalize(w, dim=-1).view(num_classes, k, -1)
-    cos = unit @ unit.transpose(-1, -2)  # (C, K, K): within-class blocks only
+    cos = _ops.matmul(unit, unit.transpose(-1, -2))  # (C, K, K): within-class blocks only
     i, j = torch.triu_indices(k, k, offset=1, device=w.device)  # static: no boolean indexing
     sims = cos[:, i, j].reshape(-1)  # (C · K(K−1)/2,), PML's order
     small = torch.finfo(w.dtype).tiny

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _ops
 
 __all__ = [
     "MINED_TYPES",
@@ -405,6 +405,30 @@ class WindowSearch(NamedTuple):
     window_count: Tensor  # (B, M) the same without the margin
 
 
+def _bitcast_batches() -> bool:
+    """Whether ``vmap`` batches ``Tensor.view(dtype)`` (PyTorch >= 2.13 does; 2.11 does not)."""
+    try:
+        torch.vmap(lambda v: v.view(torch.int32))(torch.zeros(1, 1))
+    except RuntimeError:
+        return False
+    return True
+
+
+BITCAST_BATCHES = _bitcast_batches()
+
+
+def bitcast_ok() -> bool:
+    """Whether :func:`ordered_bits` can run here: always, but inside ``torch.func`` transforms on
+    a PyTorch whose ``vmap`` cannot batch a dtype view (callers then sort the floats)."""
+    return BITCAST_BATCHES or not _ops.inside_transform()
+
+
+def ordered_keys(x: Tensor) -> Tensor:
+    """Sort keys ordered exactly like the floats ``x``: :func:`ordered_bits` where it can run,
+    else the floats themselves (``−0.0`` made ``0.0``). No gradient."""
+    return ordered_bits(x) if bitcast_ok() else x.detach() + 0.0
+
+
 def ordered_bits(x: Tensor) -> Tensor:
     """Integers ordered exactly like the floats ``x`` (a strictly monotone bijection, the IEEE
     bit trick; ``−0.0`` and ``0.0`` map to the same integer), in a fresh buffer that the caller
@@ -426,13 +450,13 @@ def _is_inf(bound: float | Tensor, sign: float) -> bool:
 def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
     is_neg = neg > 0
     is_pos = pos > 0
-    keys = ordered_bits(torch.where(is_neg, e, torch.inf))
+    keys = ordered_keys(torch.where(is_neg, e, torch.inf))
     order = keys.argsort(-1)
     sorted_keys = keys.gather(-1, order)
     n_neg = is_neg.sum(-1, keepdim=True)
 
     def count_below(bound, right: bool) -> Tensor:  # per column: # negatives (≤ or <) e + bound
-        return torch.searchsorted(sorted_keys, ordered_bits(e + bound), right=right)
+        return torch.searchsorted(sorted_keys, ordered_keys(e + bound), right=right)
 
     # an infinite bound needs no search: nothing is below −inf, every negative is below +inf
     first = torch.zeros_like(order) if _is_inf(low, -1.0) else count_below(low, True)

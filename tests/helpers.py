@@ -16,6 +16,12 @@ EDGE_LAYOUTS = {  # legal batches with nothing, or almost nothing, to compare
 }
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a loss of ``dtype`` embeddings: float32 for float16/bfloat16 (the loss is
+    computed and returned in float32), else ``dtype``. Gradients keep ``dtype``."""
+    return F32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def randn(gen, *shape, dtype=F64):
     """Normal draws in float64 (the same numbers whatever ``dtype``), then cast."""
     return torch.randn(*shape, generator=gen, dtype=F64).to(dtype)

@@ -12,7 +12,18 @@ embeddings, a reference set, the params leaves). Every entry is run through:
 * ``torch.compile(fullgraph=True)`` equal to eager: values and gradients of a loss, the
   fixed-shape result of a miner;
 * a run on ``device="meta"`` (shapes only: the rule that makes compile and CUDA graphs work);
-* an example in the function's docstring (the examples themselves run in test_docstrings.py).
+* an example in the function's docstring (the examples themselves run in test_docstrings.py);
+* never a silent wrong number (issue 16): a NaN or inf in any differentiated tensor makes a
+  loss non-finite (before, ``supcon``, ``multi_similarity``, ``circle``,
+  ``generalized_lifted_structure``, ``nca`` and ``proxy_anchor`` returned 0 over NaN gradients
+  and ``fast_ap`` crashed), a miner still returns its usual result; no input is changed in
+  place and a second call gives the same bits; duplicate rows and singleton classes give finite
+  values and gradients; hypothesis checks that permuting the batch, renaming the classes and
+  (with a normalising distance) rescaling a row leave every plain batch loss unchanged, with
+  the exceptions listed and why (a wide sweep is marked ``slow``);
+* the autocast matrix: under ``torch.autocast("cpu", dtype=torch.bfloat16)`` and with bfloat16
+  / float16 embeddings every loss is a finite float32 within ``LOW_PRECISION_TOL`` of float64 on
+  the same rounded inputs.
 
 A function may have several entries, one per path worth checking: a batch loss that takes a
 reference set is registered against the batch itself and against a separate reference set
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import doctest
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +46,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten
 
 import pmlfunc as pf
@@ -53,6 +67,7 @@ EXCLUDED = {
         f"{name}_init": "builds the params dict of a learnable loss"
         for name in (
             "arcface",
+            "clip",
             "cosface",
             "dynamic_arcface",
             "large_margin_softmax",
@@ -62,6 +77,7 @@ EXCLUDED = {
             "p2s_grad",
             "proxy_anchor",
             "proxy_nca",
+            "siglip",
             "soft_triple",
             "sphereface",
             "subcenter_arcface",
@@ -84,27 +100,35 @@ class Draw:
     def __init__(self, dtype: torch.dtype = F64, device: str = "cpu"):
         self.gen = torch.Generator().manual_seed(0)
         self.dtype, self.device = dtype, device
+        self.made: list[torch.Tensor] = []  # every tensor drawn: none may be changed by a call
+
+    def _made(self, t: torch.Tensor) -> torch.Tensor:
+        self.made.append(t)
+        return t
 
     def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, dtype=F64).to(self.device, self.dtype)
+        x = torch.randn(*shape, generator=self.gen, dtype=F64)
+        return self._made(x.to(self.device, self.dtype))
 
     def rand(self, *shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.gen, dtype=F64).to(self.device, self.dtype)
+        x = torch.rand(*shape, generator=self.gen, dtype=F64)
+        return self._made(x.to(self.device, self.dtype))
 
     def labels(self, values: list[int] = LABELS) -> torch.Tensor:
-        return torch.tensor(values).to(self.device)
+        return self._made(torch.tensor(values).to(self.device))
 
     def multi_hot(self, rows: int, classes: int) -> torch.Tensor:
-        return (torch.rand(rows, classes, generator=self.gen) < 0.4).to(self.device)
+        return self._made((torch.rand(rows, classes, generator=self.gen) < 0.4).to(self.device))
 
     def params(self, init: Callable[..., dict], *args: Any, **kw: Any) -> dict[str, torch.Tensor]:
         """``init(*args, **kw)`` (drawn from this seed where it is random), moved."""
         if "generator" in inspect.signature(init).parameters:
             kw["generator"] = self.gen
-        return {k: v.to(self.device, self.dtype) for k, v in init(*args, dtype=F64, **kw).items()}
+        made = init(*args, dtype=F64, **kw).items()
+        return {k: self._made(v.to(self.device, self.dtype)) for k, v in made}
 
     def seed(self, value: int = SEED) -> torch.Tensor:
-        return torch.tensor(value).to(self.device)
+        return self._made(torch.tensor(value).to(self.device))
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,9 @@ class Entry:
         gradcheck: ``torch.autograd.gradcheck`` options where its defaults do not fit.
         constant: ``(names, why)``: the differentiated tensors whose gradient is by design not
             the derivative of the value, held constant by gradcheck.
+        hyper: for a plain batch call ``fn(embeddings, labels, **hyper(draw))`` (the first entry
+            of :func:`batch`), its hyper-parameters: the invariance properties call ``fn``
+            themselves, on permuted, relabelled or rescaled inputs.
     """
 
     fn: Callable[..., Any]
@@ -139,6 +166,7 @@ class Entry:
     backend: str = "inductor"
     gradcheck: Mapping[str, float] = field(default_factory=dict)
     constant: tuple[tuple[str, ...], str] | None = None
+    hyper: Callable[[Draw], dict] | None = None
 
 
 def _hyper(d: Draw, hp: Mapping[str, Any], drawn: Mapping[str, Callable] | None) -> dict:
@@ -189,7 +217,8 @@ def batch(
 
     options = {"backend": backend, "gradcheck": gradcheck or {}, "constant": constant}
     name = fn.__name__
-    out = {name: Entry(fn, self_mode, **options)}
+    plain = partial(_hyper, hp=hp, drawn=drawn) if labels is None else None
+    out = {name: Entry(fn, self_mode, hyper=plain, **options)}
     if _accepts_ref(fn):
         out[f"{name}[ref]"] = Entry(fn, ref_mode, **options)
     if mined:
@@ -244,6 +273,34 @@ def _multi_hot(d: Draw, rows: int) -> torch.Tensor:
 def _vicreg(d: Draw) -> Call:
     wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
+
+
+def paired(fn: Callable, init: Callable, **hp: Any) -> dict[str, Entry]:
+    """A loss of two aligned sets ``fn(emb_a, emb_b, params, **hp)``: dense, tiled
+    (``name[tiled]``, ``chunk_size=3``) and with labels on the tiled path
+    (``name[tiled,labels]``); both sets and the params leaves differentiated."""
+
+    def make(d: Draw, chunk: int | None, labelled: bool) -> Call:
+        params = d.params(init, logit_bias=0.5)
+        y = d.labels() if labelled else None
+        wrt = {
+            "embeddings": d.randn(B, D),
+            "ref_emb": d.randn(B, D),
+            **{f"params.{k}": v for k, v in params.items()},
+        }
+
+        def run(embeddings, ref_emb, **leaves):
+            given = {k.removeprefix("params."): v for k, v in leaves.items()}
+            return fn(embeddings, ref_emb, given, labels=y, chunk_size=chunk, **hp)
+
+        return Call(wrt, run)
+
+    name = fn.__name__
+    return {
+        name: Entry(fn, partial(make, chunk=None, labelled=False)),
+        f"{name}[tiled]": Entry(fn, partial(make, chunk=3, labelled=False)),
+        f"{name}[tiled,labels]": Entry(fn, partial(make, chunk=3, labelled=True)),
+    }
 
 
 def _dynamic_soft_margin(d: Draw) -> Call:
@@ -332,6 +389,9 @@ LOSSES: dict[str, Entry] = {
     **batch(L.supcon, temperature=0.3),
     **batch(L.decoupled_contrastive, temperature=0.3, sigma=0.5),
     **batch(L.multi_supcon, labels=_multi_hot, temperature=0.5, threshold=0.2),
+    # cross_modal: two aligned sets, dense and on the tiled engine
+    **paired(L.clip, L.clip_init),
+    **paired(L.siglip, L.siglip_init),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
     # neighbors
@@ -574,21 +634,205 @@ def _documented() -> dict[str, Callable]:
     return out
 
 
-NO_EXAMPLE = {
-    "losses.manifold_meta_classes": "manifold_meta_classes's docstring has no example",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NO_EXAMPLE[n]))
-        if n in NO_EXAMPLE
-        else n
-        for n in _documented()
-    ],
-)
+@pytest.mark.parametrize("name", list(_documented()))
 def test_docstring_has_an_example(name):
     fn = _documented()[name]
     examples = [t for t in doctest.DocTestFinder().find(fn, name) if t.examples]
     assert examples, f"{name} has no example in its docstring"
+
+
+# ----------------------------------------------------------------------------------------------
+# never a silent wrong number: non-finite inputs, no mutation, determinism, invariances
+# ----------------------------------------------------------------------------------------------
+def _with(call: Call, key: str, value: float) -> dict[str, torch.Tensor]:
+    """``call.wrt`` with the first entry of ``key`` set to ``value`` (the others copied)."""
+    wrt = {k: v.detach().clone() for k, v in call.wrt.items()}
+    wrt[key].view(-1)[0] = value
+    return wrt
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_non_finite_input_makes_the_loss_non_finite(name, value):
+    """NaN or +inf in any differentiated tensor (embeddings, reference set, params) reaches a
+    term, so the loss is NaN or inf: never a finite number over NaN gradients. (A logit scale
+    of −inf is a legal limit, a scale of 0, and is not tried.)"""
+    call = LOSSES[name].make(Draw(F64))
+    for key in call.wrt:
+        loss = loss_of(call.run(**_with(call, key, value)))
+        assert not torch.isfinite(loss), f"{key}[0] = {value}: loss {float(loss)}"
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", list(MINERS))
+def test_a_miner_on_non_finite_embeddings_returns_its_usual_result(name, value):
+    """A non-finite row compares false with every threshold: the miner still returns a result
+    of the usual structure and shapes (no crash inside torch), which a loss then propagates."""
+    call = MINERS[name].make(Draw(F64))
+    clean, spec = tree_flatten(call.run(**call.wrt))
+    got, got_spec = tree_flatten(call.run(**_with(call, "embeddings", value)))
+    assert got_spec == spec
+    for a, b in zip(got, clean, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def _assert_bitwise(got: Any, want: Any) -> None:
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    assert got_spec == want_spec
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{a} != {b}"
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("name", list(EVERYTHING))
+def test_no_input_is_changed_and_a_second_call_is_bitwise_identical(name):
+    """Every tensor the call was drawn from (embeddings, labels, params, seeds) keeps its
+    version counter and its values; a second call returns the same bits, gradients included."""
+    d = Draw(F64)
+    call = EVERYTHING[name].make(d)
+    before = [(t, t._version, t.clone()) for t in d.made]
+    if name.startswith("miners."):
+        first, second = call.run(**call.wrt), call.run(**call.wrt)
+    else:
+        first, second = value_and_grads(call.run, call), value_and_grads(call.run, call)
+    _assert_bitwise(second, first)
+    for t, version, values in before:
+        assert t._version == version and torch.equal(t, values), "an input was changed"
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_duplicate_rows_and_singleton_classes_give_finite_values_and_gradients(name):
+    """Row 1 a copy of row 0 (same class), row 2 a copy of row 0 under another class, and a
+    singleton class (LABELS): zero distances and ties, whose gradients stay finite."""
+    call = LOSSES[name].make(Draw(F64))
+    wrt = {k: v.detach().clone() for k, v in call.wrt.items()}
+    wrt["embeddings"][1:3] = wrt["embeddings"][0]
+    value, grads = value_and_grads(call.run, Call(wrt, call.run))
+    assert torch.isfinite(loss_of(value)), float(loss_of(value))
+    for k, g in zip(wrt, grads, strict=True):
+        assert torch.isfinite(g).all(), k
+
+
+# The invariances, over every plain batch loss (``Entry.hyper``), with the exceptions and why.
+_INSTANCE = (
+    "PML's form: row i's target is column c_i, the rank of its label among the distinct "
+    "labels, so the batch order and the label values pick the target"
+)
+ORDER_DEPENDENT = {
+    "npairs": "keeps the first positive of each label, as PML does: the batch order picks it",
+    "instance": _INSTANCE,
+}
+NOT_RELABEL_INVARIANT = {"instance": _INSTANCE}
+NOT_SCALE_INVARIANT = {"angular": "its negative term uses the unnormalised references (PML)"}
+PLAIN = {k: e for k, e in LOSSES.items() if e.hyper is not None}
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+SWEEP = settings(max_examples=6, deadline=None, derandomize=True)
+
+
+def _plain_loss(entry: Entry, emb: torch.Tensor, labels: torch.Tensor, d: Draw) -> torch.Tensor:
+    return loss_of(entry.fn(emb, labels, **entry.hyper(d)))
+
+
+def _plain_inputs() -> tuple[Draw, torch.Tensor, torch.Tensor]:
+    d = Draw(F64)
+    return d, d.randn(B, D), d.labels()
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+@SWEEP
+@given(perm=st.permutations(range(B)))
+def test_permuting_the_batch_with_its_labels_leaves_the_loss_unchanged(name, perm):
+    if name in ORDER_DEPENDENT:
+        pytest.skip(ORDER_DEPENDENT[name])
+    d, emb, labels = _plain_inputs()
+    p = torch.tensor(perm)
+    want = _plain_loss(PLAIN[name], emb, labels, d)
+    torch.testing.assert_close(_plain_loss(PLAIN[name], emb[p], labels[p], d), want, **TOL)
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+@SWEEP
+@given(classes=st.permutations(range(10)), shift=st.integers(0, 1000))
+def test_renaming_the_classes_leaves_the_loss_unchanged(name, classes, shift):
+    if name in NOT_RELABEL_INVARIANT:
+        pytest.skip(NOT_RELABEL_INVARIANT[name])
+    d, emb, labels = _plain_inputs()
+    renamed = torch.tensor(classes)[labels] + shift
+    want = _plain_loss(PLAIN[name], emb, labels, d)
+    torch.testing.assert_close(_plain_loss(PLAIN[name], emb, renamed, d), want, **TOL)
+
+
+NORMALIZED = {k: e for k, e in PLAIN.items() if e.fn.spec.distance.normalize}
+
+
+@pytest.mark.parametrize("name", list(NORMALIZED))
+@SWEEP
+@given(row=st.integers(0, B - 1), factor=st.floats(0.05, 20.0))
+def test_with_a_normalizing_distance_rescaling_a_row_leaves_the_loss_unchanged(name, row, factor):
+    if name in NOT_SCALE_INVARIANT:
+        pytest.skip(NOT_SCALE_INVARIANT[name])
+    d, emb, labels = _plain_inputs()
+    scaled = emb.clone()
+    scaled[row] *= factor
+    want = _plain_loss(NORMALIZED[name], emb, labels, d)
+    torch.testing.assert_close(_plain_loss(NORMALIZED[name], scaled, labels, d), want, **TOL)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(PLAIN)),
+    perm=st.permutations(range(B)),
+    classes=st.permutations(range(10)),
+    row=st.integers(0, B - 1),
+    factor=st.floats(0.05, 20.0),
+)
+def test_the_invariances_hold_over_a_wide_random_sweep(name, perm, classes, row, factor):
+    """The three invariances at once, over random losses and draws (slow: CI runs it)."""
+    entry = PLAIN[name]
+    d, emb, labels = _plain_inputs()
+    want = _plain_loss(entry, emb, labels, d)
+    p = torch.tensor(perm)
+    if name not in ORDER_DEPENDENT:
+        torch.testing.assert_close(_plain_loss(entry, emb[p], labels[p], d), want, **TOL)
+    if name not in NOT_RELABEL_INVARIANT:
+        renamed = torch.tensor(classes)[labels]
+        torch.testing.assert_close(_plain_loss(entry, emb, renamed, d), want, **TOL)
+    if name in NORMALIZED and name not in NOT_SCALE_INVARIANT:
+        scaled = emb.clone()
+        scaled[row] *= factor
+        torch.testing.assert_close(_plain_loss(entry, scaled, labels, d), want, **TOL)
+
+
+# The autocast matrix: mixed precision as a training step sees it. The loss is computed in
+# float32 (statistics, accumulators, log-space forms) whatever the inputs, so it stays within
+# LOW_PRECISION_TOL of float64 evaluated on the same (rounded) inputs.
+LOW_PRECISION_TOL = {"rtol": 1e-5, "atol": 1e-5}
+LOW_PRECISION_MODES = ("autocast-bf16", "bfloat16", "float16")
+
+
+@pytest.mark.parametrize("mode", LOW_PRECISION_MODES)
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_low_precision_gives_a_finite_float32_loss_close_to_float64(name, mode):
+    """``mode``: float32 inputs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, or the
+    embeddings (and reference set) in bfloat16 / float16 with float32 params, as under AMP."""
+    call = LOSSES[name].make(Draw(F32))
+    wrt = {k: v.detach().clone() for k, v in call.wrt.items()}
+    if mode != "autocast-bf16":
+        for k in ("embeddings", "ref_emb"):
+            if k in wrt:
+                wrt[k] = wrt[k].to(getattr(torch, mode))
+    want = loss_of(call.run(**{k: v.to(F64) for k, v in wrt.items()}))
+    x = {k: v.requires_grad_() for k, v in wrt.items()}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast-bf16")
+    with autocast:
+        got = loss_of(call.run(**x))
+        grads = torch.autograd.grad(got, list(x.values()))
+    assert got.dtype == F32 and torch.isfinite(got)
+    torch.testing.assert_close(got.double(), want, **LOW_PRECISION_TOL)
+    for (k, v), g in zip(x.items(), grads, strict=True):
+        assert g.dtype == v.dtype and torch.isfinite(g).all(), k

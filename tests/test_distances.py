@@ -155,17 +155,62 @@ def test_plain_expansion_fails_where_safe_one_holds(kind):
 
 
 def test_budget_zero_is_the_plain_expansion_and_budget_bounds_exact_entries():
-    x = _case("duplicate", torch.float32)
+    """Near-duplicates (1e-3 apart, not bitwise equal) need the exact budget."""
+    x = _case("nearby", torch.float32)
     ref = _direct(x, x)
     off = ~torch.eye(len(x), dtype=torch.bool)
     err0 = (safe_euclidean(x, exact_budget=0).double() - ref)[off].abs().max()
     err1 = (safe_euclidean(x, exact_budget=1).double() - ref)[off].abs().max()
     assert err1 < 1e-5 < err0
-    # Four copies of each row need a budget of three per row.
-    x4 = torch.cat([x[:16]] * 4)
+    # Four near copies of each row need a budget of three per row.
+    g = _gen(9)
+    base = x[:16]
+    x4 = torch.cat([base] + [base + 1e-3 * torch.randn(base.shape, generator=g) for _ in range(3)])
     ref4 = _direct(x4, x4)
     assert (safe_euclidean(x4, exact_budget=3).double() - ref4).abs().max() < 1e-5
     assert (safe_euclidean(x4, exact_budget=1).double() - ref4).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "distance",
+    [
+        pf.distances.lp(),
+        pf.distances.lp(power=2),
+        pf.distances.lp(normalize=False),
+        pf.distances.cosine(),
+        pf.distances.dot(),
+        pf.distances.snr(),
+    ],
+    ids=repr,
+)
+def test_exact_duplicates_give_bitwise_equal_rows_and_columns(distance, dtype):
+    """Duplicated embeddings are ties, exactly: their rows and columns are bitwise equal (the
+    matmul alone rounds differently by column position), even with no exact budget; a
+    Euclidean self-matrix has a zero diagonal and zero distance between copies."""
+    x = _case("random", torch.float32)[:40].to(dtype)
+    x[5] = x[3]
+    x[7] = x[3]
+    x[39] = x[0]
+    for mat in (distance.matrix(x), distance.matrix(x, x[:20])):
+        for a, b in ((3, 5), (3, 7), (0, 39)):
+            assert torch.equal(mat[a], mat[b])
+            if b < mat.shape[1]:
+                assert torch.equal(mat[:, a], mat[:, b])
+    if distance.kind == "lp":
+        m = distance.matrix(x)
+        assert torch.equal(m.diagonal(), torch.zeros_like(m.diagonal()))
+        assert m[3, 5] == 0 and m[0, 39] == 0
+
+
+def test_near_entries_are_symmetric_bitwise():
+    """The exactly recomputed (near) entries of the self-matrix are written to both halves."""
+    x = _case("nearby", torch.float32)
+    m = safe_euclidean(x)
+    n = len(x) // 2
+    pairs = torch.arange(n)
+    assert torch.equal(m[pairs, pairs + n], m[pairs + n, pairs])
+    torch.testing.assert_close(m, m.T, rtol=1e-5, atol=1e-5)  # the rest: to rounding
 
 
 # ---------------------------------------------------------------------------------------------

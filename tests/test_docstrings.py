@@ -17,26 +17,12 @@ import pmlfunc as pf
 
 MODULES = [pf.__name__] + [m.name for m in pkgutil.walk_packages(pf.__path__, f"{pf.__name__}.")]
 
-# Public modules without an example yet (a property that does not hold: the library's to fix).
-NO_EXAMPLES = {
-    "pmlfunc.losses": "the losses package's docstring (the loss → module table) has no example",
-    "pmlfunc.params": "pmlfunc.params has no docstring example",
-}
-
 
 def _is_public(name: str) -> bool:
     return not name.rsplit(".", 1)[-1].startswith("_")
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NO_EXAMPLES[n]))
-        if n in NO_EXAMPLES
-        else n
-        for n in MODULES
-    ],
-)
+@pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     result = doctest.testmod(

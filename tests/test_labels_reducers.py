@@ -34,6 +34,23 @@ def test_label_masks_reference_set_excludes_nothing():
     assert torch.all(pos.diagonal() == 1)  # the same rows, but a separate set
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda e, y, r: pf.losses.contrastive(e, y, ref_emb=r, ref_labels=y[:9]),
+        lambda e, y, r: pf.miners.pair_margin(e, y, ref_emb=r, ref_labels=y[:9]),
+    ],
+    ids=["loss", "miner"],
+)
+def test_a_wrong_length_of_ref_labels_names_ref_labels_and_ref_emb(call):
+    """Regression (issue 16): the message named ``embeddings``' row count for ``ref_labels``."""
+    emb, labels = torch.randn(16, 4), torch.arange(16) // 4
+    with pytest.raises(ValueError, match=r"^ref_labels has length 9 but ref_emb has 10 rows"):
+        call(emb, labels, emb[:10].clone())
+    with pytest.raises(ValueError, match=r"^labels has length 15 but embeddings has 16 rows"):
+        pf.losses.contrastive(emb, labels[:15])
+
+
 def test_tuple_masks_count_multiplicity():
     a1, p = torch.tensor([0, 0, 1]), torch.tensor([1, 1, 0])
     a2, n = torch.tensor([2]), torch.tensor([3])

@@ -480,17 +480,19 @@ def test_dynamic_soft_margin_unlabelled_and_its_state_on_meta():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_returns_input_dtype(dtype, gen):
+def test_low_precision_returns_float32(dtype, gen):
     labels = lab(UNEVEN)
     emb = randn(gen, 11, 8)
     for fn in (fast_ap, histogram, smooth_ap, pnp):
         out = fn(emb.to(dtype), labels)
-        assert out.dtype == dtype
+        assert out.dtype == torch.float32
         torch.testing.assert_close(
             out.float(), fn(emb.to(dtype).float(), labels).float(), rtol=1e-2, atol=1e-2
         )
     loss, state = dynamic_soft_margin(emb.to(dtype), labels)
-    assert loss.dtype == dtype and state["hist"].dtype == dtype
+    assert loss.dtype == torch.float32 and state["hist"].dtype == torch.float32
+    loss, state = dynamic_soft_margin(emb.to(dtype), labels, {"hist": state["hist"].to(dtype)})
+    assert loss.dtype == torch.float32 and state["hist"].dtype == dtype  # the state's own dtype
 
 
 # ----------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_vicreg_none_reducer_and_low_precision(gen):
     torch.testing.assert_close(total, vicreg(z1, z2))
     for dt in (torch.float16, torch.bfloat16):
         out = vicreg(z1.to(dt), z2.to(dt))
-        assert out.dtype == dt and torch.isfinite(out)
+        assert out.dtype == torch.float32 and torch.isfinite(out)
         torch.testing.assert_close(
             out.float(), vicreg(z1.to(dt).float(), z2.to(dt).float()).float(), rtol=1e-2, atol=1e-2
         )

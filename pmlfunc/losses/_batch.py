@@ -136,7 +136,7 @@ class Batch:
     labels: Tensor | None  # the anchors' labels
     counts: bool  # masks hold pair multiplicities (from an index tuple), not just 0/1
     distance: Distance
-    out_dtype: torch.dtype
+    out_dtype: torch.dtype  # the loss's: the compute dtype (float32 for float16/bfloat16)
     embeddings: Tensor
     ref_emb: Tensor | None  # None in self mode
     all_labels: Tensor | None = None  # every query row's labels
@@ -273,7 +273,7 @@ def prepare(
         None if labels is None else labels[r0:r1],
         indices_tuple is not None,
         distance,
-        embeddings.dtype,
+        cd,  # the loss's dtype: float32 for float16/bfloat16 inputs (DESIGN rule 5)
         embeddings,
         ref_emb,
         all_labels=labels,

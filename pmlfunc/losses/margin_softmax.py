@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import cross_entropy, scalar_like
+from .._ops import cross_entropy, matmul, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize_params
@@ -93,7 +93,7 @@ def _margin_softmax(
 
     x_hat = F.normalize(x, p=2, dim=1)
     w_hat = F.normalize(w.reshape(-1, w.shape[-1]), p=2, dim=1)
-    cosine = x_hat @ w_hat.t()  # (B, C) or (B, C·K)
+    cosine = matmul(x_hat, w_hat.t())  # (B, C) or (B, C·K)
     if ndim == 3:  # PML: view (B, C, K), max over the sub-centres (gradient to the argmax)
         cosine = cosine.view(batch_size, num_classes, w.shape[1]).max(dim=2).values
 
@@ -111,7 +111,7 @@ def _margin_softmax(
     if miner is not None:
         losses = losses * miner
     terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, cd)
     return regularize_params(loss, embeddings, weight, *regularizers)
 
 
@@ -234,7 +234,7 @@ def large_margin_softmax(
             count in the tuple over the largest count (PML's ``convert_to_weights``).
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = large_margin_softmax_init(10, 16, generator=torch.Generator().manual_seed(0))
@@ -297,7 +297,7 @@ def sphereface(
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = sphereface_init(10, 16, generator=torch.Generator().manual_seed(0))
@@ -358,7 +358,7 @@ def cosface(
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = cosface_init(10, 16, generator=torch.Generator().manual_seed(0))
@@ -430,7 +430,7 @@ def arcface(
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = arcface_init(10, 16, generator=torch.Generator().manual_seed(0))
@@ -495,7 +495,7 @@ def subcenter_arcface(
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = subcenter_arcface_init(10, 16, sub_centers=3)
@@ -562,7 +562,7 @@ def dynamic_arcface(
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> counts = torch.tensor([500, 20, 3, 80, 7, 1000, 40, 9, 60, 2])

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, scalar_like
+from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
@@ -78,7 +78,7 @@ def nca(
             default ``mean()`` over the kept anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -138,7 +138,7 @@ def npairs(
             ``mean()`` over the chosen pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -240,7 +240,7 @@ def angular(
             ``reducer``: default ``mean()`` over positive pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -278,14 +278,14 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     else:
         t = math.tan(math.radians(alpha)) ** 2
     u = (4 * t) * (cos_ar * ref_norm)  # 4t x̂_a·x_n, (rows, M)
-    v = (4 * t) * (ref_hat @ ref.transpose(-1, -2))  # 4t x̂_p·x_n, (M, M)
+    v = (4 * t) * matmul(ref_hat, ref.transpose(-1, -2))  # 4t x̂_p·x_n, (M, M)
     low = torch.finfo(cd).min
     u_max = torch.where(neg > 0, u, low).amax(-1, keepdim=True)
-    has_neg = u_max > low
+    has_neg = ~(u_max <= low)  # a NaN row counts as having negatives: its loss is NaN
     u_max = torch.where(has_neg, u_max, 0.0).detach()
     v_max = v.amax(-1, keepdim=True).detach()
     a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
-    w = a @ torch.exp(v - v_max).transpose(-1, -2)  # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
+    w = matmul(a, torch.exp(v - v_max).transpose(-1, -2))  # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
     lse = torch.log(w.clamp_min(torch.finfo(cd).tiny)) + u_max + v_max.transpose(-1, -2)
     f = lse - (2 * (1 + t)) * cos_ar
     losses = torch.where(has_neg, torch.logaddexp(f, f.new_zeros(())), torch.zeros_like(f))
@@ -324,7 +324,7 @@ def instance(
             ``mean()`` over the samples.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -401,7 +401,7 @@ def ranked_list(
             default ``lp()``; ``reducer``: default ``mean()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -503,7 +503,7 @@ def manifold(
         generator: a ``torch.Generator`` or a 0-d integer seed tensor, for the meta-classes.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = pf.losses.manifold_init(4, num_proxies=3, generator=torch.Generator().manual_seed(0))
@@ -542,12 +542,14 @@ def manifold(
     eps = 1e-8  # F.cosine_similarity's
     e_hat = f_e / torch.linalg.vector_norm(f_e, dim=-1, keepdim=True).clamp_min(eps)
     p_hat = f_p / torch.linalg.vector_norm(f_p, dim=-1, keepdim=True).clamp_min(eps)
-    ctx = _manifold_part(e_hat @ p_hat.transpose(-1, -2), own, m)
+    ctx = _manifold_part(matmul(e_hat, p_hat.transpose(-1, -2)), own, m)
     if isinstance(lam, float) and lam == math.inf:
         terms["loss_ctx"] = elements(ctx)
     else:
         terms["loss_ctx"] = elements(scalar_like(lam, ctx) * ctx)
-    loss = reduce(mean() if reducer is None else reducer, terms, None, embeddings.dtype)
+    loss = reduce(
+        mean() if reducer is None else reducer, terms, None, _checks.compute_dtype(embeddings.dtype)
+    )
     return regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
 
 
@@ -585,7 +587,13 @@ def _meta_classes(indices_tuple, generator, n: int, k: int, device) -> Tensor:
 
 def manifold_meta_classes(seed: Tensor, n: int, k: int) -> Tensor:
     """The meta-classes :func:`manifold` draws from a 0-d int64 ``seed``: ``arange(K)`` and
-    ``N − K`` uniform proxy indices, shuffled (PML's scheme, counter-based draws)."""
+    ``N − K`` uniform proxy indices, shuffled (PML's scheme, counter-based draws).
+
+    Example:
+        >>> meta = pf.losses.manifold_meta_classes(torch.tensor(7), 6, 3)
+        >>> sorted(set(meta.tolist())), meta.shape  # every proxy at least once
+        ([0, 1, 2], torch.Size([6]))
+    """
     draws = _random.uniform(seed, 0, (n - k,)).mul(k).floor().long().clamp_max(k - 1)
     meta = torch.cat([torch.arange(k, device=seed.device), draws])
     perm = _random.uniform(seed, 1, (n,)).argsort()

@@ -72,7 +72,7 @@ def multi_similarity(
             default ``cosine()``; ``reducer``: default ``mean()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -133,7 +133,7 @@ def circle(
             ``avg_nonzero()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -201,7 +201,7 @@ def lifted_structure(
             default ``lp()``; ``reducer``: default ``mean()`` over positive pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -278,7 +278,7 @@ def generalized_lifted_structure(
             default ``lp()``; ``reducer``: default ``mean()`` over anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -347,7 +347,7 @@ def tuplet_margin(
             positive pairs.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])

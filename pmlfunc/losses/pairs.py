@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._ops import rshift, scalar_like, shift
+from .._ops import matmul, rshift, scalar_like, shift
 from ..distances import cosine, lp, snr
 from ..reducers import DenseTerms, Terms, avg_nonzero, mean
 from ._batch import Batch, BatchInputs, batch_loss
@@ -59,7 +59,7 @@ def contrastive(
             ``distance=lp()`` (normalised Euclidean), ``reducer=avg_nonzero()``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -115,7 +115,7 @@ def signal_to_noise_ratio_contrastive(
             ``reducer=avg_nonzero()`` per sub-loss, summed.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -170,7 +170,7 @@ def intra_pair_variance(
             ``distance=cosine()``, ``reducer=mean()`` per sub-loss, summed.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -194,8 +194,8 @@ def _intra_pair_variance_terms(batch: Batch, *, pos_eps, neg_eps) -> dict[str, T
     pos_eps, neg_eps = scalar_like(pos_eps, d), scalar_like(neg_eps, d)
     pos, neg = batch.masks
     flat = d.reshape(-1)
-    mean_pos = (pos.reshape(-1) @ flat) / pos.sum().clamp_min(1.0)
-    mean_neg = (neg.reshape(-1) @ flat) / neg.sum().clamp_min(1.0)
+    mean_pos = matmul(pos.reshape(-1), flat) / pos.sum().clamp_min(1.0)
+    mean_neg = matmul(neg.reshape(-1), flat) / neg.sum().clamp_min(1.0)
     if batch.distance.is_similarity:  # PML's variance_with_eps(incentivize_increase=...)
         pos_var = rshift((1.0 - pos_eps) * mean_pos, d)
         neg_var = shift(d, (1.0 + neg_eps) * mean_neg)
@@ -243,7 +243,7 @@ def threshold_consistent_margin(
             ``reducer=mean()`` (see above).
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])

@@ -17,8 +17,8 @@ layout and transposes, so with the same seed it reproduces PML's own initial val
 
 Parameters are never modified or cast in place (PML casts its parameters to the input dtype in
 place, and P2SGrad renormalises its weight in place): float16/bfloat16 embeddings are computed in
-float32 against float32 copies made by autograd-tracked casts, and the loss is returned in the
-embeddings' dtype.
+float32 against float32 copies made by autograd-tracked casts, and the loss is float32 (the
+embeddings' dtype for float32/float64 embeddings).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, scalar_like
+from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
@@ -130,7 +130,7 @@ def proxy_anchor(
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = proxy_anchor_init(4, 8, generator=torch.Generator().manual_seed(0))
@@ -165,9 +165,7 @@ def proxy_anchor(
         "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
-    loss = reduce(
-        (divisor() if reducer is None else reducer), terms, proxy_labels, embeddings.dtype
-    )
+    loss = reduce((divisor() if reducer is None else reducer), terms, proxy_labels, x.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -242,7 +240,7 @@ def proxy_nca(
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = proxy_nca_init(4, 8, generator=torch.Generator().manual_seed(0))
@@ -264,7 +262,7 @@ def proxy_nca(
         sample_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -338,7 +336,7 @@ def normalized_softmax(
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = normalized_softmax_init(4, 8, generator=torch.Generator().manual_seed(0))
@@ -361,7 +359,7 @@ def normalized_softmax(
         sample_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -447,7 +445,7 @@ def soft_triple(
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = soft_triple_init(4, 8, centers_per_class=3)
@@ -485,7 +483,7 @@ def soft_triple(
         sample_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(
         loss,
         embeddings,
@@ -573,7 +571,7 @@ def p2s_grad(
             ("already reduced"); here another reducer sees the ``B`` per-sample terms.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = p2s_grad_init(4, 8, generator=torch.Generator().manual_seed(0))
@@ -588,11 +586,11 @@ def p2s_grad(
     w_hat = (w - w.detach()) + _renorm(w.detach(), 0)  # forward: ŵ; backward: identity
     # PML divides by ‖x‖; the floor (F.normalize's eps) keeps a zero embedding's gradient finite.
     x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
-    cos = ((x @ w_hat.t()) / x_norm).clamp(-1.0, 1.0)
+    cos = (matmul(x, w_hat.t()) / x_norm).clamp(-1.0, 1.0)
     err = cos - _one_hot(labels, num_classes, cos.dtype)
     losses = (err * err).mean(-1)
     terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, embeddings.dtype)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
     return loss
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import bin_floor, ratio, scalar_like
+from .._ops import bin_floor, einsum, ratio, scalar_like
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
 from ..tuples import (
@@ -70,7 +70,7 @@ class _SigmoidRanks(torch.autograd.Function):
         out = []
         for r0 in range(0, s.shape[-2], chunk):
             sig, _, _ = _SigmoidRanks._block(s, tau, clamp, r0, r0 + chunk)
-            out.append(torch.einsum("ajk,qak->qaj", sig, w[:, r0 : r0 + chunk]))
+            out.append(einsum("ajk,qak->qaj", sig, w[:, r0 : r0 + chunk]))
         return torch.cat(out, dim=-2)
 
     @staticmethod
@@ -106,7 +106,7 @@ class _SigmoidRanks(torch.autograd.Function):
             r1 = r0 + ctx.chunk
             sig, x, keep = _SigmoidRanks._block(s, tau, ctx.clamp, r0, r1)
             # dR[q,a,j]/dx[a,j,k] = W[q,a,k] σ'(x/τ)/τ;  x[a,j,k] = s_ak − s_aj.
-            h = torch.einsum("qaj,qak->ajk", g[:, r0:r1], w[:, r0:r1]) * (sig * (1 - sig)) / tau
+            h = einsum("qaj,qak->ajk", g[:, r0:r1], w[:, r0:r1]) * (sig * (1 - sig)) / tau
             if keep is not None:
                 h = h * keep
             grads.append(h.sum(-2) - h.sum(-1))
@@ -157,7 +157,7 @@ def fast_ap(
             ``reducer``: default ``mean()`` over the anchors with positives.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -242,7 +242,7 @@ def histogram(
             ``None``: the loss is already reduced (PML ignores any reducer).
 
     Returns:
-        0-d tensor in ``embeddings.dtype`` (0 when there is no triplet).
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype (0 when there is no triplet).
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -338,7 +338,7 @@ def smooth_ap(
             anchors.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(9, 4), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
@@ -416,7 +416,7 @@ def pnp(
             sees those per-anchor terms.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -480,8 +480,8 @@ def dynamic_soft_margin_init_state(
 
 
 def _dsm_state(state: object, num_bins: int, like: Tensor) -> Tensor:
-    if state is None:
-        return torch.zeros(num_bins, dtype=like.dtype, device=like.device)
+    if state is None:  # in the compute dtype: a running histogram kept in bf16 loses its tail
+        return torch.zeros(num_bins, dtype=_checks.compute_dtype(like.dtype), device=like.device)
     if not isinstance(state, dict) or not isinstance(state.get("hist"), Tensor):
         raise TypeError(
             "state must be a dict {'hist': Tensor} from dynamic_soft_margin_init_state(...)"
@@ -596,7 +596,8 @@ def dynamic_soft_margin(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids, or ``None`` (matched rows, see above).
         state: ``{"hist": (K,)}`` from :func:`dynamic_soft_margin_init_state` (``None``: a
-            fresh one).
+            fresh one, in the compute dtype: float32 for float16/bfloat16 embeddings). The
+            returned state keeps the dtype of the state given.
         min_val: lower end of the histogram range (default ``-2.0``).
         num_bins: ``K`` (default ``10``; at least 2).
         momentum: ``μ`` (default ``0.01``).
@@ -607,7 +608,7 @@ def dynamic_soft_margin(
         mat: a precomputed ``(B, M)`` matrix of ``distance``.
 
     Returns:
-        ``(loss, new_state)``: a 0-d tensor in ``embeddings.dtype`` (0 without triplets; the
+        ``(loss, new_state)``: a 0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype (0 without triplets; the
         state is then unchanged) and the updated state (the input state's dtype).
 
     Example:
@@ -667,7 +668,10 @@ def dynamic_soft_margin(
     new = torch.where(total > 0, new, hist_old)
     loss = ratio(loss_sum(torch.cumsum(new, 0)), total)
     loss = regularize(
-        loss.to(embeddings.dtype), embeddings, embedding_regularizer, embedding_reg_weight
+        loss.to(_checks.compute_dtype(embeddings.dtype)),
+        embeddings,
+        embedding_regularizer,
+        embedding_reg_weight,
     )
     return loss, {"hist": new.detach().to(hist_in.dtype)}
 

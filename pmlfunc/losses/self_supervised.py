@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._ops import scalar_like
+from .._ops import matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, reduce
 
 __all__ = ["vicreg"]
@@ -60,7 +60,7 @@ def vicreg(
         reducer: default ``mean()``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> z1, z2 = torch.randn(8, 4), torch.randn(8, 4)
@@ -98,7 +98,7 @@ def vicreg(
         "variance_loss2": elements(mu * _variance_hinge(y, eps)),
         "covariance_loss": AlreadyReduced(covariance),  # added as it is, whatever the reducer
     }
-    return reduce(reducer, terms, None, embeddings.dtype)
+    return reduce(reducer, terms, None, _checks.compute_dtype(embeddings.dtype))
 
 
 def _variance_hinge(x: Tensor, eps: float | Tensor) -> Tensor:
@@ -114,6 +114,6 @@ def _off_diagonal_cov_sq(x: Tensor) -> Tensor:
     features are nearly decorrelated: the regime VICReg drives them to).
     """
     xc = x - x.mean(dim=0)
-    cov = (xc.t() @ xc) / (x.shape[0] - 1)
+    cov = matmul(xc.t(), xc) / (x.shape[0] - 1)
     off = cov - torch.diag_embed(cov.diagonal())
     return (off * off).sum()

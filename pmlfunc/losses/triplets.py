@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import masked, scalar_like, scatter_
+from .._ops import masked, matmul, scalar_like, scalar_tensor, scatter_
 from ..distances import cosine, lp
 from ..reducers import (
     AlreadyReduced,
@@ -51,6 +51,7 @@ from ..tuples import (
     TripletMask,
     TripletWindow,
     as_triplets,
+    bitcast_ok,
     cube_chunk,
     ordered_bits,
     window_cover,
@@ -95,7 +96,7 @@ def triplet_margin(
             default ``lp()``; ``reducer``: default ``avg_nonzero()`` over triplets.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -201,25 +202,12 @@ def _sorted_hinge_stats(
     # faster on CPU than a comparison and a conversion)
     is_pos = pos if binary else pos.clamp_max(1.0)
     is_neg = neg if binary else neg.clamp_max(1.0)
-    # integers ordered like the floats, lowest bit cleared for the type bit
-    keys = ordered_bits(
-        torch.addcmul(ed, is_pos, torch.as_tensor(m, dtype=e.dtype, device=e.device))
-    ).bitwise_and_(~1)
-    keys = keys.bitwise_or_(is_neg.to(keys.dtype))
-    top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
-    if binary and diagonal is not None:
-        keys.diagonal(offset=diagonal, dim1=-2, dim2=-1).fill_(top)
-    elif not binary:  # columns that are neither sort last (by arithmetic: `where` is slower)
-        inside = (is_pos + is_neg).to(keys.dtype)
-        keys = keys.mul_(inside).add_(inside.neg_().add_(1).mul_(top))
-    order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
-    if binary:  # the type bit of the sorted keys says which column is which
-        wn = keys.gather(-1, order).bitwise_and_(1).to(e.dtype)
-        wp = torch.rsub(wn, 1.0)
-        if diagonal is not None:  # the anchor's own entry (top) sorts last in every row
-            wn[..., -1] = 0.0
-            wp[..., -1] = 0.0
+    values = torch.addcmul(ed, is_pos, scalar_tensor(m, e))  # t_ap on positives, e_an elsewhere
+    if bitcast_ok():
+        order, wp, wn = _merged_order_bits(values, is_pos, is_neg, binary, diagonal)
     else:
+        order, wp, wn = _merged_order_floats(values, is_pos, is_neg, binary, diagonal)
+    if not binary:
         wp, wn = pos.gather(-1, order), neg.gather(-1, order)
     before = wn.cumsum(-1).sub_(wn)  # negatives strictly before each position
     after = wp.cumsum(-1).neg_().add_(wp.sum(-1, keepdim=True))  # positives strictly after
@@ -229,6 +217,46 @@ def _sorted_hinge_stats(
     coef = scatter_(torch.zeros_like(ed), order, coef)  # back to column order
     hinge = (e * coef).sum(-1) + count * margin
     return hinge, count
+
+
+def _merged_order_bits(values, is_pos, is_neg, binary, diagonal):
+    """``(order, wp, wn)`` of :func:`_sorted_hinge_stats` by one integer sort: keys ordered like
+    the floats with the lowest bit cleared for a type bit (0: positive, 1: negative), so a
+    positive sorts before a negative of equal value; columns that are neither sort last."""
+    keys = ordered_bits(values).bitwise_and_(~1).bitwise_or_(is_neg.to(torch.int32))
+    top = torch.iinfo(keys.dtype).max  # odd: sorts last, reads as "not a positive"
+    if binary and diagonal is not None:
+        keys.diagonal(offset=diagonal, dim1=-2, dim2=-1).fill_(top)
+    elif not binary:  # columns that are neither sort last (by arithmetic: `where` is slower)
+        inside = (is_pos + is_neg).to(keys.dtype)
+        keys = keys.mul_(inside).add_(inside.neg_().add_(1).mul_(top))
+    order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
+    if not binary:
+        return order, None, None
+    # the type bit of the sorted keys says which column is which
+    wn = keys.gather(-1, order).bitwise_and_(1).to(values.dtype)
+    wp = torch.rsub(wn, 1.0)
+    if diagonal is not None:  # the anchor's own entry (top) sorts last in every row
+        wn[..., -1] = 0.0
+        wp[..., -1] = 0.0
+    return order, wp, wn
+
+
+def _merged_order_floats(values, is_pos, is_neg, binary, diagonal):
+    """The same order from the floats, where :func:`~pmlfunc.tuples.ordered_bits` cannot run
+    (``vmap`` on an older PyTorch): a stable sort by type (positive, negative, neither), then a
+    stable sort by value, so a positive still sorts before a negative of equal value."""
+    kind = 2.0 - 2.0 * is_pos - is_neg  # 0 positive, 1 negative, 2 neither
+    if binary and diagonal is not None:
+        kind = kind.clone()
+        kind.diagonal(offset=diagonal, dim1=-2, dim2=-1).fill_(2.0)
+    values = torch.where(kind > 1.5, torch.inf, values)  # neither sorts last
+    by_kind = kind.argsort(dim=-1, stable=True)
+    order = by_kind.gather(-1, values.gather(-1, by_kind).argsort(dim=-1, stable=True))
+    sorted_kind = kind.gather(-1, order)
+    wp = (sorted_kind == 0.0).to(values.dtype)
+    wn = (sorted_kind == 1.0).to(values.dtype)
+    return order, wp, wn
 
 
 class _CubeStats(torch.autograd.Function):
@@ -385,13 +413,9 @@ class AllTriplets(Terms):
                 self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
         chunk = cube_chunk(self.e.shape[-1])
-        margin = torch.as_tensor(self.margin, dtype=self.e.dtype, device=self.e.device)
-        lo = None if low is None else torch.as_tensor(low, dtype=self.e.dtype, device=self.e.device)
-        hi = (
-            None
-            if high is None
-            else torch.as_tensor(high, dtype=self.e.dtype, device=self.e.device)
-        )
+        margin = scalar_tensor(self.margin, self.e)
+        lo = None if low is None else scalar_tensor(low, self.e)
+        hi = None if high is None else scalar_tensor(high, self.e)
         s, c = _CubeStats.apply(
             self.e,
             self.pos,
@@ -479,7 +503,7 @@ def margin(
             default ``lp()``; ``reducer``: default ``divisor()``.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> params = pf.losses.margin_init(beta=1.2, num_classes=4)
@@ -572,7 +596,7 @@ def _margin_terms(
         w = t.valid.to(d_ap.dtype)
         b_t = beta_v[a] if per_class else beta_v
         pos_l, neg_l = _margin_parts(d_ap, d_an, b_t, alpha, s)
-        div = w @ (pos_l > 0).to(w.dtype) + w @ (neg_l > 0).to(w.dtype)
+        div = matmul(w, (pos_l > 0).to(w.dtype)) + matmul(w, (neg_l > 0).to(w.dtype))
         rows = batch.num_anchors
         terms: dict[str, Terms] = {
             "margin_loss": DenseTerms(
@@ -596,8 +620,8 @@ def _margin_terms(
             wp, wn, total = pos * n_neg.unsqueeze(-1), neg * n_pos.unsqueeze(-1), n_pos * n_neg
         else:  # a triplet selection: its pair counts are the triplet multiplicities
             wp, wn, total = pos, neg, pos.sum(-1)
-        div = wp.reshape(-1) @ (pos_l > 0).to(wp.dtype).reshape(-1)
-        div = div + wn.reshape(-1) @ (neg_l > 0).to(wn.dtype).reshape(-1)
+        div = matmul(wp.reshape(-1), (pos_l > 0).to(wp.dtype).reshape(-1))
+        div = div + matmul(wn.reshape(-1), (neg_l > 0).to(wn.dtype).reshape(-1))
         select = None if product else it
         terms = {"margin_loss": _MarginTerms(pos_l, neg_l, pos, neg, wp, wn, total, select, div)}
         if params is not None and per_class:
@@ -767,7 +791,7 @@ def selectively_contrastive_triplet(
             default ``cosine()``; ``reducer``: default ``mean()`` over anchors with a triplet.
 
     Returns:
-        0-d tensor in ``embeddings.dtype``.
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])

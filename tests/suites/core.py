@@ -37,6 +37,7 @@ from helpers import (
     assert_same,
     finite,
     lab,
+    loss_dtype,
     randn,
     value_and_grads,
 )
@@ -545,7 +546,7 @@ class CoreLoss:
             return fn(e, labels, **hp)
 
         value, grads = finite(f, *tensors)
-        assert value.dtype == dtype
+        assert value.dtype == loss_dtype(dtype)
         assert all(g.dtype == dtype for g in grads)
         # close to float64 on the same (rounded) inputs
         want, _ = run_ref(self.name, emb, labels, **ref_kw, **hp)
