@@ -98,6 +98,14 @@ def make_embeddings(
     return emb.to(device=device, dtype=dtype)
 
 
+def make_paired(emb: torch.Tensor) -> torch.Tensor:
+    """The paired set of a two-set loss (CLIP, SigLIP) for ``emb``: embeddings of the same
+    shape, dtype and device from the next seed, detached."""
+    return make_embeddings(
+        emb.shape[0], emb.shape[1], dtype=emb.dtype, device=emb.device, seed=SEED + 1
+    )
+
+
 def make_inputs(
     batch: int,
     dim: int = DEFAULT_DIM,

@@ -12,7 +12,7 @@ On a CUDA machine it runs these steps in this order, most valuable first, within
    data equal to eager, the bfloat16 safe Euclidean distance against float64, no host sync in
    a step, a loss compiled with ``mode="reduce-overhead"``;
 3. ``benchmarks``: the seed cases (:data:`SEED_CASES`: the reference protocol's default run plus
-   SupCon, MultiSimilarity and batch-hard triplet) at batches 512 and 2,048, float32 and
+   SupCon, MultiSimilarity and batch-hard triplet, and CLIP and SigLIP dense beside tiled) at batches 512 and 2,048, float32 and
    bfloat16, pmlfunc beside PML 2.9.0 and the matmul floor, with ``benchmarks.run``'s
    measurement shortened to 5 warm-up and 20 measured steps: every eager and CUDA-graph entry
    first, then the compiled entries (each compilation takes tens of seconds);
@@ -74,7 +74,8 @@ TICK_S = 10.0  # partial results are saved this often while a child runs
 MAX_WORKERS = 3  # benchmark workers started in one step (a broken CUDA context needs a fresh one)
 
 # The reference protocol's default run (contrastive, all-triplet, NT-Xent, pair miner, mined
-# triplet, proxy) and the release matrix's SupCon, MultiSimilarity and batch-hard triplet.
+# triplet, proxy), the release matrix's SupCon, MultiSimilarity and batch-hard triplet, and the
+# tiled engine beside the dense path (CLIP, SigLIP; last: the least established claim).
 SEED_CASES = (
     "contrastive",
     "all-triplet",
@@ -85,6 +86,8 @@ SEED_CASES = (
     "mined-triplet",
     "batch-hard-triplet",
     "proxy",
+    "tiled-clip",
+    "tiled-siglip",
 )
 BENCH_MODES = ("eager", "cudagraph", "compile")
 STICKY_CUDA_ERRORS = ("CUDA error", "CUBLAS_STATUS", "cudaError", "device-side assert")

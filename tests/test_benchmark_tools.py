@@ -1,5 +1,6 @@
 """The benchmark command-line tools: ``benchmarks.run``, ``benchmarks.report``,
-``benchmarks.capacity`` (on a tiny configuration; timings are not asserted)."""
+``benchmarks.capacity``, ``benchmarks.memory_report`` (on a tiny configuration; timings are not
+asserted)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from benchmarks import capacity, report, run
+from benchmarks import capacity, memory_report, report, run
 
 TINY = ["--batch-size", "16", "--dimensions", "8", "--repeats", "2", "--warmup", "1", "--quiet"]
 
@@ -153,3 +154,24 @@ def test_compiled_members_join_the_pytest_benchmark_groups():
     # members each (pmlfunc, floor); their CUDA-graph members are skipped on CPU
     if not __import__("torch").cuda.is_available():
         assert "4 passed, 4 skipped" in out.stdout, out.stdout[-2000:]
+
+
+def test_memory_report_measures_every_loss_and_path_and_writes_markdown(tmp_path, capsys):
+    """Tensor bytes only (no subprocesses), at two small batches: the bounded paths double with
+    the batch, the dense one quadruples, and the Markdown table has a cell for each."""
+    md = tmp_path / "mem.md"
+    argv = ["--losses", "ntxent,clip,siglip", "--batches", "512,1024", "--no-rss", "--time"]
+    assert memory_report.main([*argv, "--repeats", "1", "--markdown", str(md)]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[0] in memory_report.LOSSES:
+            rows[(parts[0], parts[1], int(parts[2]))] = float(parts[5])
+    paths = [(loss, impl) for loss, impls in memory_report.LOSSES.items() for impl in impls]
+    assert set(rows) == {(*p, b) for p in paths for b in (512, 1024)}
+    for loss, impl in paths:
+        growth = rows[(loss, impl, 1024)] / rows[(loss, impl, 512)]
+        assert (3.5 < growth < 4.5) if impl == "full" else (1.8 < growth < 2.2), (loss, impl)
+    table = md.read_text()
+    assert "| batch | ntxent full | ntxent chunked | ntxent tiled | clip full |" in table
+    assert table.count("\n| 1,024 |") == 1 and " s) |" in table

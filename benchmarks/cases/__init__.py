@@ -15,6 +15,7 @@ Case files, each collected by pytest (the normal test run calls every body once,
 - ``bench_miners``: miners, mined losses, separate vs reused distance matrices;
 - ``bench_proxy_losses``: a proxy loss with its weight gradients;
 - ``bench_anchor_batched``: full-batch losses beside ``pf.chunked.value_and_grad``;
+- ``bench_tiled``: NT-Xent, CLIP and SigLIP dense beside their tiled path (``chunk_size=``);
 - ``bench_chunked_ntxent``: chunked vs full NT-Xent at 8,192 rows and more, with memory (its
   own batch sizes, so not in :func:`registry`);
 - ``bench_compile_and_cudagraph``: the pmlfunc and floor members of every registry case,
@@ -91,6 +92,7 @@ def registry() -> dict[str, Case]:
         bench_miners,
         bench_other_losses,
         bench_proxy_losses,
+        bench_tiled,
     )
 
     modules = (
@@ -99,6 +101,7 @@ def registry() -> dict[str, Case]:
         bench_miners,
         bench_proxy_losses,
         bench_anchor_batched,
+        bench_tiled,
     )
     return {name: case for module in modules for name, case in module.CASES.items()}
 
