@@ -13,6 +13,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_example(name: str, *args: str, timeout: int = 300) -> str:
+    """``python examples/<name> *args``; its standard output (a non-zero exit fails)."""
+    cmd = [sys.executable, str(ROOT / "examples" / name), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
 def test_readme_quick_start_runs():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
@@ -24,26 +30,14 @@ def test_readme_quick_start_runs():
 
 
 def test_quickstart_example_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = run_example("quickstart.py")
     for name in ("contrastive", "triplet_margin", "ntxent", "supcon", "multi_similarity"):
         assert name in out
     assert "nan" not in out.lower()
 
 
 def test_training_example_improves_loss_and_retrieval():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = run_example("train_digits.py", "--epochs", "4")
     rows = [line.split() for line in out.splitlines() if line.startswith("epoch")]
     assert len(rows) == 5, out
     map_at_r = [float(r[r.index("MAP@R") + 1]) for r in rows]
@@ -57,13 +51,7 @@ def test_training_example_improves_loss_and_retrieval():
 
 @pytest.mark.compile
 def test_compiled_training_step_example():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "compiled_step.py"), "--steps", "12"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = run_example("compiled_step.py", "--steps", "12", timeout=600)
     assert "fullgraph=True" in out
     worst = float(re.search(r"max parameter/velocity difference (\S+)", out).group(1))
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out).groups())
@@ -75,15 +63,28 @@ def test_cuda_graph_example_exits_cleanly_without_cuda():
     """The CUDA-graph example needs CUDA; on a CPU-only machine it says so and exits 0."""
     import torch
 
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cuda_graph_step.py"), "--steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = run_example("cuda_graph_step.py", "--steps", "4", timeout=600)
     if torch.cuda.is_available():
         worst = float(re.search(r"loss (\S+), parameters", out).group(1))
         assert worst < 1e-4, out
     else:
         assert "CUDA is not available" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--loss", "clip"], ["--loss", "siglip", "--chunk-size", "64"]],
+    ids=["clip", "siglip-tiled"],
+)
+def test_clip_pairs_example_improves_loss_and_cross_modal_retrieval(args):
+    """Two towers on the two halves of the digits: the loss falls and the held-out left halves
+    find their own right half (pair recall@1, chance 1/397) and their class far above chance."""
+    out = run_example("clip_pairs.py", *args)
+    rows = [line.split() for line in out.splitlines() if line.startswith("epoch")]
+    assert len(rows) == 31, out
+    losses = [float(r[r.index("loss") + 1]) for r in rows[1:]]
+    pair = [float(r[r.index("R@1") + 1]) for r in rows]
+    cls = [float(r[r.index("P@1") + 1]) for r in rows]
+    assert losses[-1] < 0.7 * losses[0], out
+    assert pair[-1] > pair[0] + 0.04 and pair[-1] > 10 / 397, out
+    assert cls[-1] > cls[0] + 0.4, out
