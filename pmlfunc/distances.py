@@ -181,26 +181,37 @@ class _SafeEuclideanSelf(torch.autograd.Function):
         return grad_x + grad_y, None, None, None
 
 
-class _ExactTies(torch.autograd.Function):
-    """A matmul similarity whose duplicated embeddings' rows and columns are made bitwise equal
-    (:func:`_merge_ties_`, on a copy). That changes values by rounding only (the function is the
-    same), so the backward passes the gradient through unchanged, to the entry it was computed
-    from (an autograd ``index_copy_`` would move it to the first copy's row instead)."""
+class _TiedMatmul(torch.autograd.Function):
+    """The matmul similarity ``x yᵀ`` (``y=None``: ``x xᵀ``) with the rows and columns of
+    duplicated embeddings made bitwise equal (:func:`_merge_ties_`, in place on the product's own
+    buffer: no copy of the matrix). That changes values by rounding only (the function is the
+    same), so the backward is the matmul's: each entry's gradient goes to the rows it was
+    computed from (an autograd ``index_copy_`` would move it to the first copy's row instead).
+    The backward is written in differentiable ops: higher derivatives work."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(mat: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-        # cols is None in self mode (compile rejects one tensor given twice)
-        return _ops.fresh(_merge_ties_(mat.clone(), rows, rows if cols is None else cols))
+    def forward(x: Tensor, y: Tensor | None, rows: Tensor, cols: Tensor | None) -> Tensor:
+        # y and cols are None in self mode (compile rejects one tensor given twice)
+        mat = _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
+        return _ops.fresh(_merge_ties_(mat, rows, rows if cols is None else cols))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        x, y, _, _ = inputs
+        ctx.save_for_backward(x, y)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None
+        x, y = ctx.saved_tensors
+        g_t = g.transpose(-1, -2)
+        if y is None:  # x on both sides
+            gx = _ops.matmul(g, x) + _ops.matmul(g_t, x) if ctx.needs_input_grad[0] else None
+            return gx, None, None, None
+        gx = _ops.matmul(g, y) if ctx.needs_input_grad[0] else None
+        gy = _ops.matmul(g_t, x) if ctx.needs_input_grad[1] else None
+        return gx, gy, None, None
 
 
 def safe_euclidean(
@@ -402,9 +413,8 @@ class _Dot(_Normalizing):
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         x, y = self._normalized(x, y)
-        mat = _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
-        rows = _first_equal_rows(x)
-        return _ExactTies.apply(mat, rows, None if y is None else _first_equal_rows(y))
+        cols = None if y is None else _first_equal_rows(y)
+        return _TiedMatmul.apply(x, y, _first_equal_rows(x), cols)
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)
