@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -126,6 +127,12 @@ def run(args: argparse.Namespace) -> dict | None:
     gathered: list = [None] * world
     if launched:
         dist.all_gather_object(gathered, results)
+        # DDP's reducer holds the process group: drop the last model before the group goes, or
+        # gloo's threads can abort the interpreter's exit ("terminate called without an active
+        # exception")
+        del model, encoder
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     else:
         gathered = [results]

@@ -22,6 +22,7 @@ from . import (
     params,
     reducers,
     regularizers,
+    testing,
     tuples,
     wrappers,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "params",
     "reducers",
     "regularizers",
+    "testing",
     "tuples",
     "wrappers",
 ]

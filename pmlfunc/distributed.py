@@ -26,6 +26,7 @@ installed torch has it, else ``torch.distributed.nn.functional.all_gather``.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .losses._tiled import unpartial
+
 __all__ = [
+    "EXCHANGES",
     "all_gather",
     "cross_batch_memory",
     "global_objective",
@@ -183,17 +187,25 @@ def _gather_batch(
     )
 
 
-def global_objective(loss_fn: Callable[..., Tensor], *, group=None) -> Callable[..., Tensor]:
-    r"""Wrap any pmlfunc loss so that, under DDP, it is the loss of the whole global batch.
+EXCHANGES = ("gather", "ring")
 
-    ``global_objective(loss)(embeddings, labels, *rest, **kw)`` gathers ``embeddings`` (with
-    autograd) and ``labels`` from every rank and returns ``loss(all_emb, all_labels, *rest,
-    **kw)``: the same value on every rank. With DDP's gradient averaging the encoder's gradients
-    equal single-process gradients of the loss on the concatenated batch (module docstring).
 
-    - ``params`` (proxy and classifier losses) pass through: each rank computes the full-batch
-      parameter gradient. Registered in the DDP module they are averaged (unchanged); as
-      separate tensors they are already the single-process gradient on every rank.
+def global_objective(
+    loss_fn: Callable[..., Tensor], *, group=None, exchange: str = "gather"
+) -> Callable[..., Tensor]:
+    r"""Wrap a pmlfunc loss so that, under DDP, it is the loss of the whole global batch.
+
+    Two exchanges compute the same ``L`` (the same value on every rank); with DDP's gradient
+    averaging the encoder's gradients equal single-process gradients of the loss on the
+    concatenated batch (module docstring).
+
+    ``exchange="gather"`` (default), any loss: gathers the embeddings (with autograd) and labels
+    from every rank and computes ``loss(all_emb, all_labels, *rest, **kw)``. Per rank, memory
+    grows with the global batch (its rows, and a local × global matrix).
+
+    - ``params`` (proxy and classifier losses, CLIP's logit scale) pass through: each rank
+      computes the full-batch parameter gradient. Registered in the DDP module they are
+      averaged (unchanged); as separate tensors they are already the single-process gradient.
     - ``ref_emb``/``ref_labels`` pass through ungathered: they must be the same on every rank
       (e.g. a cross-batch memory filled with gathered batches).
     - ``indices_tuple`` is refused: a miner's indices refer to local rows. Mine on the gathered
@@ -204,14 +216,32 @@ def global_objective(loss_fn: Callable[..., Tensor], *, group=None) -> Callable[
       against the gathered batch (``B_local × B_global``), with the reducers' normalisers summed
       over the ranks. Other losses and settings (proxy and classifier losses, a lambda,
       ``swap=True``, an embedding regularizer) compute the whole loss on every rank.
+    - :func:`pmlfunc.losses.clip` and :func:`pmlfunc.losses.siglip` gather both sets (and
+      ``labels=``): row ``i`` of the gathered ``emb_a`` still pairs with row ``i`` of ``emb_b``.
 
-    Outside an initialised process group it is the plain loss.
+    ``exchange="ring"``, for :func:`~pmlfunc.losses.clip`, :func:`~pmlfunc.losses.siglip`,
+    :func:`~pmlfunc.losses.ntxent` and :func:`~pmlfunc.losses.supcon` (dense, or tiled with
+    ``chunk_size``): each rank keeps its rows and the other ranks' blocks (embeddings and
+    labels) pass around the ring one at a time, through the tiled engine (``pmlfunc/_ring.py``).
+    Per rank, memory is ``O(B_local · D + B_local × B_local)`` (``chunk_size × B_local`` tiled),
+    flat in the world size; no tensor with the global batch's rows is made. Eager only (point to
+    point sends), unequal local batch sizes work; these losses' engine restrictions hold (labels
+    for NT-Xent/SupCon, ``cosine()``/``dot()``), and ``ref_emb`` and an embedding regularizer
+    are refused (use the gather). Outside an initialised process group it is the plain loss.
 
     Example:
         >>> encoder = torch.nn.Linear(16, 4)
         >>> x, y = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
         >>> loss = global_objective(pf.losses.supcon)(encoder(x), y, temperature=0.1)
+        >>> ring = global_objective(pf.losses.clip, exchange="ring")
+        >>> loss = ring(encoder(x), torch.randn(8, 4), pf.losses.clip_init())
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "ring":
+        return _ring_objective(loss_fn, group)
+    if _is_pair_loss(loss_fn):
+        return _pair_objective(loss_fn, group)
 
     @functools.wraps(loss_fn)
     def wrapped(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
@@ -230,6 +260,70 @@ def global_objective(loss_fn: Callable[..., Tensor], *, group=None) -> Callable[
         if split is None:  # not decomposable over anchors: every rank computes all of it
             return loss_fn(all_emb, all_labels, *args, **kwargs)
         return split(rows, g_group)
+
+    return wrapped
+
+
+def _ring_objective(loss_fn, group):
+    """``global_objective(loss_fn, exchange="ring")``."""
+    from ._ring import ring_loss
+    from .losses._tiled import builder_of, engine_call
+
+    name = getattr(unpartial(loss_fn)[0], "__name__", "the loss")
+    what = f"{name} with exchange='ring'"
+    builder_of(loss_fn, "exchange='ring'")  # refuse any other loss now, not at the first step
+
+    @functools.wraps(loss_fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Tensor:
+        if not is_active(group):
+            return loss_fn(*args, **kwargs)
+        call = engine_call(loss_fn, args, kwargs, what)
+        if call.kind in ("ntxent", "supcon") and call.y is not None:
+            raise ValueError(
+                f"{what} circulates the batch itself: ref_emb is not supported "
+                "(use exchange='gather', which passes it through)"
+            )
+        if call.finish is not None:
+            raise ValueError(
+                f"{what} does not support embedding_regularizer (a term of the "
+                "whole batch): use exchange='gather'"
+            )
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"{what} runs eagerly (point-to-point sends); under "
+                "torch.compile use exchange='gather'"
+            )
+        return ring_loss(call, group or dist.group.WORLD)
+
+    return wrapped
+
+
+def _is_pair_loss(loss_fn) -> bool:
+    """Whether ``loss_fn`` takes two aligned sets ``(emb_a, emb_b, ...)`` (CLIP, SigLIP)."""
+    try:
+        params = inspect.signature(unpartial(loss_fn)[0]).parameters
+    except (TypeError, ValueError):
+        return False
+    return list(params)[:2] == ["emb_a", "emb_b"]
+
+
+def _pair_objective(loss_fn, group):
+    """``global_objective`` (gather) of a loss of two aligned sets: both sets and their labels
+    gathered in rank order, the whole loss on every rank."""
+    fn = unpartial(loss_fn)[0]
+
+    @functools.wraps(loss_fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Tensor:
+        if not is_active(group):
+            return loss_fn(*args, **kwargs)
+        g_group = group or dist.group.WORLD
+        f, a, kw = unpartial(loss_fn, args, kwargs)
+        bound = inspect.signature(fn).bind(*a, **kw)
+        sizes = _batch_sizes(bound.arguments["emb_a"], g_group, "emb_a")
+        for key in ("emb_a", "emb_b", "labels"):
+            if bound.arguments.get(key) is not None:
+                bound.arguments[key] = _gather_sized(bound.arguments[key], sizes, g_group)
+        return f(*bound.args, **bound.kwargs)
 
     return wrapped
 

@@ -1,35 +1,27 @@
-"""pmlfunc.distributed: two gloo processes spawned by the test itself (not under torchrun).
+"""pmlfunc.distributed: two gloo processes spawned by the test itself
+(:func:`pmlfunc.testing.spawn_ranks`; the examples and benchmarks also run under torchrun).
 
 Each scenario trains one step of a linear encoder under DDP on its rank's slice of a global
-batch and saves the parameter gradients; the test compares them with single-process gradients of
-the same loss on the whole batch (float64, tight tolerances).
+batch and returns the parameter gradients; the test compares them with single-process gradients
+of the same loss on the whole batch (float64, tight tolerances).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pmlfunc as pf
 from pmlfunc import distributed
+from pmlfunc.testing import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 DIM_IN, DIM_OUT, CLASSES = 12, 6, 5
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(sizes):
@@ -61,6 +53,54 @@ LOSSES = {
 }
 
 
+# the ring's losses: name -> (loss function, "self" (embeddings, labels) | "pair" (two aligned
+# sets, learnable scale and bias) | "pair-labels" (the same, with labels=))
+RING_CASES = {
+    "ntxent": (functools.partial(pf.losses.ntxent, temperature=0.1), "self"),
+    "ntxent-tiled": (functools.partial(pf.losses.ntxent, temperature=0.1, chunk_size=4), "self"),
+    "supcon": (functools.partial(pf.losses.supcon, temperature=0.1), "self"),
+    "supcon-tiled": (functools.partial(pf.losses.supcon, chunk_size=4), "self"),
+    "clip": (pf.losses.clip, "pair"),
+    "clip-tiled-labels": (functools.partial(pf.losses.clip, chunk_size=4), "pair-labels"),
+    "siglip-labels": (pf.losses.siglip, "pair-labels"),
+    "siglip-tiled": (functools.partial(pf.losses.siglip, chunk_size=4), "pair"),
+}
+
+
+def _pair_params():
+    params = pf.losses.siglip_init(logit_scale=1.5, logit_bias=-2.0, dtype=torch.float64)
+    return {k: v.requires_grad_() for k, v in params.items()}
+
+
+def _ring_case_loss(name: str, fn, encoder, x, y, params):
+    """The case's loss of the rows ``x`` (a pair case's second set: the encoder on ``x``
+    reversed along the features, a second view)."""
+    form = RING_CASES[name][1]
+    if form == "self":
+        return fn(encoder(x), y)
+    labels = {"labels": y} if form == "pair-labels" else {}
+    return fn(encoder(x), encoder(x.flip(-1)), params, **labels)
+
+
+def _const(value, _):
+    return value
+
+
+class _LargestDim(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest dimension of any tensor an op makes (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.ndim:
+                self.largest = max(self.largest, *t.shape)
+        return out
+
+
 MEMORY_SIZE, MEMORY_STEPS = 20, 4
 
 
@@ -87,111 +127,127 @@ def _single_process(name: str, sizes) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, port: int, scenario: str, sizes, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _scenario(scenario: str, sizes) -> dict:
+    """One rank's part of a scenario (in a process of :func:`pmlfunc.testing.spawn_ranks`)."""
+    rank = dist.get_rank()
     result: dict = {}
-    try:
-        x, y = _data(sizes)
-        r0 = sum(sizes[:rank])
-        x_local, y_local = x[r0 : r0 + sizes[rank]], y[r0 : r0 + sizes[rank]]
-        if scenario == "losses":
-            for name, (loss_fn, has_params) in LOSSES.items():
+    x, y = _data(sizes)
+    r0 = sum(sizes[:rank])
+    x_local, y_local = x[r0 : r0 + sizes[rank]], y[r0 : r0 + sizes[rank]]
+    if scenario == "losses":
+        for name, (loss_fn, has_params) in LOSSES.items():
+            ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
+            params = {k: v.requires_grad_() for k, v in _proxy_params().items()}
+            objective = distributed.global_objective(loss_fn)
+            emb = ddp(x_local)
+            loss = objective(emb, y_local, params) if has_params else objective(emb, y_local)
+            loss.backward()
+            grads = {f"enc.{k}": p.grad.clone() for k, p in ddp.module.named_parameters()}
+            if has_params:
+                grads.update({f"params.{k}": v.grad.clone() for k, v in params.items()})
+            grads["loss"] = loss.detach()
+            result[name] = grads
+            # which path ran: anchors split over ranks, or the whole loss on every rank
+            args = (params,) if has_params else ()
+            split = distributed._anchor_split(loss_fn, x, y, args, {})
+            result[f"{name}.split"] = split is not None
+    elif scenario == "ring":
+        for name, (loss_fn, _) in RING_CASES.items():
+            for exchange in distributed.EXCHANGES:
                 ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
-                params = {k: v.requires_grad_() for k, v in _proxy_params().items()}
-                objective = distributed.global_objective(loss_fn)
-                emb = ddp(x_local)
-                loss = objective(emb, y_local, params) if has_params else objective(emb, y_local)
+                params = _pair_params()
+                objective = distributed.global_objective(loss_fn, exchange=exchange)
+                loss = _ring_case_loss(name, objective, ddp, x_local, y_local, params)
                 loss.backward()
                 grads = {f"enc.{k}": p.grad.clone() for k, p in ddp.module.named_parameters()}
-                if has_params:
+                if RING_CASES[name][1] != "self":
                     grads.update({f"params.{k}": v.grad.clone() for k, v in params.items()})
                 grads["loss"] = loss.detach()
-                result[name] = grads
-                # which path ran: anchors split over ranks, or the whole loss on every rank
-                args = (params,) if has_params else ()
-                split = distributed._anchor_split(loss_fn, x, y, args, {})
-                result[f"{name}.split"] = split is not None
-        elif scenario == "chunked":
-            for name in ("ntxent", "contrastive", "triplet_margin"):
-                ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
-                vg = distributed.value_and_grad(LOSSES[name][0], chunk_size=3)
-                emb = ddp(x_local)
-                value, g = vg(emb.detach(), y_local)
-                emb.backward(g)
-                grads = {f"enc.{k}": p.grad.clone() for k, p in ddp.module.named_parameters()}
-                grads["loss"] = value
-                result[name] = grads
-        elif scenario == "mismatch":
-            width = DIM_OUT + rank  # rank 1 has a wider embedding
-            try:
-                distributed.all_gather(torch.zeros(3, width), name="embeddings")
-            except ValueError as err:
-                result["error"] = str(err)
-            objective = distributed.global_objective(pf.losses.contrastive)
-            emb, y = torch.randn(4, 3), torch.arange(4)
-            try:  # mined indices refer to local rows: refused
-                objective(emb, y, indices_tuple=pf.miners.batch_hard(emb, y))
-            except ValueError as err:
-                result["indices_error"] = str(err)
-        elif scenario == "memory":
+                result[f"{name}.{exchange}"] = grads
+                # the loss alone, on leaf embeddings: the largest tensor it makes
+                emb = _encoder()(x_local).detach().requires_grad_()
+                with _LargestDim() as seen:
+                    _ring_case_loss(
+                        name,
+                        objective,
+                        functools.partial(_const, emb),
+                        x_local,
+                        y_local,
+                        params,
+                    ).backward()
+                result[f"{name}.{exchange}.largest"] = seen.largest
+    elif scenario == "chunked":
+        for name in ("ntxent", "contrastive", "triplet_margin"):
             ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
-            memory = pf.wrappers.cross_batch_memory_init(MEMORY_SIZE, DIM_OUT, dtype=torch.float64)
-            for step in range(MEMORY_STEPS):
-                xs, ys = _memory_batch(step, sizes)
-                r0 = sum(sizes[:rank])
-                emb = ddp(xs[r0 : r0 + sizes[rank]])
-                ddp.zero_grad()
-                loss, memory = distributed.cross_batch_memory(
-                    pf.losses.contrastive, emb, ys[r0 : r0 + sizes[rank]], memory
-                )
-                loss.backward()
-                result[step] = {
-                    "loss": loss.detach(),
-                    "grads": [p.grad.clone() for p in ddp.module.parameters()],
-                    "memory": {k: v.clone() for k, v in memory.items()},
-                }
-        elif scenario == "compiled":
-            mine = torch.full((3, 2), float(rank), requires_grad=True)
-            gather = torch.compile(distributed.all_gather, fullgraph=True)
-            got = gather(mine)
-            (got * torch.arange(6.0).unsqueeze(-1)).sum().backward()
-            result["gathered"] = got.detach()
-            result["grad"] = mine.grad
-        elif scenario == "gather":
-            mine = torch.full((sizes[rank], 2), float(rank), requires_grad=True)
-            got = distributed.all_gather(mine)
-            (got * torch.arange(got.shape[0], dtype=got.dtype).unsqueeze(-1)).sum().backward()
-            result["gathered"] = got.detach()
-            result["grad"] = mine.grad
-    except Exception:  # report, never hang the other rank's test
-        result["traceback"] = traceback.format_exc()
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Both ranks finish their collectives before the group goes; then leave without the
-        # interpreter's teardown, where gloo's worker threads have aborted ("terminate called
-        # without an active exception") on a loaded 2-core machine. Results are already saved,
-        # and any failure of the work itself is in them (the traceback above).
+            vg = distributed.value_and_grad(LOSSES[name][0], chunk_size=3)
+            emb = ddp(x_local)
+            value, g = vg(emb.detach(), y_local)
+            emb.backward(g)
+            grads = {f"enc.{k}": p.grad.clone() for k, p in ddp.module.named_parameters()}
+            grads["loss"] = value
+            result[name] = grads
+    elif scenario == "mismatch":
+        width = DIM_OUT + rank  # rank 1 has a wider embedding
         try:
-            dist.barrier()
-            dist.destroy_process_group()
-        finally:
-            os._exit(0)
+            distributed.all_gather(torch.zeros(3, width), name="embeddings")
+        except ValueError as err:
+            result["error"] = str(err)
+        objective = distributed.global_objective(pf.losses.contrastive)
+        emb, y = torch.randn(4, 3), torch.arange(4)
+        try:  # mined indices refer to local rows: refused
+            objective(emb, y, indices_tuple=pf.miners.batch_hard(emb, y))
+        except ValueError as err:
+            result["indices_error"] = str(err)
+        ring = distributed.global_objective(pf.losses.ntxent, exchange="ring")
+        for key, kw in {
+            "ref_emb": {"ref_emb": emb, "ref_labels": y},
+            "regularizer": {"embedding_regularizer": pf.regularizers.lp},
+            "distance": {"distance": pf.distances.lp()},
+        }.items():
+            try:
+                ring(emb, y, **kw)
+            except ValueError as err:
+                result[f"ring_{key}_error"] = str(err)
+    elif scenario == "memory":
+        ddp = torch.nn.parallel.DistributedDataParallel(_encoder())
+        memory = pf.wrappers.cross_batch_memory_init(MEMORY_SIZE, DIM_OUT, dtype=torch.float64)
+        for step in range(MEMORY_STEPS):
+            xs, ys = _memory_batch(step, sizes)
+            r0 = sum(sizes[:rank])
+            emb = ddp(xs[r0 : r0 + sizes[rank]])
+            ddp.zero_grad()
+            loss, memory = distributed.cross_batch_memory(
+                pf.losses.contrastive, emb, ys[r0 : r0 + sizes[rank]], memory
+            )
+            loss.backward()
+            result[step] = {
+                "loss": loss.detach(),
+                "grads": [p.grad.clone() for p in ddp.module.parameters()],
+                "memory": {k: v.clone() for k, v in memory.items()},
+            }
+    elif scenario == "compiled":
+        mine = torch.full((3, 2), float(rank), requires_grad=True)
+        gather = torch.compile(distributed.all_gather, fullgraph=True)
+        got = gather(mine)
+        (got * torch.arange(6.0).unsqueeze(-1)).sum().backward()
+        result["gathered"] = got.detach()
+        result["grad"] = mine.grad
+    elif scenario == "gather":
+        mine = torch.full((sizes[rank], 2), float(rank), requires_grad=True)
+        got = distributed.all_gather(mine)
+        (got * torch.arange(got.shape[0], dtype=got.dtype).unsqueeze(-1)).sum().backward()
+        result["gathered"] = got.detach()
+        result["grad"] = mine.grad
+    return result
 
 
-def _spawn(scenario: str, sizes, tmp_path) -> list[dict]:
-    mp.spawn(
-        _worker, args=(_free_port(), scenario, list(sizes), str(tmp_path)), nprocs=WORLD, join=True
-    )
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "traceback" not in res, f"rank {r} failed:\n{res['traceback']}"
-    return results
+def _spawn(scenario: str, sizes) -> list[dict]:
+    return spawn_ranks(_scenario, scenario, list(sizes), world_size=WORLD)
 
 
 @pytest.mark.parametrize("sizes", [(8, 8), (9, 6)], ids=["equal", "unequal"])
-def test_global_objective_equals_single_process(sizes, tmp_path):
-    results = _spawn("losses", sizes, tmp_path)
+def test_global_objective_equals_single_process(sizes):
+    results = _spawn("losses", sizes)
     for name, (_, has_params) in LOSSES.items():
         expected = _single_process(name, sizes)
         for rank, res in enumerate(results):
@@ -205,9 +261,38 @@ def test_global_objective_equals_single_process(sizes, tmp_path):
                 )
 
 
-def test_chunked_global_value_and_grad(tmp_path):
+@pytest.mark.parametrize("sizes", [(9, 6)])
+def test_ring_and_gather_equal_single_process_under_ddp(sizes):
+    """clip, siglip, ntxent and supcon, dense and tiled, with and without labels: the loss on
+    every rank and the encoder's and the loss parameters' gradients after DDP's averaging equal
+    one process on the whole batch, for both exchanges; and the ring makes no tensor with the
+    global batch's rows (forward and backward; the gather, as a control, does)."""
+    results = _spawn("ring", sizes)
+    x, y = _data(sizes)
+    for name, (loss_fn, form) in RING_CASES.items():
+        enc, params = _encoder(), _pair_params()
+        loss = _ring_case_loss(name, loss_fn, enc, x, y, params)
+        loss.backward()
+        expected = {f"enc.{k}": p.grad for k, p in enc.named_parameters()}
+        if form != "self":
+            expected.update({f"params.{k}": v.grad for k, v in params.items()})
+        expected["loss"] = loss.detach()
+        for rank, res in enumerate(results):
+            for exchange in distributed.EXCHANGES:
+                got = res[f"{name}.{exchange}"]
+                assert got.keys() == expected.keys()
+                for key, value in expected.items():
+                    torch.testing.assert_close(
+                        got[key], value, rtol=1e-9, atol=1e-12,
+                        msg=f"{name} {exchange} {key} rank {rank}",
+                    )  # fmt: skip
+            assert res[f"{name}.ring.largest"] < sum(sizes), name
+            assert res[f"{name}.gather.largest"] >= sum(sizes), name
+
+
+def test_chunked_global_value_and_grad():
     sizes = (9, 6)
-    results = _spawn("chunked", sizes, tmp_path)
+    results = _spawn("chunked", sizes)
     for name in ("ntxent", "contrastive", "triplet_margin"):
         expected = _single_process(name, sizes)
         for rank, res in enumerate(results):
@@ -217,9 +302,9 @@ def test_chunked_global_value_and_grad(tmp_path):
                 )
 
 
-def test_cross_batch_memory_identical_on_every_rank(tmp_path):
+def test_cross_batch_memory_identical_on_every_rank():
     sizes = (4, 3)
-    results = _spawn("memory", sizes, tmp_path)
+    results = _spawn("memory", sizes)
     enc = _encoder()
     memory = pf.wrappers.cross_batch_memory_init(MEMORY_SIZE, DIM_OUT, dtype=torch.float64)
     for step in range(MEMORY_STEPS):  # single process on the concatenated batches
@@ -237,9 +322,9 @@ def test_cross_batch_memory_identical_on_every_rank(tmp_path):
     assert int(memory["count"]) == MEMORY_SIZE  # the ring wrapped around
 
 
-def test_all_gather_order_and_gradient(tmp_path):
+def test_all_gather_order_and_gradient():
     sizes = (3, 2)
-    results = _spawn("gather", sizes, tmp_path)
+    results = _spawn("gather", sizes)
     expected = torch.tensor([[0.0] * 2] * 3 + [[1.0] * 2] * 2)
     coef = torch.arange(5.0)
     for rank, res in enumerate(results):
@@ -249,8 +334,8 @@ def test_all_gather_order_and_gradient(tmp_path):
         torch.testing.assert_close(res["grad"], (WORLD * rows).unsqueeze(-1).expand(-1, 2))
 
 
-def test_all_gather_under_compile(tmp_path):
-    results = _spawn("compiled", (3, 3), tmp_path)
+def test_all_gather_under_compile():
+    results = _spawn("compiled", (3, 3))
     expected = torch.tensor([[0.0] * 2] * 3 + [[1.0] * 2] * 3)
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["gathered"], expected)
@@ -258,11 +343,15 @@ def test_all_gather_under_compile(tmp_path):
         torch.testing.assert_close(res["grad"], (WORLD * rows).unsqueeze(-1).expand(-1, 2))
 
 
-def test_mismatched_width_is_an_error_on_every_rank(tmp_path):
-    results = _spawn("mismatch", (3, 3), tmp_path)
+def test_mismatched_width_is_an_error_on_every_rank():
+    results = _spawn("mismatch", (3, 3))
     for res in results:
         assert "embeddings" in res["error"] and "same shape" in res["error"]
         assert "indices_tuple" in res["indices_error"]
+        assert "ref_emb is not supported" in res["ring_ref_emb_error"]
+        assert "embedding_regularizer" in res["ring_regularizer_error"]
+        assert "distance=cosine() or dot()" in res["ring_distance_error"]
+        assert "with exchange='ring'" in res["ring_distance_error"]
 
 
 def test_outside_a_process_group_is_the_plain_loss():
@@ -285,6 +374,19 @@ def test_bad_input():
         distributed.all_gather([1, 2])
     with pytest.raises(ValueError, match="batch dimension"):
         distributed.all_gather(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        distributed.global_objective(pf.losses.ntxent, exchange="allreduce")
+    with pytest.raises(ValueError, match=r"runs clip, ntxent, siglip, supcon .*got contrastive"):
+        distributed.global_objective(pf.losses.contrastive, exchange="ring")
+
+
+def test_ring_outside_a_process_group_is_the_plain_loss():
+    a, b = _data((8,))[0], _data((8,))[0].flip(-1)
+    params = _pair_params()
+    ring = distributed.global_objective(
+        functools.partial(pf.losses.clip, chunk_size=3), exchange="ring"
+    )
+    torch.testing.assert_close(ring(a, b, params), pf.losses.clip(a, b, params))
 
 
 def _torchrun(*args: str, timeout: int = 300) -> str:
@@ -303,9 +405,33 @@ def _torchrun(*args: str, timeout: int = 300) -> str:
 
 def test_ddp_example_under_torchrun():
     out = _torchrun("examples/ddp.py", "--epochs", "2")
-    assert "2 rank(s); DDP gradient vs single-process gradient" in out
+    assert "2 rank(s), supcon, exchange=gather; DDP gradient vs single-process gradient" in out
     epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 2, out
+
+
+def test_ddp_example_with_the_ring():
+    out = _torchrun("examples/ddp.py", "--epochs", "1", "--loss", "clip", "--exchange", "ring")
+    assert "2 rank(s), clip, exchange=ring; DDP gradient vs single-process gradient" in out
+    assert len([line for line in out.splitlines() if line.startswith("epoch ")]) == 1, out
+
+
+def test_ring_benchmark_memory_is_flat_in_the_world_size(tmp_path):
+    """benchmarks/ring.py at a small size: per-rank peak memory of the ring the same on 2 and 4
+    ranks (the gather's grows), and both exchanges give the same loss."""
+    from benchmarks import ring
+
+    rows = ring.main([
+        "--world-sizes", "2,4", "--batch-size", "48", "--dimensions", "8", "--repeats", "1",
+        "--warmup", "0", "--markdown", str(tmp_path / "ring.md"),
+    ])  # fmt: skip
+    peak = {(r["loss"], r["exchange"], r["world_size"]): r["peak_mib"] for r in rows}
+    for loss in ("clip", "siglip"):
+        assert peak[loss, "ring", 4] <= 1.2 * peak[loss, "ring", 2], peak
+        assert peak[loss, "gather", 4] >= 2.0 * peak[loss, "gather", 2], peak
+        assert peak[loss, "ring", 2] < peak[loss, "gather", 2], peak
+    table = (tmp_path / "ring.md").read_text()
+    assert "| clip | 4 | 192 |" in table and "NO" not in table
 
 
 def test_distributed_benchmark_under_torchrun(tmp_path):

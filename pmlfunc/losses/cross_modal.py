@@ -22,6 +22,7 @@ large scale or bias does not overflow.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 from .. import _checks
 from .._ops import matmul
 from ..reducers import Reducer
-from ._tiled import tiled_loss, tiled_reducer
+from ._tiled import EngineCall, builds, run_local, tiled_reducer
 
 __all__ = ["clip", "clip_init", "siglip", "siglip_init"]
 
@@ -84,21 +85,17 @@ def clip(
     References: Radford et al., "Learning Transferable Visual Models From Natural Language
     Supervision" (CLIP), ICML 2021; Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
-    a, b, t, bias, labels = _pair_inputs(
-        "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale
+    call = _pair_call(
+        "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
     )
-    red = tiled_reducer("clip", reducer)
-    if chunk_size is not None:
-        chunk = _checks.chunk_size(chunk_size)
-        return tiled_loss(
-            a, b, labels, None, scale=t, bias=bias, chunk=chunk, kind="clip", reducer=red
-        )
-    s = _logits(a, b, t, bias)
+    if call.chunk is not None:
+        return run_local(call)
+    s = _logits(call.x, call.y, call.scale, call.bias)
     pos = _positives(labels, s)
     n_pos = pos.sum(-1)  # every row and column has itself: no empty set
     rows = torch.logsumexp(s, -1) - (pos * s).sum(-1) / n_pos
     cols = torch.logsumexp(s, 0) - (pos * s).sum(0) / n_pos
-    reduce = torch.mean if red == "mean" else torch.sum
+    reduce = torch.mean if call.reducer == "mean" else torch.sum
     return (reduce(rows) + reduce(cols)) / 2
 
 
@@ -147,19 +144,15 @@ def siglip(
     Reference: Zhai, Mustafa, Kolesnikov, Beyer, "Sigmoid Loss for Language Image Pre-Training"
     (SigLIP), ICCV 2023.
     """
-    a, b, t, bias, labels = _pair_inputs(
-        "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale
+    call = _pair_call(
+        "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
     )
-    red = tiled_reducer("siglip", reducer)
-    if chunk_size is not None:
-        chunk = _checks.chunk_size(chunk_size)
-        return tiled_loss(
-            a, b, labels, None, scale=t, bias=bias, chunk=chunk, kind="siglip", reducer=red
-        )
-    s = _logits(a, b, t, bias)
+    if call.chunk is not None:
+        return run_local(call)
+    s = _logits(call.x, call.y, call.scale, call.bias)
     z = 1.0 - 2.0 * _positives(labels, s)  # −z: −1 on positives, +1 elsewhere
     total = F.softplus(z * s).sum()
-    return {"batch": total / s.shape[0], "mean": total / s.numel(), "sum": total}[red]
+    return {"batch": total / s.shape[0], "mean": total / s.numel(), "sum": total}[call.reducer]
 
 
 def clip_init(
@@ -211,8 +204,11 @@ def _init(logit_scale, logit_bias, dtype, device) -> dict[str, Tensor]:
     return params
 
 
-def _pair_inputs(name, emb_a, emb_b, params, labels, normalize, max_logit_scale):
-    """Validated ``(â, b̂, t, b, labels)`` in the compute dtype."""
+def _pair_call(
+    name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what=None
+) -> EngineCall:
+    """The validated call as the tiled engine runs it: ``â``, ``b̂`` in the compute dtype, the
+    scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors."""
     _checks.embeddings(emb_a, "emb_a")
     _checks.embeddings(emb_b, "emb_b")
     _checks.same_space(emb_a, emb_b, "emb_b", "emb_a")
@@ -239,7 +235,9 @@ def _pair_inputs(name, emb_a, emb_b, params, labels, normalize, max_logit_scale)
     a, b = emb_a.to(cd), emb_b.to(cd)
     if normalize:
         a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
-    return a, b, scale.exp(), bias, labels
+    red = tiled_reducer(name, reducer, what)
+    chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
+    return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
 
 
 def _scalar_param(params, key: str, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -262,3 +260,13 @@ def _positives(labels: Tensor | None, s: Tensor) -> Tensor:
     if labels is None:
         return torch.eye(n, dtype=s.dtype, device=s.device)
     return (labels.unsqueeze(-1) == labels.unsqueeze(-2)).to(s.dtype)
+
+
+def _engine_call(kind: str, a, what: str | None) -> EngineCall:
+    """``clip``/``siglip``'s bound arguments ``a`` as the engine's call (the ring's)."""
+    names = ("emb_a", "emb_b", "params", "labels", "normalize", "max_logit_scale", "chunk_size")
+    return _pair_call(kind, *(a[k] for k in names), a["reducer"], what)
+
+
+builds(clip)(functools.partial(_engine_call, "clip"))
+builds(siglip)(functools.partial(_engine_call, "siglip"))

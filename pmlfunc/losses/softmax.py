@@ -14,6 +14,7 @@ also take ``chunk_size=`` for the tiled path (``O(chunk × M)`` memory in both p
 
 from __future__ import annotations
 
+import functools
 from typing import Unpack
 
 import torch
@@ -26,7 +27,7 @@ from ..distances import cosine, resolve
 from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
 from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized
-from ._tiled import tiled_softmax
+from ._tiled import builds, run_local, softmax_call
 
 __all__ = ["decoupled_contrastive", "multi_supcon", "ntxent", "supcon"]
 
@@ -74,7 +75,9 @@ def ntxent(
     Predictive Coding", 2018.
     """
     if chunk_size is not None:
-        return tiled_softmax("ntxent", embeddings, labels, temperature, chunk_size, inputs)
+        return run_local(
+            softmax_call("ntxent", embeddings, labels, temperature, chunk_size, inputs)
+        )
     return ntxent.spec(embeddings, labels, inputs, temperature=temperature)
 
 
@@ -129,7 +132,9 @@ def supcon(
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     if chunk_size is not None:
-        return tiled_softmax("supcon", embeddings, labels, temperature, chunk_size, inputs)
+        return run_local(
+            softmax_call("supcon", embeddings, labels, temperature, chunk_size, inputs)
+        )
     return supcon.spec(embeddings, labels, inputs, temperature=temperature)
 
 
@@ -379,3 +384,15 @@ def _jaccard(labels: Tensor, ref_labels: Tensor | None, dtype: torch.dtype) -> T
     inter = matmul(y, r.t())
     union = y.sum(-1, keepdim=True) + r.sum(-1).unsqueeze(0) - inter
     return inter / torch.where(union > 0, union, 1.0)
+
+
+def _engine_call(kind: str, a, what: str | None):
+    """``ntxent``/``supcon``'s bound arguments ``a`` as the tiled engine's call (the ring's)."""
+    inputs = a["inputs"]
+    return softmax_call(
+        kind, a["embeddings"], a["labels"], a["temperature"], a["chunk_size"], inputs, what
+    )
+
+
+builds(ntxent)(functools.partial(_engine_call, "ntxent"))
+builds(supcon)(functools.partial(_engine_call, "supcon"))

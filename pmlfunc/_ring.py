@@ -1,0 +1,218 @@
+r"""The ring exchange: the tiled engine's losses across ranks without gathering the global batch.
+
+Each rank keeps its own rows ``x`` (``N_r × D``). The column blocks (``y``, or ``x`` itself in
+self mode, with their labels) travel around the ring: at step ``k`` rank ``r`` holds the block
+of rank ``(r − k) mod W``, hands it to the engine (:mod:`pmlfunc.losses._tiled`), and sends it on
+to ``r + 1`` while it receives the next from ``r − 1`` (the transfer overlaps the work).
+What must reach a block's owner travels *with* the block and gets one last hop home after the
+``W``-th step:
+
+| pass | travels with each block | comes home as |
+|---|---|---|
+| forward (CLIP) | partial column statistics (log-sum-exp, ``|P|``, ``Σ_P S``) | the block's column statistics |
+| backward | ``∂L/∂y`` summed over the ranks visited | the owner's column gradient |
+
+NT-Xent's terms need their row's final log-sum-exp, so its forward walks the ring twice.
+Between the forward and the loss, one all-reduce sums the reducers' counts; another sums the
+ranks' shares into the loss ``L`` (the same on every rank); the backward all-reduces the scale's
+and bias's gradients. Per rank, memory is ``O(N_r·D + chunk × N_max)``: two blocks and a
+traveling gradient at a time, no tensor with the global batch's rows.
+
+Gradients follow :func:`pmlfunc.distributed.global_objective`'s convention: a rank's rows
+receive ``W · ∂L/∂x_r`` and the scale and bias ``∂L/∂θ``, so DDP's averaging gives the
+single-process gradient. The backward assumes every rank back-propagates the same cotangent into
+``L`` (each rank calls ``backward`` on the same loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .losses._tiled import (
+    ROW_STATS,
+    EngineCall,
+    block_backward,
+    block_forward,
+    counts,
+    merge,
+    reduce,
+)
+
+__all__ = ["Ring", "ring_loss"]
+
+
+class Ring:
+    """This rank's place in a process group's ring and every rank's block size (from one
+    all-gather of the sizes at construction)."""
+
+    def __init__(self, group, n_local: int, device: torch.device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        sizes_device = torch.device("cpu") if backend == "gloo" else device
+        mine = torch.tensor([n_local], dtype=torch.int64, device=sizes_device)
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=group)
+        self.sizes = [int(t) for t in out]
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def shift(self, tensors: list[Tensor], rows: int) -> Callable[[], list[Tensor]]:
+        """Send ``tensors`` to the next rank and receive the same kinds of tensor, with ``rows``
+        leading rows, from the previous one; returns the wait that yields the received ones."""
+        bufs = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self._next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, self._prev, self.group) for b in bufs]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[Tensor]:
+            for w in works:
+                w.wait()
+            return bufs
+
+        return wait
+
+    def circulate(self, block: list[Tensor], visit) -> list[Tensor] | None:
+        """Pass this rank's ``block`` (tensors with its rows leading) around the ring. At each
+        step, ``visit(owner, tensors, traveling)`` works on the block held and returns what
+        travels with it (``None``: nothing); after the last step that returns to the block's
+        owner. Returns what came home with this rank's own block."""
+        owner, travel = self.rank, None
+        for step in range(self.world):
+            nxt = (owner - 1) % self.world  # the owner of the block that arrives next
+            pending = self.shift(block, self.sizes[nxt]) if step < self.world - 1 else None
+            travel = visit(owner, block, travel)
+            if travel is not None:  # on with the block; after the last step, home
+                travel = self.shift(travel, self.sizes[nxt])()
+            if pending is not None:
+                block = pending()
+            owner = nxt
+        return travel
+
+    def all_sum(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Every entry summed over the ranks (one all-reduce, in float64)."""
+        names = sorted(values)
+        flat = torch.stack([values[k].reshape(()).to(torch.float64) for k in names])
+        dist.all_reduce(flat, group=self.group)
+        return {k: flat[i].to(values[k].dtype) for i, k in enumerate(names)}
+
+
+_COL = ("col_lse", "col_pos", "col_pos_sum")
+
+
+class _RingLoss(torch.autograd.Function):
+    """``L`` of an :class:`EngineCall` over the ranks' rows. Inputs ``(x, y, scale, bias, call,
+    ring)`` (``y=None``: self mode); the labels travel in ``call``."""
+
+    @staticmethod
+    def forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
+        kind, rows = call.kind, call.rows
+        self_mode = y is None
+        chunk = call.chunk or x.shape[-2]
+        block = [x if self_mode else y] + ([] if rows is None else [_block_labels(call)])
+
+        def walk(lse: Tensor | None) -> dict[str, Tensor]:
+            acc: dict[str, Tensor] | None = None
+
+            def visit(owner, blk, travel):
+                nonlocal acc
+                st = block_forward(
+                    kind, x, blk[0], rows, blk[1] if len(blk) > 1 else None, scale, bias,
+                    chunk, diag=owner == ring.rank, exclude=self_mode, lse=lse, final=False,
+                )  # fmt: skip
+                acc = merge(acc, {k: v for k, v in st.items() if not k.startswith("col")})
+                if kind != "clip":
+                    return None
+                col = torch.stack([st[k] for k in _COL], -1)
+                return [col if travel is None else _merge_cols(travel[0], col)]
+
+            home = ring.circulate(block, visit)
+            if home is not None:
+                acc.update(zip(_COL, home[0].unbind(-1), strict=True))
+            return acc
+
+        st = walk(None)
+        if kind == "ntxent":  # the terms need each row's final log-sum-exp: a second walk
+            st = {"row_lse": st["row_lse"], **walk(st["row_lse"])}
+        total = ring.all_sum(counts(kind, st, x.shape[-2]))
+        share, stats = reduce(kind, st, call.reducer, total)
+        loss = ring.all_sum({"loss": share})["loss"]
+        # not the call itself: it holds x and y, which belong in save_for_backward
+        ctx.kind, ctx.chunk, ctx.rows, ctx.ring = kind, chunk, rows, ring
+        ctx.block_labels = None if rows is None else _block_labels(call)
+        ctx.scale_float = None if isinstance(scale, Tensor) else scale
+        ctx.save_for_backward(x, y, scale if isinstance(scale, Tensor) else None, bias, *stats)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, scale, bias, *stats = ctx.saved_tensors
+        kind, rows, ring = ctx.kind, ctx.rows, ctx.ring
+        scale = ctx.scale_float if scale is None else scale
+        need_x, need_y, need_scale, need_bias = (ctx.needs_input_grad[i] for i in range(4))
+        self_mode = y is None
+        row, own_col = stats[: ROW_STATS[kind]], stats[ROW_STATS[kind] :]
+        block = [x if self_mode else y]
+        if rows is not None:
+            block.append(ctx.block_labels)
+        if own_col:  # the columns' statistics travel with their block
+            block.append(torch.stack(own_col, -1))
+        need_cols = need_x if self_mode else need_y
+        needs = (need_x, need_cols, need_scale, need_bias)
+        gx, sums = None, {}
+
+        def visit(owner, blk, travel):
+            nonlocal gx
+            labels = blk[1] if rows is not None else None
+            col = tuple(blk[-1].unbind(-1)) if own_col else ()
+            part_x, part_y, x_dot, sum_ds = block_backward(
+                kind, x, blk[0], rows, labels, scale, bias, ctx.chunk, row, col, needs,
+                diag=owner == ring.rank, exclude=self_mode,
+            )  # fmt: skip
+            if part_x is not None:
+                gx = part_x if gx is None else gx + part_x
+            for name, v in (("scale", x_dot), ("bias", sum_ds)):
+                if v is not None:
+                    sums[name] = v if name not in sums else sums[name] + v
+            if part_y is None:
+                return None
+            part_y = part_y * (scale * g)
+            return [part_y if travel is None else travel[0] + part_y]
+
+        home = ring.circulate(block, visit)
+        w = ring.world
+        grad_x = grad_y = None
+        if need_x:
+            grad_x = gx * (scale * g) if gx is not None else torch.zeros_like(x)
+            if self_mode:
+                grad_x = grad_x + home[0]
+            grad_x = grad_x * w
+        if need_y:
+            grad_y = home[0] * w
+        totals = ring.all_sum({k: v * g for k, v in sums.items()}) if sums else {}
+        return grad_x, grad_y, totals.get("scale"), totals.get("bias"), None, None
+
+
+def _merge_cols(a: Tensor, b: Tensor) -> Tensor:
+    """Two partial column statistics ``(lse, |P|, Σ_P S)`` stacked on the last dimension."""
+    cols = merge(
+        dict(zip(_COL, a.unbind(-1), strict=True)), dict(zip(_COL, b.unbind(-1), strict=True))
+    )
+    return torch.stack([cols[k] for k in _COL], -1)
+
+
+def _block_labels(call: EngineCall) -> Tensor:
+    return call.rows if call.cols is None else call.cols
+
+
+def ring_loss(call: EngineCall, group) -> Tensor:
+    """The loss of ``call`` (this rank's rows) over every rank's rows in ``group``, by the ring."""
+    ring = Ring(group, call.x.shape[-2], call.x.device)
+    scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
+    loss = _RingLoss.apply(call.x, call.y, scale, call.bias, call, ring)
+    return loss if call.finish is None else call.finish(loss)
