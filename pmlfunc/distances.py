@@ -47,36 +47,39 @@ __all__ = ["Distance", "cosine", "dot", "lp", "safe_euclidean", "snr"]
 TIE_BUDGET = 32  # rows per call that duplicate an earlier row and are made bitwise equal to it
 
 
-def _first_equal_rows(x: Tensor) -> Tensor:
-    """For each row of ``x``, the index of the first row equal to it (itself when none): rows
-    sorted by a weighted sum of their values, neighbours compared exactly. ``O(B·D + B log B)``,
-    static shapes, no host sync. (Rows that are equal but not neighbours after the sort, through
-    a collision of the weighted sums between different rows, are left apart.)"""
+def _ties(x: Tensor) -> Tensor:
+    """The rows of ``x`` that duplicate an earlier row, and that row: a ``(2, k)`` index tensor
+    ``[dup; src]`` with ``k = min(TIE_BUDGET, B − 1)`` (an entry that is no duplicate has
+    ``src = dup``: a no-op copy). Rows are sorted by a weighted sum of their values and only
+    neighbours with equal sums are compared exactly, the first ``k`` such pairs (``O(B·D +
+    B log B + k·D)``, static shapes, no host sync). A group of equal rows maps to its first
+    (smallest) index. Rows that are equal but not neighbours after the sort, through a collision
+    of the sums of different rows, are left apart."""
     b, d = x.shape[-2:]
-    v = x.detach() + 0.0  # -0.0 and 0.0 are one value
+    v = x.detach()  # -0.0 == 0.0 below, as in the sums
     h = (v * torch.linspace(1.0, 2.0, d, dtype=v.dtype, device=v.device)).sum(-1)
     order = h.argsort(stable=True)
-    hs, vs = h[order], v[order]
-    same = (hs[1:] == hs[:-1]) & (vs[1:] == vs[:-1]).all(-1)
-    start = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device), ~same])
+    hs = h[order]
+    cand = hs[1:] == hs[:-1]  # sorted neighbours with equal sums
+    k = min(TIE_BUDGET, b - 1)
     pos = torch.arange(b, device=x.device)
-    first = torch.where(start, pos, 0).cummax(0).values
-    return _ops.scatter_(torch.empty_like(order), order, order[first])
+    # the first k candidates (the sentinel b - 1 clamps to the last pair, a repeat: same values)
+    idx = torch.where(cand, pos[:-1], b - 1).topk(k, largest=False).values.clamp_max(b - 2)
+    lo, hi = order[idx], order[idx + 1]
+    same_k = cand[idx] & (v.index_select(-2, lo) == v.index_select(-2, hi)).all(-1)
+    same = torch.zeros_like(cand).index_put_((idx,), same_k)
+    start = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device), ~same])
+    first = torch.where(start, pos, 0).cummax(0).values  # a sorted group's first position
+    return torch.stack([hi, torch.where(same_k, order[first[idx + 1]], hi)])
 
 
 def _merge_ties_(mat: Tensor, rows: Tensor | None, cols: Tensor | None) -> Tensor:
     """Make the rows (and columns) of ``mat`` that belong to duplicated embeddings bitwise equal
-    to their first copy's: up to :data:`TIE_BUDGET` rows, then columns (``rows``/``cols`` from
-    :func:`_first_equal_rows`). In place where the transforms allow; returns the matrix."""
-    for dim, rep in ((0, rows), (1, cols)):
-        if rep is None:
-            continue
-        n = rep.shape[0]
-        pos = torch.arange(n, device=rep.device)
-        # the duplicated rows first (the smallest indices that are not their own first copy)
-        slots = torch.where(rep != pos, pos, n).topk(min(TIE_BUDGET, n), largest=False).values
-        slots = slots.clamp_max(n - 1)  # spare slots copy row n − 1's own source: no conflict
-        mat = _ops.index_copy_(mat, dim, slots, mat.index_select(dim, rep[slots]))
+    to their first copy's (``rows``/``cols`` from :func:`_ties`; ``None``: none). In place
+    where the transforms allow; returns the matrix."""
+    for dim, ties in ((0, rows), (1, cols)):
+        if ties is not None:
+            mat = _ops.index_copy_(mat, dim, ties[0], mat.index_select(dim, ties[1]))
     return mat
 
 
@@ -116,8 +119,8 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
-    rows = _first_equal_rows(x)
-    return _merge_ties_(d2, rows, rows if self_mode else _first_equal_rows(y))
+    rows = _ties(x)
+    return _merge_ties_(d2, rows, rows if self_mode else _ties(y))
 
 
 def _euclid_backward(
@@ -413,8 +416,8 @@ class _Dot(_Normalizing):
 
     def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
         x, y = self._normalized(x, y)
-        cols = None if y is None else _first_equal_rows(y)
-        return _TiedMatmul.apply(x, y, _first_equal_rows(x), cols)
+        cols = None if y is None else _ties(y)
+        return _TiedMatmul.apply(x, y, _ties(x), cols)
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)
