@@ -83,7 +83,9 @@ def _merge_ties_(mat: Tensor, rows: Tensor | None, cols: Tensor | None) -> Tenso
     return mat
 
 
-def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: bool) -> Tensor:
+def _expansion(
+    x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: bool, ties: bool = True
+) -> Tensor:
     """Squared distances by the matmul expansion, with the ``budget`` most cancellation-prone
     entries of each row recomputed exactly from the differences. Runs inside a Function's forward
     (no autograd), so it works in place on its own buffers.
@@ -119,6 +121,8 @@ def _expansion(x: Tensor, y: Tensor, budget: int, self_mode: bool, normalized: b
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
+    if not ties:
+        return d2
     rows = _ties(x)
     return _merge_ties_(d2, rows, rows if self_mode else _ties(y))
 
@@ -144,13 +148,15 @@ class _SafeEuclidean(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, y: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
-        d2 = _expansion(x, y, budget, self_mode=False, normalized=normalized)
+    def forward(
+        x: Tensor, y: Tensor, squared: bool, budget: int, normalized: bool, ties: bool
+    ) -> Tensor:
+        d2 = _expansion(x, y, budget, self_mode=False, normalized=normalized, ties=ties)
         return _ops.fresh(d2 if squared else d2.sqrt_())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, y, squared, _, _ = inputs
+        x, y, squared, _, _, _ = inputs
         ctx.squared = squared
         ctx.save_for_backward(x, y, output)
 
@@ -158,7 +164,7 @@ class _SafeEuclidean(torch.autograd.Function):
     def backward(ctx, g):
         x, y, d = ctx.saved_tensors
         grad_x, grad_y = _euclid_backward(g, d, x, y, ctx.squared)
-        return grad_x, grad_y, None, None, None
+        return grad_x, grad_y, None, None, None, None
 
 
 class _SafeEuclideanSelf(torch.autograd.Function):
@@ -167,13 +173,13 @@ class _SafeEuclideanSelf(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, squared: bool, budget: int, normalized: bool) -> Tensor:
-        d2 = _expansion(x, x, budget, self_mode=True, normalized=normalized)
+    def forward(x: Tensor, squared: bool, budget: int, normalized: bool, ties: bool) -> Tensor:
+        d2 = _expansion(x, x, budget, self_mode=True, normalized=normalized, ties=ties)
         return _ops.fresh(d2 if squared else d2.sqrt_())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, squared, _, _ = inputs
+        x, squared, _, _, _ = inputs
         ctx.squared = squared
         ctx.save_for_backward(x, output)
 
@@ -181,7 +187,7 @@ class _SafeEuclideanSelf(torch.autograd.Function):
     def backward(ctx, g):
         x, d = ctx.saved_tensors
         grad_x, grad_y = _euclid_backward(g, d, x, x, ctx.squared)
-        return grad_x + grad_y, None, None, None
+        return grad_x + grad_y, None, None, None, None
 
 
 class _TiedMatmul(torch.autograd.Function):
@@ -236,9 +242,9 @@ def safe_euclidean(
     cd = _checks.compute_dtype(out_dtype)
     xc = x.to(cd)
     if y is None:
-        d = _SafeEuclideanSelf.apply(xc, squared, int(exact_budget), False)
+        d = _SafeEuclideanSelf.apply(xc, squared, int(exact_budget), False, True)
     else:
-        d = _SafeEuclidean.apply(xc, y.to(cd), squared, int(exact_budget), False)
+        d = _SafeEuclidean.apply(xc, y.to(cd), squared, int(exact_budget), False, True)
     return d.to(out_dtype)
 
 
@@ -258,14 +264,18 @@ class Distance:
         """The ``(B, M)`` matrix between the rows of ``x`` and ``y`` (``y=None``: ``x`` itself)."""
         return self.matrix(x, y).to(x.dtype)
 
-    def matrix(self, x: Tensor, y: Tensor | None = None) -> Tensor:
-        """Like ``__call__`` but returns float32 for float16/bfloat16 inputs (losses reduce in it)."""
+    def matrix(self, x: Tensor, y: Tensor | None = None, *, ties: bool = True) -> Tensor:
+        """Like ``__call__`` but returns float32 for float16/bfloat16 inputs (losses reduce in it).
+
+        ``ties=False`` skips making duplicated rows' entries bitwise equal (the exact ties of
+        the module docstring): for a caller whose result is a smooth function of the matrix,
+        where a rounding difference between duplicates decides nothing (proxy losses)."""
         _checks.embeddings(x, "x")
         if y is not None:
             _checks.embeddings(y, "y")
             _checks.same_space(x, y, "y", "x")
         cd = _checks.compute_dtype(x.dtype)
-        return self._compute(x.to(cd), None if y is None else y.to(cd))
+        return self._compute(x.to(cd), None if y is None else y.to(cd), ties)
 
     def pairs(self, x: Tensor, y: Tensor) -> Tensor:
         """Row-aligned distances ``d(x_i, y_i)`` of two ``(L, D)`` tensors, shape ``(L,)``, in the
@@ -298,7 +308,7 @@ class Distance:
         caller normalise a batch once and reuse it (:mod:`pmlfunc.chunked`)."""
         return (lambda x: x), self
 
-    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+    def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         raise NotImplementedError
 
     def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
@@ -354,14 +364,14 @@ class _Lp(_Budgeted):
     def norm_p(self) -> float:
         return self.p
 
-    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+    def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         x, y = self._normalized(x, y)
         if self.p == 2:
-            squared = self.power == 2
+            squared, budget = self.power == 2, self.exact_budget
             if y is None:
-                mat = _SafeEuclideanSelf.apply(x, squared, self.exact_budget, self.normalize)
+                mat = _SafeEuclideanSelf.apply(x, squared, budget, self.normalize, ties)
             else:
-                mat = _SafeEuclidean.apply(x, y, squared, self.exact_budget, self.normalize)
+                mat = _SafeEuclidean.apply(x, y, squared, budget, self.normalize, ties)
             if squared:
                 return mat
         else:
@@ -414,8 +424,10 @@ class _Dot(_Normalizing):
     is_similarity: ClassVar[bool] = True
     kind: ClassVar[str] = "dot"
 
-    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+    def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         x, y = self._normalized(x, y)
+        if not ties:
+            return _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
         cols = None if y is None else _ties(y)
         return _TiedMatmul.apply(x, y, _ties(x), cols)
 
@@ -450,18 +462,17 @@ def cosine() -> Distance:
 class _SNR(_Budgeted):
     kind: ClassVar[str] = "snr"
 
-    def _compute(self, x: Tensor, y: Tensor | None) -> Tensor:
+    def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         if x.shape[-1] < 2:
             raise ValueError("snr() needs embedding size >= 2 (an unbiased variance over features)")
         x, y = self._normalized(x, y)
         # Var(x − y) = ‖(x − x̄) − (y − ȳ)‖² / (D − 1): a squared Euclidean distance of centred rows.
         xc = x - x.mean(-1, keepdim=True)
         if y is None:
-            sq = _SafeEuclideanSelf.apply(xc, True, self.exact_budget, False)
+            sq = _SafeEuclideanSelf.apply(xc, True, self.exact_budget, False, ties)
         else:
-            sq = _SafeEuclidean.apply(
-                xc, y - y.mean(-1, keepdim=True), True, self.exact_budget, False
-            )
+            yc = y - y.mean(-1, keepdim=True)
+            sq = _SafeEuclidean.apply(xc, yc, True, self.exact_budget, False, ties)
         var_x = (xc * xc).sum(-1, keepdim=True)  # (D − 1)·Var(x_i); the (D − 1) factors cancel
         return sq / var_x
 

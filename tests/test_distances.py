@@ -203,6 +203,30 @@ def test_exact_duplicates_give_bitwise_equal_rows_and_columns(distance, dtype):
         assert m[3, 5] == 0 and m[0, 39] == 0
 
 
+@pytest.mark.parametrize(
+    "distance", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr
+)
+def test_ties_false_skips_only_the_tie_merge(distance):
+    """``matrix(..., ties=False)`` (for losses smooth in the matrix) is the same matrix up to the
+    duplicates' rounding, with the same gradients; ``ties=True`` is the default."""
+    x = _case("random", torch.float32)[:40].clone()
+    x[5] = x[3]
+    x[39] = x[0]
+    for y in (None, x[:20]):
+        tied, untied = distance.matrix(x, y), distance.matrix(x, y, ties=False)
+        assert torch.equal(tied, distance.matrix(x, y, ties=True))
+        torch.testing.assert_close(untied, tied, rtol=1e-5, atol=1e-6)
+        others = torch.ones(40, dtype=torch.bool)
+        others[[5, 39]] = False  # the rows the merge rewrites
+        cols = others[: tied.shape[1]]
+        assert torch.equal(untied[others][:, cols], tied[others][:, cols])
+    xr = x.clone().requires_grad_()
+    w = torch.randn(40, 40)
+    (g_tied,) = torch.autograd.grad((distance.matrix(xr) * w).sum(), xr)
+    (g_untied,) = torch.autograd.grad((distance.matrix(xr, ties=False) * w).sum(), xr)
+    torch.testing.assert_close(g_untied, g_tied, rtol=1e-5, atol=1e-5)
+
+
 def test_near_entries_are_symmetric_bitwise():
     """The exactly recomputed (near) entries of the self-matrix are written to both halves."""
     x = _case("nearby", torch.float32)

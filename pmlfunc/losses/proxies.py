@@ -144,7 +144,7 @@ def proxy_anchor(
     distance = resolve(distance, cosine())
     x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
     num_classes = proxies.shape[0]
-    mat = distance.matrix(x, proxies)  # (B, C)
+    mat = distance.matrix(x, proxies, ties=False)  # (B, C); smooth in it: no exact ties
     m, a = scalar_like(margin, mat), scalar_like(alpha, mat)
     sign = distance.sign()  # PML's distance.margin(u, v) = sign * (u - v)
     pos_logits = (sign * a) * (mat - m)  # α · margin(s, δ)
@@ -253,7 +253,7 @@ def proxy_nca(
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
     distance = resolve(distance, lp(power=2))
     x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
-    mat = distance.matrix(x, proxies)  # (B, C)
+    mat = distance.matrix(x, proxies, ties=False)  # (B, C); smooth in it: no exact ties
     z = scalar_like(softmax_scale, mat) * (mat if distance.is_similarity else -mat)
     log_p = -cross_entropy(z, labels)
     keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops samples whose p is exactly 0
@@ -352,7 +352,7 @@ def normalized_softmax(
     # PML always normalises the weights (``distance.normalize``, with the distance's p), whatever
     # the distance's own normalisation; e.g. ``dot()`` scores raw embeddings against unit weights.
     weight = F.normalize(weight, p=getattr(distance, "p", 2.0), dim=-1)
-    mat = distance.matrix(x, weight)  # (B, C)
+    mat = distance.matrix(x, weight, ties=False)  # (B, C); smooth in it: no exact ties
     logits = (mat if distance.is_similarity else -mat) / scalar_like(temperature, mat)
     losses = _weighted(
         cross_entropy(logits, labels),
@@ -472,7 +472,8 @@ def soft_triple(
         raise ValueError(
             f"centers_per_class={centers_per_class} but params['weight'] has {k} centres per class"
         )
-    sim = distance.matrix(x, weight.reshape(num_classes * k, d)).view(-1, num_classes, k)
+    sim = distance.matrix(x, weight.reshape(num_classes * k, d), ties=False)
+    sim = sim.view(-1, num_classes, k)
     # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor.
     scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
     sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
