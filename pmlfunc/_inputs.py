@@ -57,13 +57,15 @@ def matrix(
     anchors: Tensor | None = None,
     *,
     needs_grad: bool = True,
+    ties: bool = True,
 ) -> Tensor:
     """The ``(B, M)`` matrix of ``distance`` in the compute dtype: ``mat`` when given (checked),
     else computed (for the anchor ``rows`` only, when given; ``anchors`` may carry those rows as
     a tensor of their own, so that their gradient is taken separately).
 
     ``needs_grad``: a given ``mat`` without an autograd graph is rejected while the embeddings
-    require gradients (the loss would silently give the encoder none).
+    require gradients (the loss would silently give the encoder none). ``ties``: passed on to
+    :meth:`~pmlfunc.distances.Distance.matrix` (exact ties among duplicated rows).
     """
     b = embeddings.shape[0]
     m = b if ref_emb is None else ref_emb.shape[0]
@@ -97,7 +99,7 @@ def matrix(
             )
         mat = mat.to(cd)
     elif rows is None:
-        mat = distance.matrix(embeddings, ref_emb)
+        mat = distance.matrix(embeddings, ref_emb, ties=ties)
     else:
         if anchors is None:
             anchors = embeddings[r0:r1]
@@ -106,7 +108,7 @@ def matrix(
                 f"anchors must be the rows {rows} of embeddings, got {tuple(anchors.shape)}"
             )
         if ref_emb is None:
-            mat = distance.rows(anchors, embeddings)
+            mat = distance.rows(anchors, embeddings, ties=ties)
         else:
-            mat = distance.matrix(anchors, ref_emb)
+            mat = distance.matrix(anchors, ref_emb, ties=ties)
     return mat

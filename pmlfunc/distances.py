@@ -294,14 +294,14 @@ class Distance:
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def rows(self, anchors: Tensor, x: Tensor) -> Tensor:
+    def rows(self, anchors: Tensor, x: Tensor, *, ties: bool = True) -> Tensor:
         """Rows of the self-distance matrix ``self.matrix(x)`` for ``anchors``, a block of ``x``'s
         own rows (:mod:`pmlfunc.chunked`): each anchor's own entry is treated as on the diagonal
         (exactly zero for Euclidean distances). In the compute dtype."""
         _checks.embeddings(anchors, "anchors")
         _checks.embeddings(x, "x")
         cd = _checks.compute_dtype(x.dtype)
-        return self._compute_rows(anchors.to(cd), x.to(cd))
+        return self._compute_rows(anchors.to(cd), x.to(cd), ties)
 
     def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
         """``(normalize, rest)`` with ``self(x, y) == rest(normalize(x), normalize(y))``: lets a
@@ -311,8 +311,8 @@ class Distance:
     def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         raise NotImplementedError
 
-    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
-        return self._compute(anchors, x)
+    def _compute_rows(self, anchors: Tensor, x: Tensor, ties: bool = True) -> Tensor:
+        return self._compute(anchors, x, ties)
 
     def sign(self) -> float:
         """``+1`` for distances, ``-1`` for similarities: ``sign * (a - b)`` is PML's ``margin(a, b)``."""
@@ -348,10 +348,10 @@ class _Budgeted(_Normalizing):
 
     exact_budget: int = 8
 
-    def _compute_rows(self, anchors: Tensor, x: Tensor) -> Tensor:
+    def _compute_rows(self, anchors: Tensor, x: Tensor, ties: bool = True) -> Tensor:
         # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
         # keeps the other entries' treatment identical to the self path.
-        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x)
+        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x, ties)
 
 
 @dataclass(frozen=True)

@@ -241,11 +241,12 @@ def prepare(
     mat: Tensor | None = None,
     rows: tuple[int, int] | None = None,
     anchors: Tensor | None = None,
+    ties: bool = True,
 ) -> Batch:
     """Validate a loss's inputs (shapes, dtypes, devices) and return its :class:`Batch`: for the
     anchor ``rows`` only when given (a chunk's rows against the whole reference set; ``anchors``
     may carry those rows as a tensor of their own, so that their gradient is taken
-    separately)."""
+    separately). ``ties=False``: the matrix without exact ties (``Distance.matrix``)."""
     indices_tuple = validate(
         embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
     )
@@ -259,7 +260,9 @@ def prepare(
         mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
 
     def make_mat() -> Tensor:
-        return mat if given else matrix(embeddings, ref_emb, None, distance, rows, anchors)
+        return (
+            mat if given else matrix(embeddings, ref_emb, None, distance, rows, anchors, ties=ties)
+        )
 
     def make_masks() -> PairMasks:
         ref = None if ref_emb is None else ref_labels
@@ -327,6 +330,7 @@ class LossCall:
             mat=self.mat,
             rows=rows,
             anchors=anchors,
+            ties=self.spec.exact_ties,
         )
 
     def terms(self, batch: Batch) -> dict[str, Terms]:
@@ -383,6 +387,8 @@ class BatchLoss:
         refuses: shared inputs the loss does not take (a ``ValueError``, as PML raises).
         needs_labels: labels are required (an ``indices_tuple`` alone is not enough).
         distance_rule: ``(what, predicate)``: a given distance must satisfy ``predicate``.
+        exact_ties: the matrix has exact ties (``Distance.matrix``); ``False`` for a loss smooth
+            in its matrix, where the duplicates' rounding decides nothing (saves their search).
     """
 
     name: str
@@ -397,6 +403,7 @@ class BatchLoss:
     refuses: tuple[str, ...] = ()
     needs_labels: bool = False
     distance_rule: tuple[str, Callable[[Distance], bool]] | None = None
+    exact_ties: bool = True
 
     def __call__(self, embeddings: Tensor, labels: Tensor | None, inputs: Mapping, **hyper):
         """The loss of one call from the public function: ``inputs`` its ``**inputs``."""
@@ -474,6 +481,7 @@ def batch_loss(
     refuses: tuple[str, ...] = (),
     needs_labels: bool = False,
     distance_rule: tuple[str, Callable[[Distance], bool]] | None = None,
+    exact_ties: bool = True,
 ) -> Callable[[Callable[..., dict[str, Terms]]], Callable[..., dict[str, Terms]]]:
     """Decorate a terms function: it becomes the spec of the public loss ``fn``
     (``fn.spec``, a :class:`BatchLoss`). Every keyword-only parameter of the terms function
@@ -501,6 +509,7 @@ def batch_loss(
             refuses=refuses,
             needs_labels=needs_labels,
             distance_rule=distance_rule,
+            exact_ties=exact_ties,
         )
         return terms
 

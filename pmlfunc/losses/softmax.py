@@ -81,7 +81,7 @@ def ntxent(
     return ntxent.spec(embeddings, labels, inputs, temperature=temperature)
 
 
-@batch_loss(ntxent, distance=cosine(), reducer=mean())
+@batch_loss(ntxent, distance=cosine(), reducer=mean(), exact_ties=False)
 def _ntxent_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     z = batch.similarity() / scalar_like(temperature, batch.mat)
@@ -138,7 +138,7 @@ def supcon(
     return supcon.spec(embeddings, labels, inputs, temperature=temperature)
 
 
-@batch_loss(supcon, distance=cosine(), reducer=avg_nonzero())
+@batch_loss(supcon, distance=cosine(), reducer=avg_nonzero(), exact_ties=False)
 def _supcon_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     z = batch.similarity() / scalar_like(temperature, batch.mat)
@@ -218,6 +218,7 @@ def decoupled_contrastive(
     distance=cosine(),
     reducer=mean(),
     unchunkable_with={"sigma": "DCLW normalises its weights over every positive pair of the batch"},
+    exact_ties=False,
 )
 def _decoupled_contrastive_terms(batch: Batch, *, temperature, sigma) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
