@@ -31,7 +31,6 @@ import pmlfunc as pf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gradcache import load_data, make_encoder
 
-
 # the losses --loss chooses from; clip and siglip take two aligned sets and learnable params
 LOSSES = {
     "supcon": pf.losses.supcon,
