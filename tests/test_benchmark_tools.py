@@ -175,3 +175,47 @@ def test_memory_report_measures_every_loss_and_path_and_writes_markdown(tmp_path
     table = md.read_text()
     assert "| batch | ntxent full | ntxent chunked | ntxent tiled | clip full |" in table
     assert table.count("\n| 1,024 |") == 1 and " s) |" in table
+
+
+@pytest.mark.parametrize(
+    ("flags", "timed"),
+    [((), False), (("--benchmark-only",), True), (("--benchmark-enable",), True)],
+    ids=["plain", "benchmark-only", "benchmark-enable"],
+)
+def test_pytest_benchmark_options_work_as_typed(flags, timed):
+    """``pytest --benchmark-only`` times the bodies (no "Can't have both ... --benchmark-disable"
+    error); a plain ``pytest`` runs each body once, untimed (the root conftest.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["benchmarks/cases/bench_proxy_losses.py", "--benchmark-max-time=0.01", *flags]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "3 passed" in out.stdout
+    assert ("benchmark 'proxy-b" in out.stdout) is timed, out.stdout[-3000:]
+
+
+def test_a_slow_pml_member_is_skipped_in_timed_runs_with_the_reason(monkeypatch):
+    """Timed runs skip a PML member whose first step exceeds the budget (5 s, or
+    PMLFUNC_BENCH_PML_MAX_STEP_SECONDS); pmlfunc and floor members are always measured."""
+    from types import SimpleNamespace
+
+    from benchmarks import common
+
+    def request(impl):
+        return SimpleNamespace(
+            node=SimpleNamespace(callspec=SimpleNamespace(params={"impl": impl}))
+        )
+
+    with pytest.raises(pytest.skip.Exception, match=r"one step took 6\.0 s \(> 5 s"):
+        common._skip_slow_pml(request("pml"), 6.0)
+    common._skip_slow_pml(request("pml"), 4.0)
+    for impl in ("pmlfunc", "pmlfunc-tiled", "floor"):
+        common._skip_slow_pml(request(impl), 100.0)
+    monkeypatch.setenv("PMLFUNC_BENCH_PML_MAX_STEP_SECONDS", "60")
+    common._skip_slow_pml(request("pml"), 30.0)
+    with pytest.raises(pytest.skip.Exception, match="> 60 s"):
+        common._skip_slow_pml(request("pml-anchor-batched"), 61.0)

@@ -175,7 +175,8 @@ BATCH, DIM, SAMPLES_PER_CLASS, THREADS, DTYPE, DEVICE = C.env_settings()
 RTOL = C.parity_rtol(DTYPE)
 ATOL = 1e-6
 
-# With --benchmark-disable (the normal test run) every body runs once. PML 2.9.0 NT-Xent
+# In the normal test run (``pytest``: --benchmark-disable, set by the root conftest.py) every
+# body runs once. PML 2.9.0 NT-Xent
 # materialises a (positive pairs) x (negative pairs) matrix: at batch 512 with 4 per class
 # that is 1,536 x 260,096 entries, ~15-25 s and ~7 GB of RAM per forward+backward on one
 # thread. That alone would take half of the ~60 s budget of the whole untimed run, so the

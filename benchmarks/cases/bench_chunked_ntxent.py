@@ -18,7 +18,7 @@ configuration, the peak memory one step adds, measured twice (``pmlfunc.memory``
 overhead; not distorted by this process's heap) and ``peak_tensor_mib`` in this process (live
 tensor storage, exact).
 
-The untimed run (``--benchmark-disable``, the normal ``pytest``) runs each body once at batch
+The untimed run (the normal ``pytest``, which the repository's ``conftest.py`` runs with ``--benchmark-disable``) runs each body once at batch
 ``PMLFUNC_BENCH_SMOKE_CHUNKED_BATCH`` (512) instead, checks that the chunked loss and gradient
 equal the full batch's, and still fills ``extra_info`` (a few seconds in all).
 
@@ -29,7 +29,7 @@ Configuration (environment variables): ``PMLFUNC_BENCH_CHUNKED_BATCHES`` ("8192,
 
 Timed run::
 
-    pytest benchmarks/cases/bench_chunked_ntxent.py --benchmark-enable --benchmark-only \
+    pytest benchmarks/cases/bench_chunked_ntxent.py --benchmark-only \
         --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
 """
 

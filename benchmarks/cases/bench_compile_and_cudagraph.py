@@ -4,7 +4,7 @@ graph, in the same ``{case}-b{B}`` groups as their eager bodies.
 
 Opt-in, because compiling every case takes about ten minutes on a small CPU::
 
-    PMLFUNC_BENCH_MODES=compile,cudagraph pytest benchmarks --benchmark-enable \\
+    PMLFUNC_BENCH_MODES=compile,cudagraph pytest benchmarks \\
         --benchmark-only --benchmark-group-by=group
 
 - ``compile``: member ``<impl>-compile``; ``extra_info["first_step_ms"]`` is the first call,

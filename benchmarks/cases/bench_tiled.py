@@ -13,8 +13,8 @@ on the loss (rtol 1e-3) and on the embeddings' gradient (``_bodies.members_agree
 
 The issue-14 target is tiled time <= 1.3x dense at 4,096 rows::
 
-    PMLFUNC_BENCH_BATCH=4096 pytest benchmarks/cases/bench_tiled.py --benchmark-enable \
-        --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,rounds
+    PMLFUNC_BENCH_BATCH=4096 pytest benchmarks/cases/bench_tiled.py --benchmark-only \
+        --benchmark-group-by=group --benchmark-columns=min,median,rounds
 
 (memory: ``python -m benchmarks.memory_report --losses ntxent,clip,siglip``).
 """
