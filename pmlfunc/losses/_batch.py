@@ -196,6 +196,16 @@ class Batch:
             return self.mat[i, j]
         return self.distance.pairs(self.embeddings[i], ref[j])
 
+    def block(self, i: Tensor, j: Tensor) -> Tensor:
+        """The ``(len(i), len(j))`` block of the matrix: anchor rows ``i``, reference columns
+        ``j``. Without the matrix at hand it is the distance between those rows alone (no
+        exact ties: for a loss smooth in it), ``O(len(i)·len(j)·D)`` instead of ``O(B·M·D)``."""
+        if self._mat is not None or self.given_mat or self.rows is not None:
+            return self.mat.index_select(0, i).index_select(1, j)
+        ref = self.embeddings if self.ref_emb is None else self.ref_emb
+        rows, cols = self.embeddings.index_select(0, i), ref.index_select(0, j)
+        return self.distance.matrix(rows, cols, ties=False)
+
     def keep(self, w: Tensor) -> Tensor | None:
         """The 0/1 indicator of ``w > 0`` when the masks hold pair counts (``None`` for 0/1
         masks): the ``keep`` argument of :func:`~pmlfunc._ops.masked_logsumexp`."""

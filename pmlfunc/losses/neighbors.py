@@ -123,8 +123,9 @@ def npairs(
     .. math::
         \ell_k = -\log \frac{e^{s(a_k, p_k)}}{\sum_{k'=1}^{K} e^{s(a_k, p_{k'})}}
 
-    computed in ``B`` fixed slots (one per possible class representative, empty ones weighted 0):
-    a ``(B, B)`` matrix whatever the tuple's length, no host sync.
+    computed in ``B/2`` fixed slots (a class with a pair has two members; ``B`` with an
+    ``indices_tuple``), empty ones weighted 0: a ``(B/2, B/2)`` matrix of the chosen rows only,
+    whatever the number of classes, no host sync.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -161,28 +162,44 @@ def npairs(
 def _npairs_terms(batch: Batch) -> dict[str, Terms]:
     b = batch.embeddings.shape[0]
     anchor_slot, pos_slot, occupied = _npairs_slots(batch, batch.labels)
-    occupied = occupied.to(batch.mat.dtype)
-    s = batch.similarity().index_select(0, anchor_slot).index_select(1, pos_slot)  # (B, B)
-    lse = masked_logsumexp(s, occupied.unsqueeze(0).expand(b, b).contiguous())
-    losses = torch.where(occupied > 0, lse - s.diagonal(), torch.zeros_like(lse))
-    return {"loss": DenseTerms(losses, occupied, "element", b, anchor_index=anchor_slot)}
+    # The occupied slots first, in k static slots: from labels a class with a pair has two
+    # members, so at most b // 2 classes do (a given tuple may pair a row with itself: b).
+    k = max(1, b // 2) if batch.indices_tuple is None else b
+    idx = torch.arange(b, device=occupied.device)
+    sel = torch.where(occupied, idx, b).topk(k, largest=False).values
+    used = sel < b
+    sel = sel.clamp_max(b - 1)
+    anchors, positives = anchor_slot[sel], pos_slot[sel]
+    d = batch.block(anchors, positives)  # (k, k): the chosen pairs' rows only
+    s = d if batch.distance.is_similarity else -d
+    weight = used.to(s.dtype)
+    lse = masked_logsumexp(s, weight.unsqueeze(0).expand(k, k).contiguous())
+    losses = torch.where(used, lse - s.diagonal(), torch.zeros_like(lse))
+    return {"loss": DenseTerms(losses, weight, "element", b, anchor_index=anchors)}
 
 
 def _npairs_slots(batch: Batch, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(anchor, positive, occupied)`` per slot ``r``: slot ``r`` holds the chosen pair of the
-    class whose first batch index is ``r`` (PML's ``convert_to_pos_pairs_with_unique_labels``)."""
+    """``(anchor, positive, occupied)`` per slot: each class's chosen pair, PML's
+    ``convert_to_pos_pairs_with_unique_labels``. From the labels sorted stably (``O(B log B)``,
+    no ``B × B`` comparison): slot ``j`` is sorted position ``j``, and a class's first position
+    holds its pair (its first member with its second: the first positive pair row-major), in
+    label order as PML's ``unique`` puts them."""
     b = labels.shape[0]
     dev = labels.device
     idx = torch.arange(b, device=dev)
-    same = labels.unsqueeze(1) == labels.unsqueeze(0)
-    big = torch.full((), b, device=dev, dtype=idx.dtype)
-    rep = torch.where(same, idx, big).amin(1)  # first index of each sample's class
+    order = labels.argsort(stable=True)
+    ls = labels[order]
+    same_next = ls[1:] == ls[:-1]
+    start = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), ~same_next])
     t = batch.indices_tuple
-    if t is None:  # row-major pairs: the class's first member with its second member
-        later = same & (idx.unsqueeze(0) > idx.unsqueeze(1))
-        second = torch.where(later, idx, big).amin(1)
-        occupied = (rep == idx) & (second < b)
-        return idx, second.clamp_max(b - 1), occupied
+    if t is None:
+        has_next = torch.cat([same_next, torch.zeros(1, dtype=torch.bool, device=dev)])
+        return order, order[(idx + 1).clamp_max(b - 1)], start & has_next
+    # the first batch index of each sample's class
+    rep = torch.empty_like(order).scatter_(
+        0, order, order[torch.where(start, idx, 0).cummax(0).values]
+    )
+    big = torch.full((), b, device=dev, dtype=idx.dtype)
     if isinstance(t, MinedTriplets):
         a, p, valid = t.anchors.long(), t.positives.long(), t.valid > 0
     elif is_mined(t):  # pair multiplicities: each row's first positive column, row-major
@@ -196,9 +213,9 @@ def _npairs_slots(batch: Batch, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]
     n = a.shape[0]
     if n == 0:  # a static case: no candidate pair
         return idx, idx, torch.zeros(b, dtype=torch.bool, device=dev)
-    order = torch.arange(n, device=dev)
-    cand = torch.where(valid, order, torch.full_like(order, n))
-    first = torch.full((b,), n, dtype=order.dtype, device=dev)
+    listed = torch.arange(n, device=dev)
+    cand = torch.where(valid, listed, torch.full_like(listed, n))
+    first = torch.full((b,), n, dtype=listed.dtype, device=dev)
     first = first.scatter_reduce(0, rep[a], cand, reduce="amin")
     occupied = first < n
     k = first.clamp_max(n - 1)
