@@ -89,7 +89,13 @@ def nca(
     return nca.spec(embeddings, labels, inputs, softmax_scale=softmax_scale)
 
 
-@batch_loss(nca, distance=lp(power=2), reducer=mean(), needs_labels=True)
+@batch_loss(
+    nca,
+    distance=lp(power=2, exact_budget=0),  # a softmax over d²: exact near entries decide nothing
+    reducer=mean(),
+    needs_labels=True,
+    exact_ties=False,
+)
 def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
     pos, neg = batch.label_masks()  # PML: the tuple weights the anchors, labels give the pairs
@@ -360,6 +366,7 @@ def instance(
     refuses=("ref_emb", "ref_labels", "indices_tuple"),
     needs_labels=True,
     distance_rule=_COSINE,
+    exact_ties=False,
 )
 def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
     gamma = _checks.hyper(gamma, "gamma")
