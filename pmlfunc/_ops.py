@@ -19,6 +19,7 @@ with a scattered mask is ~25× slower than a multiply-add.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -203,7 +204,11 @@ def rshift(value: float | Tensor, x: Tensor) -> Tensor:
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Per-row ``logsumexp(logits) − logits[label]`` (``CrossEntropyLoss(reduction="none")``)."""
+    """Per-row ``logsumexp(logits) − logits[label]`` (``CrossEntropyLoss(reduction="none")``):
+    torch's fused kernel for ``(N, C)`` logits (one pass each way, no scattered gather in the
+    backward), the two ops otherwise."""
+    if logits.ndim == 2:
+        return F.cross_entropy(logits, labels.long(), reduction="none")
     return torch.logsumexp(logits, -1) - logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 
