@@ -17,7 +17,6 @@ loss on shards of the inputs and compares with one process on all of them.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import os
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .losses._tiled import unpartial
 
 __all__ = ["DistributedMismatch", "DistributedReport", "check_distributed", "spawn_ranks"]
 
@@ -109,7 +110,7 @@ def check_distributed(
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
-    names = _names(loss_fn, len(args), kwargs)
+    names = _names(loss_fn, len(args))
     batch = _batch_size(args, kwargs)
     sizes = _sizes(batch, world_size, sizes)
     expected_loss, expected = _single_process(loss_fn, args, kwargs, names)
@@ -176,20 +177,15 @@ def _factor(got: Tensor, want: Tensor, world: int) -> str:
 
 
 def _name(fn) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = unpartial(fn)[0]
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _names(loss_fn, n_args: int, kwargs) -> list[str]:
+def _names(loss_fn, n_args: int) -> list[str]:
     """The names of the positional arguments (from ``loss_fn``'s signature where it has them)."""
-    fn = loss_fn
-    skip = 0
-    while isinstance(fn, functools.partial):
-        skip += len(fn.args)
-        fn = fn.func
+    fn, bound, _ = unpartial(loss_fn)
     try:
-        params = list(inspect.signature(fn).parameters.values())[skip:]
+        params = list(inspect.signature(fn).parameters.values())[len(bound) :]
     except (TypeError, ValueError):
         params = []
     named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -283,6 +279,10 @@ def spawn_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout
     ``torch.distributed`` is initialised (``dist.get_rank()`` tells the rank). A rank that
     raises makes this raise ``RuntimeError`` with its traceback; ranks still running after
     ``timeout`` seconds are killed (``TimeoutError``). :func:`check_distributed` is built on it.
+
+    Example (two CPU processes, a few seconds):
+        >>> spawn_ranks(torch.distributed.get_world_size, world_size=2)
+        [2, 2]
     """
     import torch.multiprocessing as mp
 
