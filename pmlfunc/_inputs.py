@@ -58,14 +58,16 @@ def matrix(
     *,
     needs_grad: bool = True,
     ties: bool = True,
+    scale: float | Tensor | None = None,
 ) -> Tensor:
     """The ``(B, M)`` matrix of ``distance`` in the compute dtype: ``mat`` when given (checked),
     else computed (for the anchor ``rows`` only, when given; ``anchors`` may carry those rows as
     a tensor of their own, so that their gradient is taken separately).
 
     ``needs_grad``: a given ``mat`` without an autograd graph is rejected while the embeddings
-    require gradients (the loss would silently give the encoder none). ``ties``: passed on to
-    :meth:`~pmlfunc.distances.Distance.matrix` (exact ties among duplicated rows).
+    require gradients (the loss would silently give the encoder none). ``ties`` and ``scale``:
+    passed on to :meth:`~pmlfunc.distances.Distance.matrix` (exact ties among duplicated rows;
+    ``scale · matrix``, folded into the product where the distance can).
     """
     b = embeddings.shape[0]
     m = b if ref_emb is None else ref_emb.shape[0]
@@ -97,9 +99,11 @@ def matrix(
                 "from the embeddings with gradients enabled (the loss's gradient flows through "
                 "mat only), or detach the embeddings"
             )
+        if scale is not None:
+            raise ValueError("scale applies to a matrix computed here, not to a given mat")
         mat = mat.to(cd)
     elif rows is None:
-        mat = distance.matrix(embeddings, ref_emb, ties=ties)
+        mat = distance.matrix(embeddings, ref_emb, ties=ties, scale=scale)
     else:
         if anchors is None:
             anchors = embeddings[r0:r1]
@@ -108,7 +112,7 @@ def matrix(
                 f"anchors must be the rows {rows} of embeddings, got {tuple(anchors.shape)}"
             )
         if ref_emb is None:
-            mat = distance.rows(anchors, embeddings, ties=ties)
+            mat = distance.rows(anchors, embeddings, ties=ties, scale=scale)
         else:
-            mat = distance.matrix(anchors, ref_emb, ties=ties)
+            mat = distance.matrix(anchors, ref_emb, ties=ties, scale=scale)
     return mat

@@ -264,18 +264,31 @@ class Distance:
         """The ``(B, M)`` matrix between the rows of ``x`` and ``y`` (``y=None``: ``x`` itself)."""
         return self.matrix(x, y).to(x.dtype)
 
-    def matrix(self, x: Tensor, y: Tensor | None = None, *, ties: bool = True) -> Tensor:
+    def matrix(
+        self,
+        x: Tensor,
+        y: Tensor | None = None,
+        *,
+        ties: bool = True,
+        scale: float | Tensor | None = None,
+    ) -> Tensor:
         """Like ``__call__`` but returns float32 for float16/bfloat16 inputs (losses reduce in it).
 
         ``ties=False`` skips making duplicated rows' entries bitwise equal (the exact ties of
         the module docstring): for a caller whose result is a smooth function of the matrix,
-        where a rounding difference between duplicates decides nothing (proxy losses)."""
+        where a rounding difference between duplicates decides nothing (proxy losses).
+
+        ``scale``: return ``scale · matrix`` (a number or a 0-d tensor, which may be learnable).
+        A matmul similarity (:func:`dot`, :func:`cosine`) folds it into the rows of ``x`` before
+        the product, which saves a pass over the ``B × M`` result in both directions; the others
+        multiply once."""
         _checks.embeddings(x, "x")
         if y is not None:
             _checks.embeddings(y, "y")
             _checks.same_space(x, y, "y", "x")
         cd = _checks.compute_dtype(x.dtype)
-        return self._compute(x.to(cd), None if y is None else y.to(cd), ties)
+        x = x.to(cd)
+        return self._scaled(x, None if y is None else y.to(cd), ties, _as(scale, x))
 
     def pairs(self, x: Tensor, y: Tensor) -> Tensor:
         """Row-aligned distances ``d(x_i, y_i)`` of two ``(L, D)`` tensors, shape ``(L,)``, in the
@@ -294,14 +307,23 @@ class Distance:
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def rows(self, anchors: Tensor, x: Tensor, *, ties: bool = True) -> Tensor:
+    def rows(
+        self,
+        anchors: Tensor,
+        x: Tensor,
+        *,
+        ties: bool = True,
+        scale: float | Tensor | None = None,
+    ) -> Tensor:
         """Rows of the self-distance matrix ``self.matrix(x)`` for ``anchors``, a block of ``x``'s
         own rows (:mod:`pmlfunc.chunked`): each anchor's own entry is treated as on the diagonal
-        (exactly zero for Euclidean distances). In the compute dtype."""
+        (exactly zero for Euclidean distances). In the compute dtype; ``scale`` as in
+        :meth:`matrix`."""
         _checks.embeddings(anchors, "anchors")
         _checks.embeddings(x, "x")
         cd = _checks.compute_dtype(x.dtype)
-        return self._compute_rows(anchors.to(cd), x.to(cd), ties)
+        x = x.to(cd)
+        return self._compute_rows(anchors.to(cd), x, ties, _as(scale, x))
 
     def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
         """``(normalize, rest)`` with ``self(x, y) == rest(normalize(x), normalize(y))``: lets a
@@ -311,8 +333,17 @@ class Distance:
     def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
         raise NotImplementedError
 
-    def _compute_rows(self, anchors: Tensor, x: Tensor, ties: bool = True) -> Tensor:
-        return self._compute(anchors, x, ties)
+    def _scaled(
+        self, x: Tensor, y: Tensor | None, ties: bool, scale: float | Tensor | None
+    ) -> Tensor:
+        """``scale · _compute(x, y)``: one more pass (a matmul similarity folds it in)."""
+        mat = self._compute(x, y, ties)
+        return mat if scale is None else mat * scale
+
+    def _compute_rows(
+        self, anchors: Tensor, x: Tensor, ties: bool, scale: float | Tensor | None
+    ) -> Tensor:
+        return self._scaled(anchors, x, ties, scale)
 
     def sign(self) -> float:
         """``+1`` for distances, ``-1`` for similarities: ``sign * (a - b)`` is PML's ``margin(a, b)``."""
@@ -348,10 +379,13 @@ class _Budgeted(_Normalizing):
 
     exact_budget: int = 8
 
-    def _compute_rows(self, anchors: Tensor, x: Tensor, ties: bool = True) -> Tensor:
+    def _compute_rows(
+        self, anchors: Tensor, x: Tensor, ties: bool, scale: float | Tensor | None
+    ) -> Tensor:
         # The cross path recomputes the anchors' own (zero) entries exactly: one more budget slot
         # keeps the other entries' treatment identical to the self path.
-        return replace(self, exact_budget=self.exact_budget + 1)._compute(anchors, x, ties)
+        wider = replace(self, exact_budget=self.exact_budget + 1)
+        return wider._scaled(anchors, x, ties, scale)
 
 
 @dataclass(frozen=True)
@@ -431,6 +465,18 @@ class _Dot(_Normalizing):
         cols = None if y is None else _ties(y)
         return _TiedMatmul.apply(x, y, _ties(x), cols)
 
+    def _scaled(
+        self, x: Tensor, y: Tensor | None, ties: bool, scale: float | Tensor | None
+    ) -> Tensor:
+        if scale is None:
+            return self._compute(x, y, ties)
+        x, y = self._normalized(x, y)
+        ref = x if y is None else y
+        if not ties:
+            return _ops.matmul(x * scale, ref.transpose(-1, -2))
+        rows = _ties(x)  # of the unscaled rows: the same ties, whatever the scale
+        return _TiedMatmul.apply(x * scale, ref, rows, rows if y is None else _ties(y))
+
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)
         return (x * y).sum(-1)
@@ -498,6 +544,11 @@ def snr() -> Distance:
         tensor([0., 0., 0.])
     """
     return _SNR()
+
+
+def _as(scale: float | Tensor | None, like: Tensor) -> float | Tensor | None:
+    """A ``scale`` argument in ``like``'s dtype and device (numbers and ``None`` as they are)."""
+    return scale.to(dtype=like.dtype, device=like.device) if isinstance(scale, Tensor) else scale
 
 
 def resolve(distance: object, default: Distance) -> Distance:

@@ -131,7 +131,7 @@ class Batch:
     the chunk's anchors' labels, ``all_labels`` every query row's.
     """
 
-    make_mat: Callable[[], Tensor]  # (anchors, M) distance or similarity matrix, on demand
+    make_mat: Callable[..., Tensor]  # (anchors, M) matrix on demand; scale= multiplies it
     make_masks: Callable[[], PairMasks]  # (anchors, M) positive / negative pair counts
     labels: Tensor | None  # the anchors' labels
     counts: bool  # masks hold pair multiplicities (from an index tuple), not just 0/1
@@ -233,6 +233,19 @@ class Batch:
         """The matrix oriented so that larger means closer (negated for distances)."""
         return self.mat if self.distance.is_similarity else -self.mat
 
+    def scaled_similarity(self, scale: float | Tensor) -> Tensor:
+        """``scale · similarity()``, a fresh tensor (callers may write into it). Unless the
+        matrix was built already or given (``mat=``), the scale goes into the matrix's own
+        computation (into the rows before a matmul similarity's product): no pass over the
+        ``B × M`` matrix to scale it, forward or backward. Not cached: a loss that also reads
+        :attr:`mat` builds the matrix twice."""
+        if isinstance(scale, Tensor):
+            scale = scale.to(dtype=self.dtype, device=self.embeddings.device)
+        signed = scale if self.distance.is_similarity else -scale
+        if self._mat is not None:
+            return self._mat * signed
+        return self.make_mat(scale=signed)
+
     def any_pairs(self) -> tuple[Tensor, Tensor]:
         """Whether the whole batch (not just this chunk) has a positive / a negative pair."""
         return any_pairs(
@@ -269,10 +282,10 @@ def prepare(
     if given:  # checked now, so that a bad mat fails at the call
         mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
 
-    def make_mat() -> Tensor:
-        return (
-            mat if given else matrix(embeddings, ref_emb, None, distance, rows, anchors, ties=ties)
-        )
+    def make_mat(scale: float | Tensor | None = None) -> Tensor:
+        if given:
+            return mat if scale is None else mat * scale
+        return matrix(embeddings, ref_emb, None, distance, rows, anchors, ties=ties, scale=scale)
 
     def make_masks() -> PairMasks:
         ref = None if ref_emb is None else ref_labels

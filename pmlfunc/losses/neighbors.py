@@ -2,7 +2,7 @@ r"""Neighbourhood losses: each anchor scored against the rest of the batch (or a
 
 | loss | PML class | per-row form |
 |---|---|---|
-| :func:`nca` | ``NCALoss`` | two masked log-sum-exps per row |
+| :func:`nca` | ``NCALoss`` | one softmax per row, summed over the positives |
 | :func:`npairs` | ``NPairsLoss`` | one pair per class, chosen without ``unique``; a ``(B, B)`` softmax |
 | :func:`angular` | ``AngularLoss`` | a log-sum-exp over negatives per (anchor, positive) from Gram matrices |
 | :func:`instance` | ``InstanceLoss`` | cross entropy per row, targets by a sort (no ``unique``) |
@@ -59,7 +59,8 @@ def nca(
         \ell_i = -\log \sum_{j \in P(i)} \frac{e^{z_{ij}}}{\sum_k e^{z_{ik}}}
                = \operatorname{lse}_{k}\, z_{ik} - \operatorname{lse}_{j \in P(i)} z_{ij}
 
-    two masked log-sum-exps per row. As in PML, an anchor whose probability is exactly 0 (it has
+    computed as PML does: one softmax per row (the anchor's own column weighted exactly 0),
+    summed over the positives. As in PML, an anchor whose probability is exactly 0 (it has
     no positive, or it underflows) is left out of the mean; with ``indices_tuple`` each term is
     multiplied by the anchor's count in the tuple over the largest count (PML's
     ``convert_to_weights``; the tuple does not change the pairs, which come from the labels).
@@ -98,11 +99,13 @@ def nca(
 )
 def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
-    pos, neg = batch.label_masks()  # PML: the tuple weights the anchors, labels give the pairs
-    z = batch.similarity() * scalar_like(softmax_scale, batch.mat)
-    log_p = masked_logsumexp(z, pos) - masked_logsumexp(z, pos + neg)
-    keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops anchors whose p is exactly 0
-    losses = torch.where(keep > 0, -log_p, torch.zeros_like(log_p))
+    pos, _ = batch.label_masks()  # PML: the tuple weights the anchors, labels give the pairs
+    z = batch.scaled_similarity(softmax_scale)  # a fresh tensor: the fill below is ours
+    if batch.diagonal is not None:  # the anchor's own column: weight exactly 0 in the softmax
+        z.diagonal(batch.diagonal).fill_(torch.finfo(z.dtype).min)
+    p = (torch.softmax(z, dim=-1) * pos).sum(-1)  # PML's form: one fused softmax per row
+    keep = p.detach() != 0  # PML drops anchors whose p is exactly 0
+    losses = torch.where(keep, -torch.where(keep, p, torch.ones_like(p)).log(), 0.0)
     b = batch.embeddings.shape[0]
     mw = sample_weights(
         batch.indices_tuple, b, z.dtype, z.device, anchors_only=batch.ref_emb is not None
@@ -110,7 +113,7 @@ def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     if mw is not None:
         r0, r1 = (0, b) if batch.rows is None else batch.rows
         losses = losses * mw[r0:r1]
-    return {"loss": DenseTerms(losses, keep, "element", batch.num_anchors)}
+    return {"loss": DenseTerms(losses, keep.to(z.dtype), "element", batch.num_anchors)}
 
 
 def npairs(
@@ -370,7 +373,7 @@ def instance(
 )
 def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
     gamma = _checks.hyper(gamma, "gamma")
-    z = batch.mat * scalar_like(gamma, batch.mat)
+    z = batch.scaled_similarity(gamma)
     target = _dense_rank(batch.all_labels)
     if batch.rows is not None:
         target = target[batch.rows[0] : batch.rows[1]]

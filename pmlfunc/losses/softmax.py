@@ -84,7 +84,7 @@ def ntxent(
 @batch_loss(ntxent, distance=cosine(), reducer=mean(), exact_ties=False)
 def _ntxent_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    z = batch.similarity() / scalar_like(temperature, batch.mat)
+    z = batch.scaled_similarity(1.0 / temperature)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
     neg_lse = masked_logsumexp(z, neg, batch.keep(neg))
     # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
@@ -141,7 +141,7 @@ def supcon(
 @batch_loss(supcon, distance=cosine(), reducer=avg_nonzero(), exact_ties=False)
 def _supcon_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
-    z = batch.similarity() / scalar_like(temperature, batch.mat)
+    z = batch.scaled_similarity(1.0 / temperature)
     pos, neg = batch.binary_masks()
     denom = masked_logsumexp(z, pos + neg)
     n_pos = pos.sum(-1)
