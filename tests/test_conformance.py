@@ -70,6 +70,7 @@ EXCLUDED = {
             "clip",
             "cosface",
             "dynamic_arcface",
+            "ge2e",
             "large_margin_softmax",
             "manifold",
             "margin",
@@ -458,6 +459,12 @@ LOSSES: dict[str, Entry] = {
         learnable(
             L.dynamic_arcface, L.dynamic_arcface_init, C, D, scale=8.0, drawn={"margins": _margins}
         ),
+    ),
+    # centroids: params {"w", "b"} from ge2e_init(); LABELS has a singleton class (left out)
+    "ge2e": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init)),
+    "ge2e[contrast]": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init, variant="contrast")),
+    "ge2e[num_classes]": Entry(
+        L.ge2e, learnable(L.ge2e, L.ge2e_init, num_classes=C), backend=_SHARED
     ),
 }
 N = pf.miners

@@ -199,6 +199,7 @@ LOSSES: dict[str, Loss] = {
     "margin_softmax.cosface": Loss(
         lambda e, y, p: L.cosface(e, y, p), lambda: init(L.cosface_init, C, D)
     ),
+    "centroids.ge2e": Loss(lambda e, y, p: L.ge2e(e, y, p), lambda: on_device(L.ge2e_init())),
     "cross_modal.clip": Loss(halves(L.clip), lambda: on_device(L.clip_init())),
     "cross_modal.siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
 }

@@ -17,11 +17,12 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
 | ``pmlfunc.losses.margin_softmax`` | ``large_margin_softmax``, ``sphereface``, ``cosface``, ``arcface``, ``subcenter_arcface``, ``dynamic_arcface`` |
+| ``pmlfunc.losses.centroids`` | ``ge2e`` (learnable scale and bias; centroids from the batch) |
 
 How a batch loss is written (its public function, its terms, its spec ``loss.spec``) is in
-``pmlfunc/losses/_batch.py``; the proxy and classifier losses are written directly. The softmax
-and sigmoid contrastive losses (``ntxent``, ``supcon``, ``clip``, ``siglip``) share one tiled
-engine for ``chunk_size=`` (``pmlfunc/losses/_tiled.py``).
+``pmlfunc/losses/_batch.py``; the proxy, classifier and centroid losses are written directly.
+The softmax and sigmoid contrastive losses (``ntxent``, ``supcon``, ``clip``, ``siglip``) share
+one tiled engine for ``chunk_size=`` (``pmlfunc/losses/_tiled.py``).
 
 Example:
     >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -31,6 +32,7 @@ Example:
 """
 
 from ._batch import BatchInputs
+from .centroids import ge2e, ge2e_init
 from .cross_modal import clip, clip_init, siglip, siglip_init
 from .margin_softmax import (
     arcface,
@@ -112,6 +114,8 @@ __all__ = [
     "dynamic_soft_margin",
     "dynamic_soft_margin_init_state",
     "fast_ap",
+    "ge2e",
+    "ge2e_init",
     "generalized_lifted_structure",
     "histogram",
     "instance",
