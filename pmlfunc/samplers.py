@@ -290,9 +290,11 @@ def m_per_class(
         [[0, 0, 2, 2], [0, 0, 2, 2]]
     """
     g = _generator(generator)
-    groups, m, per_iter, num_iters, length = _m_per_class_plan(
-        labels, m, batch_size, length_before_new_iter
-    )
+    return _m_per_class_epoch(_m_per_class_plan(labels, m, batch_size, length_before_new_iter), g)
+
+
+def _m_per_class_epoch(plan: tuple, g: torch.Generator) -> Tensor:
+    groups, m, per_iter, num_iters, length = plan
     classes = _random_subsets(num_iters, groups.counts.shape[0], per_iter, g)
     return _draw(groups, classes, m, g).reshape(-1)[:length]
 
@@ -324,23 +326,14 @@ class MPerClassSampler(Sampler[int]):
     ) -> None:
         self.labels = _labels_1d(labels)
         self.m, self.batch_size, self.length_before_new_iter = m, batch_size, length_before_new_iter
+        self._plan = _m_per_class_plan(self.labels, m, batch_size, length_before_new_iter)
         self.generator = _default_generator(generator)
-        self._len = m_per_class_length(
-            self.labels, m, batch_size, length_before_new_iter=length_before_new_iter
-        )
 
     def __len__(self) -> int:
-        return self._len
+        return self._plan[-1]
 
-    def __iter__(self) -> Iterator[int]:
-        idx = m_per_class(
-            self.labels,
-            self.m,
-            self.batch_size,
-            generator=self.generator,
-            length_before_new_iter=self.length_before_new_iter,
-        )
-        return iter(idx.tolist())
+    def __iter__(self) -> Iterator[int]:  # the grouping by class is computed once, in __init__
+        return iter(_m_per_class_epoch(self._plan, self.generator).tolist())
 
 
 # ----------------------------------------------------------------------------- hierarchical
@@ -511,6 +504,10 @@ def hierarchical(
         labels, batch_size, samples_per_class, batches_per_super_tuple, super_classes_per_batch,
         inner_label, outer_label,
     )  # fmt: skip
+    return _hierarchical_epoch(h, g)
+
+
+def _hierarchical_epoch(h: _Hierarchy, g: torch.Generator) -> list[Tensor]:
     bpst, k = h.batches_per_super_tuple, h.combos.shape[1]
     num_batches = h.combos.shape[0] * bpst
     slot_super = h.combos.repeat_interleave(bpst, 0).reshape(-1)  # (num_batches·k,) sub-batch slots
@@ -577,29 +574,17 @@ class HierarchicalSampler(Sampler[list[int]]):
         *,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.labels = _integer_tensor(labels, "labels") if isinstance(labels, Tensor) else labels
-        self.kwargs = dict(
-            batches_per_super_tuple=batches_per_super_tuple,
-            super_classes_per_batch=super_classes_per_batch,
-            inner_label=inner_label,
-            outer_label=outer_label,
-        )
-        self.batch_size, self.samples_per_class = batch_size, samples_per_class
+        self._plan = _hierarchy(
+            labels, batch_size, samples_per_class, batches_per_super_tuple, super_classes_per_batch,
+            inner_label, outer_label,
+        )  # fmt: skip
         self.generator = _default_generator(generator)
-        self._len = hierarchical_length(self.labels, batch_size, samples_per_class, **self.kwargs)
 
     def __len__(self) -> int:
-        return self._len
+        return self._plan.combos.shape[0] * self._plan.batches_per_super_tuple
 
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = hierarchical(
-            self.labels,
-            self.batch_size,
-            self.samples_per_class,
-            generator=self.generator,
-            **self.kwargs,
-        )
-        return iter([b.tolist() for b in batches])
+    def __iter__(self) -> Iterator[list[int]]:  # labels are grouped once, in __init__
+        return iter([b.tolist() for b in _hierarchical_epoch(self._plan, self.generator)])
 
 
 # ----------------------------------------------------------------------------- fixed sets
