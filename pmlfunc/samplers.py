@@ -28,7 +28,7 @@ many seeds); the random numbers themselves are torch's, not NumPy's.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "FixedSetOfPairs",
     "FixedSetOfTriplets",
     "HierarchicalSampler",
+    "LabelsLike",
     "MPerClassSampler",
     "TuplesToWeightsSampler",
     "fixed_set_of_pairs",
@@ -52,6 +53,9 @@ __all__ = [
     "tuples_to_weights",
     "weighted",
 ]
+
+LabelsLike = Tensor | Sequence[int] | Sequence[Sequence[int]]
+"""Labels: an integer tensor (any device), a list, or a NumPy array (also accepted at run time)."""
 
 _BLOCK = 1 << 22  # elements of one random-key block (rows × population) in _random_subsets
 
@@ -90,14 +94,28 @@ def _int(x: object, name: str, *, minimum: int) -> int:
     return int(x)
 
 
-def _integer_tensor(labels: object, name: str) -> Tensor:
+def _integer_tensor(labels: object, name: str, ndim: int, shape: str) -> Tensor:
+    """``labels`` as a CPU int64 tensor of ``ndim`` dimensions with at least one element; a list
+    or NumPy array (PML accepts both, and ``dataset.targets`` is often a list) is converted."""
     if not isinstance(labels, Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor of integer class ids, got {type(labels).__name__}"
-        )
+        if not isinstance(labels, (list, tuple)) and not hasattr(labels, "__array__"):
+            raise TypeError(
+                f"{name} must be a torch.Tensor (or a list / NumPy array) of integer class ids, "
+                f"got {type(labels).__name__}"
+            )
+        try:
+            labels = torch.as_tensor(labels)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(
+                f"{name} could not be made a tensor of integer class ids: {e}"
+            ) from None
     if labels.dtype.is_floating_point or labels.dtype.is_complex:
         raise TypeError(f"{name} must have an integer (or bool) dtype, got {labels.dtype}")
-    if labels.ndim == 0 or labels.numel() == 0:
+    if labels.ndim != ndim:
+        raise ValueError(
+            f"{name} must be {ndim}-D of shape {shape}, got shape {tuple(labels.shape)}"
+        )
+    if labels.numel() == 0:
         raise ValueError(
             f"{name} is empty (shape {tuple(labels.shape)}); at least one sample is required"
         )
@@ -105,11 +123,7 @@ def _integer_tensor(labels: object, name: str) -> Tensor:
 
 
 def _labels_1d(labels: object, name: str = "labels") -> Tensor:
-    if isinstance(labels, Tensor) and labels.ndim != 1:
-        raise ValueError(
-            f"{name} must be 1-D of shape (dataset_size,), got shape {tuple(labels.shape)}"
-        )
-    return _integer_tensor(labels, name)
+    return _integer_tensor(labels, name, 1, "(dataset_size,)")
 
 
 class _Groups(NamedTuple):
@@ -222,7 +236,11 @@ def _m_per_class_plan(
 
 
 def m_per_class_length(
-    labels: Tensor, m: int, batch_size: int | None = None, *, length_before_new_iter: int = 100_000
+    labels: LabelsLike,
+    m: int,
+    batch_size: int | None = None,
+    *,
+    length_before_new_iter: int = 100_000,
 ) -> int:
     """The number of indices :func:`m_per_class` returns: ``len()`` of PML's ``MPerClassSampler``.
 
@@ -239,7 +257,7 @@ def m_per_class_length(
 
 
 def m_per_class(
-    labels: Tensor,
+    labels: LabelsLike,
     m: int,
     batch_size: int | None = None,
     *,
@@ -259,7 +277,8 @@ def m_per_class(
     (PML's ``safe_random_choice``).
 
     Args:
-        labels: ``(dataset_size,)`` integer class ids (any values; on any device).
+        labels: ``(dataset_size,)`` integer class ids (any values): a tensor on any device, a
+            list or a NumPy array.
         m: samples per class in a batch.
         batch_size: the DataLoader's batch size, a multiple of ``m``; ``None`` as in PML.
         generator: a CPU ``torch.Generator``; drawing advances it.
@@ -318,7 +337,7 @@ class MPerClassSampler(Sampler[int]):
 
     def __init__(
         self,
-        labels: Tensor,
+        labels: LabelsLike,
         m: int,
         batch_size: int | None = None,
         length_before_new_iter: int = 100_000,
@@ -359,19 +378,16 @@ def _hierarchy(
     inner_label,
     outer_label,
 ) -> _Hierarchy:
-    if isinstance(labels, Tensor) and labels.ndim != 2:
-        raise ValueError(
-            f"labels must be 2-D of shape (dataset_size, num_levels) (one column per hierarchy "
-            f"level), got shape {tuple(labels.shape)}"
-        )
-    y = _integer_tensor(labels, "labels")
+    y = _integer_tensor(
+        labels, "labels", 2, "(dataset_size, num_levels) (one column per hierarchy level)"
+    )
     batch_size = _int(batch_size, "batch_size", minimum=1)
     k = _int(super_classes_per_batch, "super_classes_per_batch", minimum=1)
     bpst = _int(batches_per_super_tuple, "batches_per_super_tuple", minimum=1)
     cols = y.shape[1]
     for name, col in (("inner_label", inner_label), ("outer_label", outer_label)):
-        _int(col, name, minimum=-cols)
-        if col >= cols:
+        _int(col, name, minimum=-(1 << 62))
+        if not -cols <= col < cols:
             raise IndexError(f"{name}={col} is not a column of labels (shape {tuple(y.shape)})")
     if batch_size % k != 0:
         raise ValueError(
@@ -419,7 +435,7 @@ def _hierarchy(
 
 
 def hierarchical_length(
-    labels: Tensor,
+    labels: LabelsLike,
     batch_size: int,
     samples_per_class: int | str,
     *,
@@ -445,7 +461,7 @@ def hierarchical_length(
 
 
 def hierarchical(
-    labels: Tensor,
+    labels: LabelsLike,
     batch_size: int,
     samples_per_class: int | str,
     *,
@@ -533,6 +549,8 @@ def _hierarchical_epoch(h: _Hierarchy, g: torch.Generator) -> list[Tensor]:
         for j in range(n):
             take[:, j] = used + sizes[:, j] <= h.sub_batch_len
             used = used + torch.where(take[:, j], sizes[:, j], 0)
+            if bool((used == h.sub_batch_len).all()):  # every sub-batch is full
+                break
         chosen = torch.zeros_like(take).scatter_(1, perm, take)  # (slots, class of s)
         start, stop = (
             int(h.groups.starts[c0]),
@@ -544,9 +562,9 @@ def _hierarchical_epoch(h: _Hierarchy, g: torch.Generator) -> list[Tensor]:
         values.append(members[col])
         owners.append(slots[row])
     idx, owner = torch.cat(values), torch.cat(owners) // k
-    # shuffle inside each batch (sort by batch, then by a random key), then shuffle the batches
-    key = owner.double() + torch.rand(owner.shape, generator=g, dtype=torch.float64)
-    idx = idx[key.argsort()]
+    # shuffle inside each batch (a random order, then a stable sort by batch), then the batches
+    shuffled = torch.randperm(owner.numel(), generator=g)
+    idx = idx[shuffled[owner[shuffled].argsort(stable=True)]]
     batches = torch.split(idx, torch.bincount(owner, minlength=num_batches).tolist())
     return [batches[i] for i in torch.randperm(num_batches, generator=g).tolist()]
 
@@ -565,7 +583,7 @@ class HierarchicalSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        labels: Tensor,
+        labels: LabelsLike,
         batch_size: int,
         samples_per_class: int | str,
         batches_per_super_tuple: int = 4,
@@ -604,7 +622,7 @@ def _one_of(groups: _Groups, classes: Tensor, g: torch.Generator) -> Tensor:
 
 
 def fixed_set_of_triplets(
-    labels: Tensor, num_triplets: int, *, generator: torch.Generator
+    labels: LabelsLike, num_triplets: int, *, generator: torch.Generator
 ) -> Tensor:
     """PML's ``FixedSetOfTriplets``: ``num_triplets`` (anchor, positive, negative) triplets drawn once.
 
@@ -640,7 +658,7 @@ def fixed_set_of_triplets(
 
 
 def fixed_set_of_pairs(
-    labels: Tensor,
+    labels: LabelsLike,
     num_pos_pairs: int,
     num_neg_pairs: int | None = None,
     *,
@@ -713,7 +731,7 @@ class FixedSetOfTriplets(Sampler[int]):
     """
 
     def __init__(
-        self, labels: Tensor, num_triplets: int, *, generator: torch.Generator | None = None
+        self, labels: LabelsLike, num_triplets: int, *, generator: torch.Generator | None = None
     ) -> None:
         self.generator = _default_generator(generator)
         self.triplets = fixed_set_of_triplets(labels, num_triplets, generator=self.generator)
@@ -741,7 +759,7 @@ class FixedSetOfPairs(Sampler[int]):
 
     def __init__(
         self,
-        labels: Tensor,
+        labels: LabelsLike,
         num_pos_pairs: int,
         num_neg_pairs: int | None = None,
         *,

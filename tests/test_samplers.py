@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,6 +183,14 @@ def test_m_per_class_is_deterministic_given_the_generator_and_advances_it():
     assert not torch.equal(a, c)
 
 
+def test_labels_as_a_list_or_numpy_array_or_on_another_dtype_give_the_same_epoch():
+    want = pf.samplers.m_per_class(LABELS, 3, 6, generator=gen(4), length_before_new_iter=60)
+    forms: list[Any] = [LABELS.tolist(), LABELS.numpy(), LABELS.int(), LABELS.to(torch.int16)]
+    for labels in forms:
+        got = pf.samplers.m_per_class(labels, 3, 6, generator=gen(4), length_before_new_iter=60)
+        assert torch.equal(got, want)
+
+
 def test_sampler_draws_a_fresh_epoch_per_iteration_and_replays_from_the_seed():
     s = pf.samplers.MPerClassSampler(LABELS, 3, 6, 60, generator=gen(3))
     e1, e2 = list(s), list(s)
@@ -229,7 +238,8 @@ M_PER_CLASS_ERRORS = [  # (labels, m, batch_size, length, kwargs, exception, mes
     (torch.tensor([], dtype=torch.long), 2, 4, 100, ValueError, "labels is empty", True),
     (LABELS.view(3, 7), 3, 6, 100, ValueError, "labels must be 1-D", False),
     (LABELS.double(), 3, 6, 100, TypeError, "integer", False),
-    ([0, 1, 2], 1, 2, 100, TypeError, "labels must be a torch.Tensor", False),
+    ("0123", 1, 2, 100, TypeError, "labels must be a torch.Tensor", False),
+    ([0.5, 1.0], 1, 2, 100, TypeError, "integer", False),
     (LABELS, 0, 6, 100, ValueError, "m must be >= 1", True),
     (LABELS, 3, 0, 100, ValueError, "batch_size must be >= 1", False),
     (LABELS, 3, None, 0, ValueError, "length_before_new_iter must be >= 1", False),
@@ -372,6 +382,15 @@ def test_hierarchical_sampler_as_a_dataloader_batch_sampler_with_fresh_epochs():
     assert list(again) == [b.tolist() for b in e1]  # the same seed replays the epoch
 
 
+def test_hierarchical_columns_count_from_the_end_as_in_numpy():
+    a = pf.samplers.hierarchical(H_LABELS, 8, 2, generator=gen(1))
+    b = pf.samplers.hierarchical(H_LABELS, 8, 2, generator=gen(1), inner_label=-2, outer_label=-1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    swapped = H_LABELS.flip(1)
+    c = pf.samplers.hierarchical(swapped, 8, 2, generator=gen(1), inner_label=1, outer_label=0)
+    assert all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
 H_ERRORS = [  # (labels, batch_size, spc, kwargs, exception, message, pml also rejects)
     (H_LABELS, 9, 2, {}, ValueError, "multiple of super_classes_per_batch", True),
     (H_LABELS, 8, 3, {}, ValueError, "multiple of samples_per_class", True),
@@ -382,6 +401,7 @@ H_ERRORS = [  # (labels, batch_size, spc, kwargs, exception, message, pml also r
     (H_LABELS[:0], 8, 2, {}, ValueError, "labels is empty", False),
     (H_LABELS.float(), 8, 2, {}, TypeError, "integer", False),
     (H_LABELS, 8, 2, {"outer_label": 2}, IndexError, "outer_label=2 is not a column", True),
+    (H_LABELS, 8, 2, {"inner_label": -3}, IndexError, "inner_label=-3 is not a column", True),
     (
         H_LABELS,
         8,
