@@ -1339,10 +1339,13 @@ def select_threshold(
         pos = match.to(torch.float64).sum()  # P
         neg = n - pos
         tn, fn = neg - fp, pos - tp
+        # Each score is one correctly rounded division of exact integers, so candidates with
+        # equal values compare equal and the strictest one wins (argmax: the first maximum).
         if metric == "accuracy":
             score = (tp + tn) / n
         elif metric == "balanced_accuracy":
-            score = (tp / pos.clamp_min(1) + tn / neg.clamp_min(1)) / 2
+            p1, n1 = pos.clamp_min(1), neg.clamp_min(1)
+            score = (tp * n1 + tn * p1) / (2 * p1 * n1)
         else:
             score = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
         # A threshold at key[i] predicts all of key[:i+1]: only the last of equal values counts.
