@@ -39,7 +39,7 @@ Differences from PML 2.9.0 (on purpose):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -772,7 +772,7 @@ def _gather_relevance(indices: Tensor, src: _Source, chunk_size: int) -> Relevan
         # Sorted ids per query, then a binary search for each neighbour: O(Q·(M + k)), no Q × R.
         sorted_ids, order = ids.sort(1)
         sorted_grades = grades.gather(1, order)
-        pos = torch.searchsorted(sorted_ids, indices).clamp_max(width - 1)
+        pos = torch.searchsorted(sorted_ids, indices.contiguous()).clamp_max(width - 1)
         found = sorted_ids.gather(1, pos) == indices
         retrieved = torch.where(found, sorted_grades.gather(1, pos), 0.0)
         n_rel = (grades > 0).sum(1)
@@ -783,7 +783,7 @@ def _gather_relevance(indices: Tensor, src: _Source, chunk_size: int) -> Relevan
     return Relevance(retrieved, n_rel, ideal)
 
 
-def _check_indices(indices: object, num_references: int | None) -> Tensor:
+def _check_indices(indices: object) -> Tensor:
     if not isinstance(indices, Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64):
@@ -860,7 +860,7 @@ def neighbor_relevance(
         >>> rel.num_relevant, rel.ideal[0]
         (tensor([2, 1]), tensor([3., 1.], dtype=torch.float64))
     """
-    idx = _check_indices(indices, num_references)
+    idx = _check_indices(indices)
     chunk_size = _checks.integer(chunk_size, "chunk_size")
     src = _source(
         idx.shape[0],
@@ -940,9 +940,9 @@ def neighbor_scores(
     """
     parsed = _parse_metrics(metrics)
     reduction = _reduction(reduction)
-    width = indices.shape[1] if isinstance(indices, Tensor) and indices.ndim == 2 else 0
+    width = _check_indices(indices).shape[1]
     k_max = max(k for _, _, k in parsed)
-    if isinstance(indices, Tensor) and indices.ndim == 2 and k_max > width:
+    if k_max > width:
         raise ValueError(f"metrics need k={k_max} neighbours but indices has {width} per query")
     rel = neighbor_relevance(
         indices,
@@ -1029,14 +1029,17 @@ def retrieval_scores(
     """
     parsed = _parse_metrics(metrics)
     reduction = _reduction(reduction)
-    separate = reference is not None
     ref, exclude = _resolve_sets(query, reference, exclude_self)
+    if reference is None and reference_labels is not None:
+        raise ValueError("reference_labels was given without reference")
+    if reference is not None and query_labels is not None and reference_labels is None:
+        raise ValueError("reference_labels is required when reference is given")
     chunk_size = _checks.integer(chunk_size, "chunk_size")
     src = _source(
         query.shape[0],
         query.device,
         query_labels=query_labels,
-        reference_labels=reference_labels if separate or reference_labels is not None else None,
+        reference_labels=reference_labels,
         relevance=relevance,
         relevant_ids=relevant_ids,
         relevant_grades=relevant_grades,
@@ -1189,7 +1192,8 @@ def merge_neighbors(
                 f"offsets has {len(offsets)} entries but there are {len(shards)} shards"
             )
         offs = [_checks.integer(o, "offsets", minimum=0) for o in offsets]
-    idx_parts, val_parts = [], []
+    idx_parts: list[Tensor] = []
+    val_parts: list[Tensor] = []
     for s, pair in enumerate(shards):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"shards[{s}] must be an (indices, values) pair")

@@ -8,6 +8,7 @@ float64 scores, ties by lower index) for every metric, the cross-modal helper an
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -345,7 +346,7 @@ def test_shard_merge_equals_unsharded_knn_with_ties(seed, distance):
     bounds = [0, *cuts, 47]
     parts = [
         knn(q, r[a:b], k=min(k, b - a), distance=dist, chunk_size=4)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        for a, b in itertools.pairwise(bounds)
     ]
     idx, val = merge_neighbors(parts, k=k, distance=dist, offsets=bounds[:-1])
     base_idx, base_val = knn(q, r, k=k, distance=dist)
@@ -364,7 +365,7 @@ def test_shard_merge_with_exclusion_equals_same_set_knn(seed):
     bounds = [0, 13, 14, 31, 40]
     parts = [
         knn(x, x[a:b], k=min(k + 1, b - a), distance=pfd.dot())
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        for a, b in itertools.pairwise(bounds)
     ]
     idx, val = merge_neighbors(
         parts, k=k, distance=pfd.dot(), offsets=bounds[:-1], exclude=torch.arange(40)
@@ -449,8 +450,8 @@ def test_runs_on_meta_device(gen):
     ):
         out = retrieval_scores(emb.to(meta), metrics=ALL, **kw)
         assert all(v.device.type == "meta" and v.shape == () for v in out.values())
-    out = cross_modal_scores(r.to(meta), emb.to(meta), labels.to(meta), metrics=("hit_rate@3",))
-    assert out["text_to_image"]["hit_rate@3"].device.type == "meta"
+    both = cross_modal_scores(r.to(meta), emb.to(meta), labels.to(meta), metrics=("hit_rate@3",))
+    assert both["text_to_image"]["hit_rate@3"].device.type == "meta"
     parts = [knn(emb.to(meta), r[:10].to(meta), k=5), knn(emb.to(meta), r[10:].to(meta), k=5)]
     idx, _ = merge_neighbors(parts, k=5, offsets=[0, 10])
     assert idx.shape == (20, 5) and idx.device.type == "meta"
@@ -484,7 +485,7 @@ IDS = torch.tensor([[0, -1]] * 6)
         (lambda: retrieval_scores(Q, query_labels=QL, metrics=("ndcg",)), ValueError, "name@k"),
         (lambda: retrieval_scores(Q, query_labels=QL, metrics=("ndcg@0",)), ValueError, "name@k"),
         (lambda: retrieval_scores(Q, query_labels=QL, metrics=("foo@2",)), ValueError, "name@k"),
-        (lambda: retrieval_scores(Q, query_labels=QL, metrics=(3,)), TypeError, "metrics"),
+        (lambda: retrieval_scores(Q, query_labels=QL, metrics=(3,)), TypeError, "metrics"),  # type: ignore[arg-type]
         (lambda: retrieval_scores(Q, query_labels=QL, metrics=("ndcg@6",)), ValueError, "k=6"),
         (lambda: retrieval_scores(Q, RR, relevance=REL, metrics=("ndcg@9",)), ValueError, "k=9"),
         (lambda: retrieval_scores(Q, metrics=("ndcg@2",)), ValueError, "exactly one"),
@@ -609,8 +610,8 @@ IDS = torch.tensor([[0, -1]] * 6)
         (lambda: mrr(torch.ones(3, 2), k=3), ValueError, "k=3"),
         (lambda: mrr(torch.ones(3), k=1), ValueError, "retrieved"),
         (lambda: recall_at_k(torch.ones(3, 2), torch.ones(2)), ValueError, "num_relevant"),
-        (lambda: map_at_k(torch.ones(3, 2), [1, 1, 1]), TypeError, "num_relevant"),
-        (lambda: precision_at_k([[1, 0]]), TypeError, "retrieved"),
+        (lambda: map_at_k(torch.ones(3, 2), [1, 1, 1]), TypeError, "num_relevant"),  # type: ignore[arg-type]
+        (lambda: precision_at_k([[1, 0]]), TypeError, "retrieved"),  # type: ignore[arg-type]
         (
             lambda: cross_modal_scores(
                 Q, RR, torch.tensor([0, 1, 2, 3, 4, 5, 6, 0]), metrics=("hit_rate@1",)
@@ -629,7 +630,7 @@ IDS = torch.tensor([[0, -1]] * 6)
             "text",
         ),
         (lambda: merge_neighbors([], k=1), ValueError, "shards"),
-        (lambda: merge_neighbors((IDX, REL[:, :2]), k=1), TypeError, "pair"),
+        (lambda: merge_neighbors((IDX, REL[:, :2]), k=1), TypeError, "pair"),  # type: ignore[arg-type]
         (lambda: merge_neighbors([(IDX, REL[:, :2])], k=3), ValueError, "k=3"),
         (
             lambda: merge_neighbors([(IDX, REL[:, :2])], k=2, exclude=torch.arange(6)),
@@ -656,3 +657,11 @@ IDS = torch.tensor([[0, -1]] * 6)
 def test_errors_name_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_separate_reference_with_labels_needs_reference_labels_even_when_sizes_match():
+    # R == Q must not silently reuse the query labels for the reference.
+    with pytest.raises(ValueError, match="reference_labels"):
+        retrieval_scores(Q, RR[:6], query_labels=QL, metrics=("mrr@1",))
+    with pytest.raises(ValueError, match="reference_labels"):
+        retrieval_scores(Q, query_labels=QL, reference_labels=QL, metrics=("mrr@1",))

@@ -111,7 +111,7 @@ def test_runs_on_meta_device():
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda: select_threshold([0.1], torch.tensor([True])), TypeError, "distances"),
+        (lambda: select_threshold([0.1], torch.tensor([True])), TypeError, "distances"),  # type: ignore[arg-type]
         (
             lambda: select_threshold(torch.tensor([1, 2]), torch.tensor([1, 0])),
             TypeError,
@@ -128,7 +128,7 @@ def test_runs_on_meta_device():
             ValueError,
             "is_match",
         ),
-        (lambda: select_threshold(torch.rand(3), [True] * 3), TypeError, "is_match"),
+        (lambda: select_threshold(torch.rand(3), [True] * 3), TypeError, "is_match"),  # type: ignore[arg-type]
         (
             lambda: select_threshold(torch.rand(3), torch.ones(3, dtype=torch.bool), metric="auc"),
             ValueError,
