@@ -924,8 +924,9 @@ def neighbor_scores(
         indices: ``(Q, K)`` ranked reference indices, nearest first; ``K >= max k``.
         metrics: ``"name@k"`` strings, name in ``ndcg``, ``mrr``, ``map``, ``recall``,
             ``precision``, ``hit_rate``.
-        query_labels, reference_labels, relevance, relevant_ids, relevant_grades,
-            num_references, exclude_self, chunk_size: see :func:`neighbor_relevance`.
+        query_labels, reference_labels, relevance: see :func:`neighbor_relevance`.
+        relevant_ids, relevant_grades, num_references: see :func:`neighbor_relevance`.
+        exclude_self, chunk_size: see :func:`neighbor_relevance`.
         reduction: ``"mean"`` (0-d tensors) or ``"none"`` (``(Q,)`` per-query values, NaN for
             queries without a relevant item).
 
