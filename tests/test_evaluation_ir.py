@@ -16,6 +16,7 @@ import pytest
 import torch
 from reference import evaluation as ref
 from sklearn.metrics import ndcg_score
+from tracking import LargestTensor
 
 import pmlfunc.distances as pfd
 from pmlfunc.evaluation import (
@@ -665,3 +666,22 @@ def test_separate_reference_with_labels_needs_reference_labels_even_when_sizes_m
         retrieval_scores(Q, RR[:6], query_labels=QL, metrics=("mrr@1",))
     with pytest.raises(ValueError, match="reference_labels"):
         retrieval_scores(Q, query_labels=QL, reference_labels=QL, metrics=("mrr@1",))
+
+
+@pytest.mark.parametrize("source", ["labels", "ids"])
+def test_memory_is_chunk_times_reference_never_query_times_reference(gen, source):
+    # Q = 400 queries, R = 300 references, chunk 16: no tensor beyond 2 · chunk · R = 9,600
+    # elements (Q × R would be 120,000).
+    q, r = torch.randn(400, 8, generator=gen), torch.randn(300, 8, generator=gen)
+    if source == "labels":
+        kw = {
+            "query_labels": torch.randint(0, 9, (400,)),
+            "reference_labels": torch.randint(0, 9, (300,)),
+        }
+    else:
+        # six relevant ids per query, in [0, 300), then six -1 paddings
+        first = (torch.arange(400) % 50 * 6).unsqueeze(1)
+        kw = {"relevant_ids": torch.where(torch.arange(12) < 6, first + torch.arange(12), -1)}
+    with LargestTensor() as rec:
+        retrieval_scores(q, r, metrics=("ndcg@10", "map@5", "recall@10"), chunk_size=16, **kw)
+    assert rec.largest <= 16 * 300 * 2, rec.largest
