@@ -685,3 +685,18 @@ def test_memory_is_chunk_times_reference_never_query_times_reference(gen, source
     with LargestTensor() as rec:
         retrieval_scores(q, r, metrics=("ndcg@10", "map@5", "recall@10"), chunk_size=16, **kw)
     assert rec.largest <= 16 * 300 * 2, rec.largest
+
+
+def test_low_precision_embeddings_and_int32_ids(gen):
+    emb, labels = labelled(gen, 40, 4)
+    r = torch.randn(30, 6, generator=gen)
+    out = retrieval_scores(emb.bfloat16(), metrics=("ndcg@5", "mrr@5"), query_labels=labels)
+    assert all(v.dtype == torch.float64 and torch.isfinite(v) for v in out.values())
+    rel = graded(gen, 40, 30)
+    rel[:, 0] = 1
+    ids, grades = to_ids(rel)
+    as64 = retrieval_scores(emb, r, metrics=ALL, relevant_ids=ids, relevant_grades=grades)
+    as32 = retrieval_scores(
+        emb, r, metrics=ALL, relevant_ids=ids.int(), relevant_grades=grades.half()
+    )
+    assert all(torch.equal(as64[m], as32[m]) for m in ALL)
