@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -673,6 +674,7 @@ def test_memory_is_chunk_times_reference_never_query_times_reference(gen, source
     # Q = 400 queries, R = 300 references, chunk 16: no tensor beyond 2 · chunk · R = 9,600
     # elements (Q × R would be 120,000).
     q, r = torch.randn(400, 8, generator=gen), torch.randn(300, 8, generator=gen)
+    kw: dict[str, Any]
     if source == "labels":
         kw = {
             "query_labels": torch.randint(0, 9, (400,)),
