@@ -34,8 +34,20 @@ LOSSES = {
 def evaluate(encoder: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """Same-set retrieval on ``x``: every sample queries all the others."""
     with torch.no_grad():
-        metrics = pf.evaluation.retrieval_metrics(encoder(x), y)
+        emb = encoder(x)
+        metrics = pf.evaluation.retrieval_metrics(emb, y)
+        metrics |= pf.evaluation.retrieval_scores(
+            emb, metrics=("ndcg@10", "mrr@10"), query_labels=y
+        )
     return {k: float(v) for k, v in metrics.items()}
+
+
+def describe(m: dict[str, float]) -> str:
+    return (
+        f"P@1 {m['precision_at_1']:.3f}  R-prec {m['r_precision']:.3f}  "
+        f"MAP@R {m['mean_average_precision_at_r']:.3f}  NDCG@10 {m['ndcg@10']:.3f}  "
+        f"MRR@10 {m['mrr@10']:.3f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -64,9 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     start = time.perf_counter()
     m = evaluate(encoder, x[test], y[test])
     print(f"loss: {args.loss}; {len(train)} training and {len(test)} held-out digits")
-    print(
-        f"epoch  0  loss      -  P@1 {m['precision_at_1']:.3f}  R-prec {m['r_precision']:.3f}  MAP@R {m['mean_average_precision_at_r']:.3f}"
-    )
+    print(f"epoch  0  loss      -  {describe(m)}")
     history["precision_at_1"].append(m["precision_at_1"])
     history["mean_average_precision_at_r"].append(m["mean_average_precision_at_r"])
     for epoch in range(1, args.epochs + 1):
@@ -85,10 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         history["loss"].append(total / steps)
         history["precision_at_1"].append(m["precision_at_1"])
         history["mean_average_precision_at_r"].append(m["mean_average_precision_at_r"])
-        print(
-            f"epoch {epoch:2d}  loss {total / steps:6.3f}  P@1 {m['precision_at_1']:.3f}  "
-            f"R-prec {m['r_precision']:.3f}  MAP@R {m['mean_average_precision_at_r']:.3f}"
-        )
+        print(f"epoch {epoch:2d}  loss {total / steps:6.3f}  {describe(m)}")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return history
 
