@@ -39,8 +39,6 @@ PAGES = [
 MODES = {"needs-cuda", "script", "torchrun"}
 # docs/evaluation.md is being rewritten elsewhere (project issue 20); its current block uses
 # undefined names. Remove this entry once the rewritten page lands (the test then XPASSes).
-XFAIL_PAGES = {"docs/evaluation.md": "docs/evaluation.md is being rewritten (issue 20)"}
-
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 _MARKER = re.compile(r"#\s*doc-test:\s*(?P<mode>[\w-]+)\s*(?P<reason>.*)$")
 
@@ -106,8 +104,6 @@ def _params() -> list:
     params = []
     for block in all_blocks():
         marks = []
-        if block.page in XFAIL_PAGES:
-            marks.append(pytest.mark.xfail(reason=XFAIL_PAGES[block.page], strict=False))
         mode = block.marker[0] if block.marker else None
         if mode == "needs-cuda":
             marks.append(pytest.mark.cuda)
