@@ -28,7 +28,9 @@ def _needs_docs_tools() -> None:
         "mkdocstrings_handlers.python",
         reason="mkdocstrings[python] is not installed (pip install -e '.[docs]')",
     )
-    pytest.importorskip("latex2mathml", reason="latex2mathml is not installed (pip install -e '.[docs]')")
+    pytest.importorskip(
+        "latex2mathml", reason="latex2mathml is not installed (pip install -e '.[docs]')"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -224,7 +226,9 @@ def _doctest_lines(doc: str) -> list[str]:
             i += 1
             continue
         indent = len(m.group(1))
-        while i < len(lines) and lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) >= indent:
+        while (
+            i < len(lines) and lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) >= indent
+        ):
             out.append(lines[i][indent:].rstrip())
             i += 1
     return out
@@ -233,7 +237,9 @@ def _doctest_lines(doc: str) -> list[str]:
 def _pycon_lines(section: str) -> list[str]:
     out = []
     for block in re.findall(
-        r'<div class="language-pycon highlight"><pre>.*?<code>(.*?)</code></pre>', section, re.DOTALL
+        r'<div class="language-pycon highlight"><pre>.*?<code>(.*?)</code></pre>',
+        section,
+        re.DOTALL,
     ):
         out += [line.rstrip() for line in _text(block).rstrip("\n").split("\n")]
     return out

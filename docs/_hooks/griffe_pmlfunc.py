@@ -39,7 +39,9 @@ _MATH_ROLE = re.compile(r":math:`([^`]+)`")
 _ROLE = re.compile(r":(?:func|meth|mod|class|attr|data|obj|exc):`~?([^`]+)`")
 _PROMPT = re.compile(r"^([ \t]*)>>> ")
 _SECTION = re.compile(r"^[ \t]*[A-Z][A-Za-z ]*:[ \t]*$")  # a Google section title ("Example:")
-_ARGS_TITLE = re.compile(r"^([ \t]*)(?:Args|Arguments|Parameters|Keyword Args|Other Parameters):\s*$")
+_ARGS_TITLE = re.compile(
+    r"^([ \t]*)(?:Args|Arguments|Parameters|Keyword Args|Other Parameters):\s*$"
+)
 _GROUPED = re.compile(r"^([ \t]+)(\w+(?:,[ \t]*\**\w+)+)([ \t]*\([^)]*\))?:(?:[ \t]+|$)(.*)$")
 # The defaults of keys of the shared inputs that are not "absent" (None). Kept in step with
 # pmlfunc.losses._batch.regularized by tests/test_docs_html.py.
@@ -120,7 +122,7 @@ def _code_blocks(text: str) -> str:
                     lang = "text"
                 head = line.rstrip()[:-1]  # "text::" -> "text:"; a lone "::" disappears
                 out += [head if head.strip() != ":" else "", ""]
-                out += _fence(block, lang, " " * own) + [""]
+                out += [*_fence(block, lang, " " * own), ""]
                 i = k
                 continue
         out.append(line)
@@ -225,9 +227,11 @@ class PmlfuncDocs(griffe.Extension):
     def on_module_members(self, *, mod: griffe.Module, **kwargs) -> None:
         if mod.path != _NN:
             return
-        root = str(Path(mod.filepath).parents[1])  # the directory holding the pmlfunc package
+        filepath, parent = mod.filepath, mod.parent
+        assert isinstance(filepath, Path) and isinstance(parent, griffe.Module)  # a module file
+        root = str(filepath.parents[1])  # the directory holding the pmlfunc package
         inspected = griffe.inspect(
-            mod.name, filepath=mod.filepath, parent=mod.parent, import_paths=[root, *sys.path]
+            mod.name, filepath=filepath, parent=parent, import_paths=[root, *sys.path]
         )
         for name, member in inspected.members.items():
             static = mod.members.get(name)
