@@ -194,6 +194,12 @@ def test_every_docstring_formula_converts_to_mathml():
         assert "\\" not in "".join(root.itertext()), f"{name}: LaTeX left in {latex!r}: {out}"
 
 
+def test_inline_dollar_math_in_a_markdown_page_is_mathml(site):
+    page = (site / "contributing" / "index.html").read_text(encoding="utf-8")
+    inline = re.findall(r'<math alttext="([^"]*)"[^>]*display="inline"', page)
+    assert inline == [html.escape(r"\ell_a = \log(1 + e^{x_a})", quote=True)]
+
+
 def test_inline_and_display_dollar_math_in_pages_become_mathml():
     """The Markdown pages' syntax (``$x$``, ``$$…$$`` via pymdownx.arithmatex) goes through the
     same converter: a page fragment as arithmatex writes it becomes MathML."""
@@ -295,6 +301,22 @@ def test_parameter_tables_have_one_row_per_parameter_and_true_defaults(site):
                     f"{path}: {name} listed as required but defaults to {p.default!r}"
                 )
                 assert p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD), f"{path}: {name}"
+                checked += 1
+    assert checked >= 50, checked
+
+
+def test_a_returns_section_is_one_row_not_one_row_per_wrapped_line(site):
+    """The Returns sections are prose wrapped at the section's indentation: one table row."""
+    checked = 0
+    for page in _api_pages(site):
+        for path, section in _sections(page.read_text(encoding="utf-8")).items():
+            own = section.split('<div class="doc doc-children">', 1)[0]
+            for table in re.findall(
+                r'<span class="doc-section-title">Returns:</span></p>\s*<table>(.*?)</table>',
+                own,
+                flags=re.DOTALL,
+            ):
+                assert table.count('<tr class="doc-section-item">') == 1, path
                 checked += 1
     assert checked >= 50, checked
 
