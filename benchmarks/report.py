@@ -1,14 +1,23 @@
-"""Turn ``benchmarks.run`` JSON files into Markdown tables, a CSV and SVG scaling charts.
+"""Turn ``benchmarks.run`` JSON files into Markdown tables, a CSV and SVG charts.
 
     python -m benchmarks.report RUN.json [RUN.json ...] --output DIR [--name NAME] [--title T]
         [--command "how the runs were made"]
 
-Writes ``DIR/NAME.md`` (default ``README.md``; one table per batch size, dtype and mode: each case's median
-forward+backward time per implementation, ``PML / pmlfunc`` and ``pmlfunc / floor``, the
-peak memory one step adds, and every skipped or failed entry with its reason), ``DIR/results.csv``
-(``DIR/NAME.csv``; one row per measured entry, with the spread) and ``DIR/[NAME-]<case>.svg`` (median time against batch
-size, log-log, one line per implementation; only when the runs cover several batch sizes).
-The provenance (versions, git revision, configuration) of every run is listed at the end.
+One run's JSON is enough; several (batch sizes, dtypes) go on one page. Writes:
+
+- ``DIR/[NAME-]summary.svg``: the page's lead chart, made from any number of runs: per loss (one
+  row each, fastest speed-up first), pmlfunc's speed-up over PML (``PML / pmlfunc``, log scale)
+  and pmlfunc's time over the matmul floor (``pmlfunc / floor``, log scale), one marker per
+  batch size (and dtype, mode). Where PML was skipped for taking too long, the speed-up is a
+  lower bound (hollow marker, from the step time the skip reason gives).
+- ``DIR/NAME.md`` (default ``README.md``): the summary chart first, then one table per batch
+  size, dtype and mode: each case's median forward+backward time per implementation,
+  ``PML / pmlfunc`` and ``pmlfunc / floor``, the peak memory one step adds, and every skipped
+  or failed entry with its reason; the scaling charts and the provenance (versions, git
+  revision, configuration) of every run at the end.
+- ``DIR/results.csv`` (``DIR/NAME.csv``): one row per measured entry, with the spread.
+- ``DIR/[NAME-]<case>.svg``: median time against batch size, log-log, one line per
+  implementation; only for cases measured at several batch sizes.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -88,14 +99,21 @@ def markdown(
     title: str,
     command: str | None = None,
     preamble: list[str] | None = None,
+    summary: str | None = None,
 ) -> str:
     """The Markdown page of ``runs``; ``preamble``: lines placed after the introduction, before
-    the tables (``benchmarks.gpu_check`` puts its steps, tests and capacity there)."""
+    the tables (``benchmarks.gpu_check`` puts its steps, tests and capacity there);
+    ``summary``: the file name of the summary chart (:func:`summary_chart`), shown first."""
     table = rows(runs)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in table:
         groups[(row["batch"], row["dtype"], row["mode"])].append(row)
     lines = [f"# {title}", ""]
+    if summary:
+        lines += [f"![pmlfunc's speed-up over PML and its time over the matmul floor, per loss "
+                  f"and batch size]({summary})", "", *summary_text(runs), ""]  # fmt: skip
+        sections = [f"[batch {b}, {d}, {m}](#batch-{b}-{d}-{m})" for b, d, m in sorted(groups)]
+        lines += ["Tables: " + " · ".join(sections) + ".", ""]
     if command:
         lines += ["Produced by:", "", "```bash", command.strip(), "```", ""]
     lines += [
@@ -155,6 +173,184 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+_TOOK = re.compile(r"one step took ([0-9.]+) s")
+
+
+def speedups(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+    """Per ``(batch, dtype, mode)`` and per loss row (the case, with the variant for cases
+    measured as several pmlfunc variants): ``speedup`` (PML / pmlfunc median), ``lower_bound``
+    (True when PML was skipped as too slow: its one timed step stands in for its median) and
+    ``floor_ratio`` (pmlfunc / floor median). Missing values are None."""
+    by_group: dict[tuple, dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for row in rows(runs):
+        by_group[(row["batch"], row["dtype"], row["mode"])][row["case"]][row["impl"]] = row
+    out: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for key, cases in by_group.items():
+        points: dict[str, dict[str, Any]] = {}
+        for case, impls in cases.items():
+            pml, floor = impls.get("pml"), impls.get("floor")
+            pml_ms, bound = None, False
+            if pml and pml["status"] == "ok":
+                pml_ms = pml["median_ms"]
+            elif pml and (m := _TOOK.search(pml.get("reason") or "")):
+                pml_ms, bound = float(m.group(1)) * 1000.0, True
+            floor_ms = floor["median_ms"] if floor and floor["status"] == "ok" else None
+            ours = {i: r for i, r in impls.items() if i == "pmlfunc" or i.startswith("pmlfunc-")}
+            for impl, r in sorted(ours.items()):
+                label = case if impl == "pmlfunc" else f"{case} ({impl.removeprefix('pmlfunc-')})"
+                ms = r["median_ms"] if r["status"] == "ok" else None
+                points[label] = {
+                    "speedup": pml_ms / ms if pml_ms and ms else None,
+                    "lower_bound": bound,
+                    "floor_ratio": ms / floor_ms if ms and floor_ms else None,
+                }
+        out[key] = points
+    return out
+
+
+def _series_label(key: tuple, keys: list[tuple]) -> str:
+    batch, dtype, mode = key
+    label = f"batch {batch}"
+    if len({k[1] for k in keys}) > 1:
+        label += f", {dtype}"
+    if len({k[2] for k in keys}) > 1:
+        label += f", {mode}"
+    return label
+
+
+def _order(data: dict[tuple, dict[str, dict[str, Any]]]) -> tuple[list[tuple], list[str]]:
+    """Series (largest float32 eager batch last) and loss rows, fastest speed-up at the largest
+    batch first (rows without a speed-up last, by their floor ratio)."""
+    measured = [k for k, points in data.items() if any(
+        p["speedup"] or p["floor_ratio"] for p in points.values())]  # fmt: skip
+    keys = sorted(measured, key=lambda k: (k[1] == "float32" and k[2] == "eager", k[0], k[1], k[2]))
+    labels = sorted({label for k in keys for label in data[k]})
+
+    def rank(label: str) -> tuple:
+        for key in reversed(keys):
+            p = data[key].get(label)
+            if p and p["speedup"]:
+                return (0, -p["speedup"])
+        for key in reversed(keys):
+            p = data[key].get(label)
+            if p and p["floor_ratio"]:
+                return (1, p["floor_ratio"])
+        return (2, 0.0)
+
+    return keys, sorted(labels, key=lambda label: (rank(label), label))
+
+
+def summary_text(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per series: on how many losses pmlfunc is faster than PML, the median speed-up
+    and the median time over the floor."""
+    data = speedups(runs)
+    keys, _ = _order(data)
+    lines = []
+    for key in reversed(keys):
+        points = list(data[key].values())
+        values = sorted(p["speedup"] for p in points if p["speedup"])
+        floors = sorted(p["floor_ratio"] for p in points if p["floor_ratio"])
+        if not values and not floors:
+            continue
+        line = f"- {_series_label(key, keys).capitalize()}:"
+        if values:
+            bounds = sum(1 for p in points if p["speedup"] and p["lower_bound"])
+            faster = sum(v > 1 for v in values)
+            line += (
+                f" pmlfunc is faster than PML on {faster} of {len(values)} losses, median "
+                f"speed-up {'at least ' if bounds else ''}{_ratio(_median(values), 1.0)}"
+            )
+            if bounds:
+                line += f" ({bounds} with PML stopped after one step over the time limit)"
+            line += ";" if floors else "."
+        if floors:
+            line += f" median {_ratio(_median(floors), 1.0)} the matmul floor's time."
+        lines.append(line)
+    return lines
+
+
+def _median(values: list[float]) -> float:
+    n = len(values)
+    return values[n // 2] if n % 2 else math.sqrt(values[n // 2 - 1] * values[n // 2])
+
+
+def summary_chart(runs: list[dict[str, Any]], path: Path, title: str | None = None) -> Path | None:
+    """The lead chart of the page (see the module docstring); None when no run has both a PML
+    and a pmlfunc time or a floor time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    data = speedups(runs)
+    keys, labels = _order(data)
+    if not keys:
+        return None
+    # float32 eager: one blue per batch size, light (small) to dark (large); other dtypes and
+    # modes: oranges, as diamonds.
+    main = [k for k in keys if (k[1], k[2]) == ("float32", "eager")]
+    other = [k for k in keys if k not in main]
+    style = {k: (plt.get_cmap("Blues")(0.45 + 0.5 * j / max(len(main) - 1, 1)), "o")
+             for j, k in enumerate(main)}  # fmt: skip
+    style |= {k: (plt.get_cmap("Oranges")(0.55 + 0.4 * j / max(len(other) - 1, 1)), "D")
+              for j, k in enumerate(other)}  # fmt: skip
+    height = 1.9 + 0.25 * len(labels)
+    fig, (ax_pml, ax_floor) = plt.subplots(
+        1, 2, figsize=(9.6, height), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    )
+    ys = {label: len(labels) - 1 - i for i, label in enumerate(labels)}
+    spread = 0.3 if len(keys) > 1 else 0.0
+    offsets = {k: spread * (j / max(len(keys) - 1, 1) - 0.5) for j, k in enumerate(keys)}
+    handles = {}
+    for key in keys:
+        color, marker = style[key]
+        for label, p in data[key].items():
+            y = ys[label] - offsets[key]
+            if p["speedup"]:
+                face = "white" if p["lower_bound"] else color
+                ax_pml.plot(p["speedup"], y, marker, ms=5.5, color=color, mfc=face)
+            if p["floor_ratio"]:
+                ax_floor.plot(p["floor_ratio"], y, marker, ms=5.5, color=color)
+        handles[key] = Line2D(
+            [], [], ls="", marker=marker, color=color, label=_series_label(key, keys)
+        )
+    legend = [handles[k] for k in (*main, *other)]
+    if any(p["lower_bound"] for points in data.values() for p in points.values()):
+        legend.append(
+            Line2D([], [], ls="", marker="o", color="grey", mfc="white",
+                   label="at least this (PML stopped after one slow step)")
+        )  # fmt: skip
+    from matplotlib.ticker import FuncFormatter
+
+    times = FuncFormatter(lambda v, _: f"{v:g}×")
+    for ax in (ax_pml, ax_floor):
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="black", lw=0.9)
+        ax.grid(True, axis="x", which="major", alpha=0.35)
+        ax.grid(True, axis="y", alpha=0.12)
+        ax.set_ylim(-0.7, len(labels) - 0.3)
+        ax.tick_params(axis="x", which="both", top=True, labeltop=True)
+        ax.xaxis.set_major_formatter(times)
+    ax_pml.set_yticks(range(len(labels)), list(reversed(labels)))
+    lo, hi = ax_pml.get_xlim()
+    ax_pml.set_xlim(min(lo, 0.5), max(hi, 2.0))
+    lo, hi = ax_floor.get_xlim()
+    ax_floor.set_xlim(min(lo, 0.8), max(hi, 10.0))
+    ax_pml.set_title("pmlfunc's speed-up over PML 2.9.0\n(PML time / pmlfunc time; right of 1×: faster)",
+                     fontsize=10)  # fmt: skip
+    ax_floor.set_title("pmlfunc's time over the matmul floor\n((E @ E.T).sum(); 1× = the floor)",
+                       fontsize=10)  # fmt: skip
+    legend_rows = math.ceil(len(legend) / 3)
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, (0.15 + 0.22 * legend_rows) / height, 1, 1))
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
 def write_csv(runs: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -211,14 +407,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args.output.mkdir(parents=True, exist_ok=True)
     md = args.output / (f"{args.name}.md" if args.name else "README.md")
     table = args.output / (f"{args.name}.csv" if args.name else "results.csv")
-    text = markdown(runs, args.title, args.command)
-    svgs = charts(runs, args.output, f"{args.name}-" if args.name else "")
+    prefix = f"{args.name}-" if args.name else ""
+    summary = summary_chart(runs, args.output / f"{prefix}summary.svg")
+    text = markdown(runs, args.title, args.command, summary=summary.name if summary else None)
+    svgs = charts(runs, args.output, prefix)
     if svgs:
         text += "\n## Scaling\n\n" + "\n".join(f"![{s.stem}]({s.name})" for s in svgs) + "\n"
     md.write_text(text)
     write_csv(runs, table)
-    print(f"wrote {md}, {table} and {len(svgs)} chart(s)")
-    return [md, table, *svgs]
+    print(f"wrote {md}, {table}, {'a summary chart and ' if summary else ''}{len(svgs)} chart(s)")
+    return [md, table, *([summary] if summary else []), *svgs]
 
 
 if __name__ == "__main__":

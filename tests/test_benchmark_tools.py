@@ -96,9 +96,78 @@ def test_report_writes_tables_csv_and_charts(eager_run, tmp_path):
     with (tmp_path / "rep" / "results.csv").open() as f:
         table = list(csv.DictReader(f))
     assert len(table) == len(eager_run["results"]) + 3
-    svgs = [p for p in written if p.suffix == ".svg"]
+    svgs = [p for p in written if p.suffix == ".svg" and p.name != "summary.svg"]
     assert [p.name for p in svgs] == ["contrastive.svg"]  # the only case at two batch sizes
     assert ET.parse(svgs[0]).getroot().tag.endswith("svg")
+    # the summary chart leads the page, before the first table
+    assert (tmp_path / "rep" / "summary.svg") in written
+    assert md.index("](summary.svg)") < md.index("## Batch 16, float32, eager")
+
+
+def _entry(case, impl, median=None, status="ok", reason=None):
+    return {"case": case, "impl": impl, "mode": "eager", "status": status, "reason": reason,
+            "stats": {"median": median} if median is not None else None}  # fmt: skip
+
+
+def _run(batch, entries, dtype="float32"):
+    return {"config": {"batch_size": batch, "dtype": dtype}, "results": entries}
+
+
+def test_summary_speedups_are_pml_over_pmlfunc_and_pmlfunc_over_floor():
+    one = _run(
+        512,
+        [
+            _entry("ntxent", "pml", 30.0),
+            _entry("ntxent", "pmlfunc", 3.0),
+            _entry("ntxent", "floor", 1.5),
+            # PML stopped after one 2.5 s step: the speed-up is a lower bound
+            _entry(
+                "pnp",
+                "pml",
+                status="skipped",
+                reason="one step took 2.5 s (> --max-step-seconds 2)",
+            ),
+            _entry("pnp", "pmlfunc", 5.0),
+            _entry("pnp", "floor", 1.0),
+            # no time for PML at all: no speed-up, the floor ratio still
+            _entry("lifted", "pml", status="skipped", reason="would build a 96 GiB matrix"),
+            _entry("lifted", "pmlfunc", 2.0),
+            _entry("lifted", "floor", 1.0),
+            # several pmlfunc variants: one row each
+            _entry("miner", "pml", 8.0),
+            _entry("miner", "pmlfunc-bounded", 2.0),
+            _entry("miner", "pmlfunc-unbounded", 4.0),
+        ],
+    )
+    got = report.speedups([one])[(512, "float32", "eager")]
+    assert got["ntxent"] == {"speedup": 10.0, "lower_bound": False, "floor_ratio": 2.0}
+    assert got["pnp"] == {"speedup": 500.0, "lower_bound": True, "floor_ratio": 5.0}
+    assert got["lifted"] == {"speedup": None, "lower_bound": False, "floor_ratio": 2.0}
+    assert got["miner (bounded)"]["speedup"] == 4.0
+    assert got["miner (unbounded)"]["speedup"] == 2.0
+    text = report.summary_text([one])
+    assert text == [
+        "- Batch 512: pmlfunc is faster than PML on 4 of 4 losses, median speed-up at least "
+        "6.3× (1 with PML stopped after one step over the time limit); median 2.0× the matmul "
+        "floor's time."
+    ]
+
+
+def test_report_of_a_single_run_leads_with_the_summary_chart(eager_run, tmp_path):
+    source = tmp_path / "b16.json"
+    source.write_text(json.dumps(eager_run))
+    written = report.main([str(source), "--output", str(tmp_path / "one"), "--name", "cpu"])
+    summary = tmp_path / "one" / "cpu-summary.svg"
+    assert summary in written
+    root = ET.parse(summary).getroot()
+    assert root.tag.endswith("svg")
+    svg_text = summary.read_text()
+    for case in ("contrastive", "mined-triplet", "proxy"):  # one row per loss measured by both
+        assert f">{case}<" in svg_text or case in svg_text
+    md = (tmp_path / "one" / "cpu.md").read_text()
+    first_table = md.index("## Batch 16, float32, eager")
+    assert md.index("](cpu-summary.svg)") < first_table
+    assert md.index("- Batch 16: pmlfunc is faster than PML on") < first_table
 
 
 @pytest.mark.parametrize("limit", [100, 700, 5000])
