@@ -43,15 +43,22 @@ from . import (
 LOSSES: dict[tuple[str, str, int], float] = {}
 
 
-def loss_value(case: Case, impl: str, batch: int) -> float:
-    """``impl``'s loss on the suite's inputs at ``batch``, computed without gradients once."""
-    key = (case.name, impl, batch)
+def loss_value(case: Case, impl: str, batch: int, *, float64: bool = False) -> float:
+    """``impl``'s loss on the suite's inputs at ``batch``, computed without gradients once
+    (``float64``: on the inputs cast to float64, the arbiter when the two libraries differ)."""
+    key = (case.name, impl + ("/float64" if float64 else ""), batch)
     if key not in LOSSES:
         emb, labels = inputs(batch)
+        if float64:
+            emb = emb.double()
         fn, _ = case.members[impl].make(emb, labels)
         with torch.no_grad():
             LOSSES[key] = float(fn(emb, labels))
     return LOSSES[key]
+
+
+def _agree(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL)
 
 
 def twins(name: str, pmlfunc: Member, pml: Callable[[], Fn], **case) -> Case:
@@ -79,7 +86,8 @@ def same_settings(
 
 
 def loss_vs_pml(benchmark, request, case: Case, impl: str) -> None:
-    """Measure one member of a :func:`twins` case; pmlfunc and PML agree (rtol 1e-3)."""
+    """Measure one member of a :func:`twins` case; pmlfunc and PML agree (rtol 1e-3), or,
+    where they do not, pmlfunc agrees with PML evaluated in float64."""
     batch = case_batch(case, benchmark.disabled)
     emb, labels = inputs(batch)
     base_step = make_step(case.members[impl], emb, labels)
@@ -102,10 +110,16 @@ def loss_vs_pml(benchmark, request, case: Case, impl: str) -> None:
         if impl in ("pmlfunc", "pml"):
             other = "pml" if impl == "pmlfunc" else "pmlfunc"
             ref = loss_value(case, other, batch)
-            assert math.isclose(value, ref, rel_tol=RTOL, abs_tol=ATOL), (
-                f"{name} at batch {batch}: pmlfunc and PML disagree: {impl}={value!r}, "
-                f"{other}={ref!r} (rtol={RTOL})"
-            )
+            if not _agree(value, ref):
+                # Where they differ, PML's own loss in float64 decides: pmlfunc must be as close
+                # to it as the tolerance (PML's float32 sums drift at large batches).
+                ours = value if impl == "pmlfunc" else ref
+                exact = loss_value(case, "pml", batch, float64=True)
+                assert _agree(ours, exact), (
+                    f"{name} at batch {batch}: pmlfunc and PML disagree: {impl}={value!r}, "
+                    f"{other}={ref!r}, and pmlfunc is not within rtol={RTOL} of PML in "
+                    f"float64 ({exact!r})"
+                )
 
 
 # (loss, embedding gradient) per (case, impl) of the members_agree bodies that have run.

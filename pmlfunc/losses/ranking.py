@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import bin_floor, einsum, ratio, scalar_like
+from .._ops import bin_floor, einsum, matmul, ratio, scalar_like
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
 from ..tuples import (
@@ -513,8 +513,13 @@ def _dsm_list(v: Tensor, w: Tensor, lo, delta, k: int):
 def _dsm_product(d: Tensor, pos: Tensor, neg: Tensor, lo, delta, k: int):
     """The same over every triplet ``(a, p, n)`` with weight ``pos[a, p] · neg[a, n]``, without
     enumerating them: one sort of each anchor's negatives, then for every (anchor, positive)
-    the negatives in each bin of ``t = (d_ap − d_an − lo)/Δ`` by binary search (``t ≥ j`` iff
-    ``d_an ≤ d_ap − lo − jΔ``), and their count and sum of ``d_an`` from prefix sums."""
+    the negatives with ``t = (d_ap − d_an − lo)/Δ ≥ j`` by binary search (``t ≥ j`` iff
+    ``d_an ≤ d_ap − lo − jΔ``): their count ``N_j`` and sum of ``d_an`` ``S_j`` from prefix sums.
+
+    Both the histogram and the loss are linear in the per-segment counts and sums, so they are
+    written in the cumulative ``N_j``, ``S_j`` directly (summation by parts) and every
+    ``(a, p)`` sum is taken once, as a contraction of the ``(B·M, K)`` tables with the weights
+    ``pos`` and ``pos · d``: no per-segment ``(B, M, K + 1)`` tensors in either pass."""
     b, m = d.shape
     key = torch.where(neg > 0, d.detach(), torch.finfo(d.dtype).max)
     keys, order = key.sort(-1)
@@ -523,28 +528,38 @@ def _dsm_product(d: Tensor, pos: Tensor, neg: Tensor, lo, delta, k: int):
     ccount = torch.cat([zero, wn.cumsum(-1)], -1)  # (B, M + 1)
     csum = torch.cat([zero, (wn * dn).cumsum(-1)], -1)
     steps = torch.arange(k, dtype=d.dtype, device=d.device)
-    bounds = d.unsqueeze(-1) - lo - delta * steps  # (B, M, K): c_j = d_ap − lo − jΔ
+    bounds = d.detach().unsqueeze(-1) - lo - delta * steps  # (B, M, K): c_j = d_ap − lo − jΔ
+    # Columns that are no positive weigh 0: a constant query makes their searches cheap
+    # (predictable branches, one cache line), ~5× faster than searching their real bounds.
+    bounds = torch.where((pos > 0).unsqueeze(-1), bounds, -torch.inf)
     at = torch.searchsorted(keys.contiguous(), bounds.detach().reshape(b, m * k), right=True)
-    n_ge = ccount.gather(-1, at).view(b, m, k)  # negatives with t ≥ j
-    s_ge = csum.gather(-1, at).view(b, m, k)
-    tot_n = ccount[:, -1:].unsqueeze(-1).expand(b, m, 1)
-    tot_s = csum[:, -1:].unsqueeze(-1).expand(b, m, 1)
-    end = d.new_zeros(b, m, 1)
-    nf, sf = torch.cat([tot_n, n_ge, end], -1), torch.cat([tot_s, s_ge, end], -1)
-    # Segments: t < 0, [0, 1), ..., [K−2, K−1), t ≥ K−1 (K + 1 of them).
-    cnt, ssum = nf[..., :-1] - nf[..., 1:], sf[..., :-1] - sf[..., 1:]
-    u = ((d - lo) / delta).unsqueeze(-1)
+    n_ge = ccount.gather(-1, at).view(b * m, k)  # N_j: negatives with t ≥ j
+    s_ge = csum.gather(-1, at).view(b * m, k)  # S_j: their sum of d_an
+    pos_d = pos * d
+    a_n, d_n = matmul(torch.stack([pos, pos_d]).view(2, b * m), n_ge).unbind(0)  # Σ pos·N, ·d·N
+    s_n = matmul(pos.reshape(1, b * m), s_ge)[0]  # Σ pos·S
+    n_pos = pos.sum(-1)
+    total = (n_pos * ccount[:, -1]).sum()  # Σ pos·N_total: the weight of every triplet
+    d_tot = (pos_d.sum(-1) * ccount[:, -1]).sum()  # Σ pos·d·N_total
+    s_tot = (n_pos * csum[:, -1]).sum()  # Σ pos·S_total
+
+    def segments(tot: Tensor, ge: Tensor) -> Tensor:
+        """Per segment (``t < 0``, ``[0, 1)``, ..., ``[K−2, K−1)``, ``t ≥ K−1``) from the
+        cumulative values: ``(K + 1,)``."""
+        return torch.cat([(tot - ge[0]).unsqueeze(0), ge[:-1] - ge[1:], ge[-1:]])
+
+    cnt, ssum = segments(total, a_n), segments(s_tot, s_n)
+    u_cnt = (segments(d_tot, d_n) - lo * cnt) / delta  # Σ pos·u·count, u = (d_ap − lo)/Δ
     inner = torch.arange(k - 1, dtype=d.dtype, device=d.device)
-    alpha = cnt[..., 1:k] * (u - inner) - ssum[..., 1:k] / delta  # Σ α over [j, j + 1)
-    node = F.pad(cnt[..., 1:k] - alpha, (0, 1)) + F.pad(alpha, (1, 0))
-    edges = torch.cat([cnt[..., :1], end.expand(b, m, k - 2), cnt[..., k:]], -1)
-    hist = (pos.unsqueeze(-1) * (node + edges)).sum((0, 1))
-    total = (pos.sum(-1) * ccount[:, -1]).sum()
-    vsum = cnt * d.unsqueeze(-1) - ssum  # Σ (d_ap − d_an) per segment
+    # Σ over [j, j + 1) of (t − j): the share of node j + 1; the rest goes to node j.
+    alpha = u_cnt[1:k] - inner * cnt[1:k] - ssum[1:k] / delta
+    hist = F.pad(cnt[1:k] - alpha, (0, 1)) + F.pad(alpha, (1, 0))
+    hist = hist + torch.cat([cnt[:1], cnt.new_zeros(k - 2), cnt[k:]])  # t < 0, t ≥ K − 1
 
     def loss_sum(cdf: Tensor) -> Tensor:
-        cdf_seg = torch.cat([cdf[:1], cdf[: k - 1], cdf[k - 1 :]])
-        return (pos.unsqueeze(-1) * vsum * cdf_seg).sum()
+        # Σ pos Σ_segments (count·d_ap − sum)·cdf_segment, by parts: the cdf's steps meet N, S.
+        step = cdf[1:] - cdf[:-1]
+        return (d_tot - s_tot) * cdf[0] + (step * (d_n[1:] - s_n[1:])).sum()
 
     return hist, total, loss_sum
 
