@@ -88,7 +88,8 @@ def index(t: Tensor, size: int, name: str) -> Tensor:
                     f"(valid: -{size} <= index < {size})"
                 )
         elif t.device.type != "meta":
-            torch._assert_async(inside.all(), f"{name}: an index is out of range for {size} rows")
+            # (pyright: torch's __all__ omits the private name)
+            torch._assert_async(inside.all(), f"{name}: an index is out of range for {size} rows")  # pyright: ignore[reportPrivateImportUsage]
     return torch.where(t < 0, t + size, t)
 
 
