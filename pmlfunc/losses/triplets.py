@@ -150,7 +150,7 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     if isinstance(it, (TripletWindow, TripletMask)):
         # the miner's own label masks (the batch's masks hold its pair multiplicities)
         select = it.for_rows(batch.rows)
-        if isinstance(select, TripletWindow):  # the type of it
+        if isinstance(select, TripletWindow):  # (for_rows keeps the type of it)
             pos, neg = select.pos.to(e.dtype), select.neg.to(e.dtype)
         else:
             pos = neg = torch.ones_like(e)
