@@ -68,28 +68,35 @@ def labels(
 
 def index(t: Tensor, size: int, name: str) -> Tensor:
     """Integer indices into ``size`` rows, negative ones wrapped (Python's and PML's rule:
-    ``-1`` is the last row), after checking ``−size ≤ t < size``.
-
-    The check reads values, so it runs where that costs nothing and cannot break a trace: in
-    eager mode on CPU it raises an ``IndexError`` naming ``name``, the first offending position
-    and the valid range. On CUDA and under ``torch.compile`` it is a device-side assert
-    (``torch._assert_async``: no host sync; a ``RuntimeError`` when it fires). Inside
-    ``torch.func`` transforms (no batching rule for the assert) it is not checked.
-    """
+    ``-1`` is the last row), after checking ``−size ≤ t < size`` (:func:`in_range`)."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 index tensor, got {t.dtype}")
-    if not inside_transform() and t.numel() > 0:
-        inside = (t >= -size) & (t < size)
-        if t.device.type == "cpu" and not torch.compiler.is_compiling():
-            if not bool(inside.all()):
-                pos = int((~inside).nonzero()[0, 0])
-                raise IndexError(
-                    f"{name}[{pos}] = {int(t[pos])} is out of range for {size} rows "
-                    f"(valid: -{size} <= index < {size})"
-                )
-        elif t.device.type != "meta":
-            torch._assert_async(inside.all(), f"{name}: an index is out of range for {size} rows")
+    in_range(t, -size, size, name, f"for {size} rows")
     return torch.where(t < 0, t + size, t)
+
+
+def in_range(t: Tensor, low: int, high: int, name: str, what: str = "") -> None:
+    """Check ``low ≤ t < high`` where reading the values costs nothing and cannot break a
+    trace: in eager mode on CPU an ``IndexError`` naming ``name``, the first offending position
+    and the valid range. On CUDA and under ``torch.compile`` it is a device-side assert
+    (``torch._assert_async``: no host sync; a ``RuntimeError`` when it fires). Not checked on
+    ``meta`` or inside ``torch.func`` transforms (no batching rule for the assert). ``what``
+    (e.g. ``"for 8 rows"``) follows "is out of range" in the message."""
+    if t.numel() == 0 or inside_transform():
+        return
+    inside = (t >= low) & (t < high)
+    what = f" {what}" if what else ""
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(inside.all()):
+            pos = tuple(int(i) for i in (~inside).nonzero()[0])
+            where = pos[0] if len(pos) == 1 else pos
+            raise IndexError(
+                f"{name}[{where}] = {int(t[pos])} is out of range{what} "
+                f"(valid: {low} <= value < {high})"
+            )
+    elif t.device.type != "meta":
+        # (pyright: torch's __all__ omits the private name)
+        torch._assert_async(inside.all(), f"{name}: a value is out of range{what} [{low}, {high})")  # pyright: ignore[reportPrivateImportUsage]
 
 
 def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "embeddings") -> None:

@@ -132,6 +132,7 @@ class _RingLoss(torch.autograd.Function):
                 return [col if travel is None else _merge_cols(travel[0], col)]
 
             home = ring.circulate(block, visit)
+            assert acc is not None  # circulate visits every rank's block, this one's included
             if home is not None:
                 acc.update(zip(_COL, home[0].unbind(-1), strict=True))
             return acc
@@ -164,7 +165,8 @@ class _RingLoss(torch.autograd.Function):
             block.append(torch.stack(own_col, -1))
         need_cols = need_x if self_mode else need_y
         needs = (need_x, need_cols, need_scale, need_bias)
-        gx, sums = None, {}
+        gx: Tensor | None = None
+        sums: dict[str, Tensor] = {}
 
         def visit(owner, blk, travel):
             nonlocal gx
@@ -206,7 +208,7 @@ def _merge_cols(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack([cols[k] for k in _COL], -1)
 
 
-def _block_labels(call: EngineCall) -> Tensor:
+def _block_labels(call: EngineCall) -> Tensor | None:
     return call.rows if call.cols is None else call.cols
 
 

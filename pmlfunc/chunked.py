@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,11 @@ from .losses._regularize import regularize
 __all__ = ["chunkable", "value_and_grad"]
 
 _WRT = ("embeddings", "ref_emb")
+
+
+# torch.func.vjp without has_aux: (value, vjp_fn). torch annotates its result as a pair or a
+# triple (has_aux=True), so the pair is cast to this.
+_VjpPair: TypeAlias = "tuple[Tensor, Callable[[Tensor], tuple[Tensor]]]"
 
 
 @functools.cache
@@ -162,6 +167,7 @@ def _chunked(
 ) -> tuple[Tensor, Any]:
     """The two passes of :func:`value_and_grad` over one checked call."""
     embeddings, ref_emb, reducer = call.embeddings, call.ref_emb, call.reducer
+    assert reducer is not None  # split_call refuses a call without one (unchunkable)
     _checks.embeddings(embeddings)
     batch_size = embeddings.shape[0]
     chunks = [(r, min(r + chunk_size, batch_size)) for r in range(0, batch_size, chunk_size)]
@@ -174,8 +180,10 @@ def _chunked(
     def prep(x: Tensor) -> Tensor:
         return normalize(x.to(cd))
 
-    x_hat, x_vjp = torch.func.vjp(prep, embeddings)
-    ref_hat, ref_vjp = (None, None) if ref_emb is None else torch.func.vjp(prep, ref_emb)
+    x_hat, x_vjp = cast(_VjpPair, torch.func.vjp(prep, embeddings))
+    ref_hat, ref_vjp = (
+        (None, None) if ref_emb is None else cast(_VjpPair, torch.func.vjp(prep, ref_emb))
+    )
     self_mode = ref_emb is None
 
     def terms_of(anchors: Tensor, x: Tensor, ref: Tensor | None, rows: tuple[int, int]):
@@ -202,19 +210,21 @@ def _chunked(
     argnums = (0, 1) if self_mode else ((0, 2) if want_ref else (0,))
     grad_and_value = torch.func.grad_and_value(chunk_value, argnums=argnums)
     g_x = torch.zeros_like(x_hat) if want_x else None
-    g_ref = torch.zeros_like(ref_hat) if want_ref else None
+    # (want_ref implies a ref_emb: value_and_grad checks it)
+    g_ref = torch.zeros_like(ref_hat) if want_ref and ref_hat is not None else None
     total = x_hat.new_zeros(()) if not mine else None
     for r0, r1 in mine:
         grads, v = grad_and_value(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
         total = v if total is None else total + v
-        if want_x:
+        if g_x is not None:
             g_x[r0:r1] += grads[0]
             if self_mode:
                 g_x += grads[1]
-        if want_ref:
+        if g_ref is not None:
             g_ref += grads[1]
+    assert total is not None  # mine is not empty when total starts as None
     results = []
-    if want_x:
+    if g_x is not None:
         results.append(x_vjp(g_x)[0])
     if call.embedding_regularizer is not None:  # on the raw embeddings, once: its own gradient
         reg_grad, reg = torch.func.grad_and_value(
@@ -225,7 +235,7 @@ def _chunked(
         total = total + reg.to(total.dtype)
         if want_x:
             results[0] = results[0] + reg_grad
-    if want_ref:
+    if g_ref is not None and ref_vjp is not None:
         results.append(ref_vjp(g_ref)[0])
     results = [results[0 if n == "embeddings" or not want_x else 1] for n in names]
     out = total.to(cd)  # the loss's dtype: float32 for float16/bfloat16 embeddings

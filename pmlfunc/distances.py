@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -360,6 +360,10 @@ class _Normalizing(Distance):
     def norm_p(self) -> float:
         return 2.0
 
+    @overload
+    def _normalized(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def _normalized(self, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor | None]: ...
     def _normalized(self, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if not self.normalize:
             return x, y

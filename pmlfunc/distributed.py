@@ -347,6 +347,7 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
     if call.embedding_regularizer is not None:  # a regularizer of the whole batch: compute it whole
         return None
     reducer = call.reducer
+    assert reducer is not None  # split_call refuses a call without one (unchunkable)
 
     def share(rows: tuple[int, int], group) -> Tensor:
         batch = call.batch(rows)

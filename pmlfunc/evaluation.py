@@ -46,7 +46,6 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import inside_transform
 from .distances import Distance, cosine, resolve
 
 __all__ = [
@@ -584,23 +583,6 @@ class Relevance(NamedTuple):
     """``(Q, K)`` float64: each query's ``K`` largest grades, descending, zero-padded."""
 
 
-def _check_range(t: Tensor, low: int, high: int, name: str) -> None:
-    """``low <= t < high``: an ``IndexError`` in eager mode on CPU, a device-side assert on an
-    accelerator or under ``torch.compile``, nothing on ``meta`` or inside ``torch.func``."""
-    if t.numel() == 0 or inside_transform():
-        return
-    inside = (t >= low) & (t < high)
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(inside.all()):
-            pos = tuple(int(i) for i in (~inside).nonzero()[0])
-            where = pos[0] if len(pos) == 1 else pos
-            raise IndexError(
-                f"{name}[{where}] = {int(t[pos])} is out of range (valid: {low} <= value < {high})"
-            )
-    elif t.device.type != "meta":
-        torch._assert_async(inside.all(), f"{name}: a value is out of range [{low}, {high})")
-
-
 def _int_tensor(t: object, name: str, ndim: int) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -878,9 +860,9 @@ def neighbor_relevance(
             f"indices has {idx.shape[1]} neighbours per query but there are only "
             f"{src.num_references} reference rows"
         )
-    _check_range(idx, 0, src.num_references, "indices")
+    _checks.in_range(idx, 0, src.num_references, "indices")
     if src.relevant_ids is not None:
-        _check_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
+        _checks.in_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
     with torch.no_grad():
         return _gather_relevance(idx, src, chunk_size)
 
@@ -1049,7 +1031,7 @@ def retrieval_scores(
         query_name="query",
     )
     if src.relevant_ids is not None:
-        _check_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
+        _checks.in_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
     k = max(k for _, _, k in parsed)
     available = ref.shape[0] - int(exclude)
     if k > available:
@@ -1114,7 +1096,7 @@ def cross_modal_scores(
     _checks.embeddings(text, "text")
     _checks.same_space(image, text, "text", "image")
     t2i = _checks.labels(text_to_image, text.shape[0], text.device, "text_to_image", "text")
-    _check_range(t2i, 0, image.shape[0], "text_to_image")
+    _checks.in_range(t2i, 0, image.shape[0], "text_to_image")
     image_ids = torch.arange(image.shape[0], device=image.device)
     common = {"metrics": metrics, "distance": distance, "chunk_size": chunk_size}
     return {

@@ -129,6 +129,8 @@ def any_pairs(
             torch.full((), n_pos > 0, dtype=torch.bool, device=device),
             torch.full((), n_neg > 0, dtype=torch.bool, device=device),
         )
+    if labels is None:
+        raise ValueError("labels and indices_tuple cannot both be None")
     lo, hi = labels.amin(), labels.amax()
     if ref_labels is None:
         ordered = labels.sort().values

@@ -87,9 +87,9 @@ class _Setup:
         self.distance: Distance = resolve(distance, default)
         self.k = _tuples_per_anchor(tuples_per_anchor)
         device = embeddings.device
-        self.seed = seed_tensor(generator, device) if (stochastic or self.k is not None) else None
+        self._seed = seed_tensor(generator, device) if (stochastic or self.k is not None) else None
         # (angular works on the embeddings themselves: no matrix)
-        self.mat = (
+        self._mat = (
             matrix(embeddings, ref_emb, mat, self.distance, needs_grad=False).detach()
             if need_matrix
             else None
@@ -104,6 +104,18 @@ class _Setup:
         self.source = (
             (self.distance, mat) if mat is not None else (self.distance, embeddings, ref_emb)
         )
+
+    @property
+    def mat(self) -> Tensor:
+        """The detached ``(B, M)`` matrix (built unless ``need_matrix=False``)."""
+        assert self._mat is not None, "this miner's setup built no matrix (need_matrix=False)"
+        return self._mat
+
+    @property
+    def seed(self) -> Tensor:
+        """The 0-d seed tensor (drawn for a stochastic miner or with ``tuples_per_anchor``)."""
+        assert self._seed is not None, "this miner's setup drew no seed (not stochastic, no k)"
+        return self._seed
 
     @property
     def e(self) -> Tensor:
@@ -419,12 +431,12 @@ def batch_easy_hard(
         raise ValueError('pos_strategy and neg_strategy cannot both be "semihard"')
     if {pos_strategy, neg_strategy} == {"all", "semihard"}:
         raise ValueError('"semihard" cannot be used in combination with "all"')
-    for name, v in (
+    for name, rng in (
         ("allowed_pos_range", allowed_pos_range),
         ("allowed_neg_range", allowed_neg_range),
     ):
-        if v is not None and (not isinstance(v, (tuple, list)) or len(v) != 2):
-            raise ValueError(f"{name} must be None or a (low, high) pair, got {v!r}")
+        if rng is not None and (not isinstance(rng, (tuple, list)) or len(rng) != 2):
+            raise ValueError(f"{name} must be None or a (low, high) pair, got {rng!r}")
     s = _Setup(
         embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), tuples_per_anchor, generator
     )
@@ -437,11 +449,22 @@ def batch_easy_hard(
     return s.bound_pairs(pos, neg)
 
 
-def _easy_hard(s: _Setup, pos_strategy, neg_strategy, pos_range, neg_range):
+def _easy_hard(
+    s: _Setup,
+    pos_strategy: str,
+    neg_strategy: str,
+    pos_range: tuple[float, float] | None,
+    neg_range: tuple[float, float] | None,
+) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """PML's per-row selection: ``(p_idx, p_keep)`` and ``(n_idx, n_keep)``, each ``None`` for
     an ``"all"`` side."""
 
-    def pick(mask, strategy_is_far, rng, thresholds=None):
+    def pick(
+        mask: Tensor,
+        strategy_is_far: bool,
+        rng: tuple[float, float] | None,
+        thresholds: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         # "far" = largest distance (smallest similarity); PML's get_x_per_row.
         xtype_max = strategy_is_far != s.is_similarity
         m = s.mat
@@ -511,7 +534,9 @@ def batch_hard(
     """
     _tuples_per_anchor(tuples_per_anchor)  # validated; there is one triplet per anchor already
     s = _Setup(embeddings, labels, ref_emb, ref_labels, mat, distance, lp(), None, None)
-    (p, p_keep), (n, n_keep) = _easy_hard(s, "hard", "hard", None, None)
+    p_pick, n_pick = _easy_hard(s, "hard", "hard", None, None)
+    assert p_pick is not None and n_pick is not None  # only an "all" side picks nothing
+    (p, p_keep), (n, n_keep) = p_pick, n_pick
     keep = (p_keep & n_keep).unsqueeze(-1)
     return _per_anchor_triplets(p.unsqueeze(-1), n.unsqueeze(-1), keep, s.mat.dtype)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import optree
 import torch
@@ -156,8 +157,9 @@ def count(params) -> int:
     return sum(t.numel() for t in optree.tree_leaves(params, namespace="torch"))
 
 
-def tree_flatten(params) -> tuple[Tensor, Callable[[Tensor], dict]]:
-    """Concatenate every leaf into one flat vector; returns ``(vector, unflatten)``.
+def tree_flatten(params) -> tuple[Tensor, Callable[[Tensor], Any]]:
+    """Concatenate every leaf into one flat vector; returns ``(vector, unflatten)``, where
+    ``unflatten`` rebuilds a tree of ``params``'s structure (a dict for a loss's parameters).
 
     Useful for checks (``gradcheck`` over all parameters, comparing two trees at once).
     """
@@ -165,7 +167,7 @@ def tree_flatten(params) -> tuple[Tensor, Callable[[Tensor], dict]]:
     shapes = [t.shape for t in leaves]
     flat = torch.cat([t.reshape(-1) for t in leaves]) if leaves else torch.empty(0)
 
-    def unflatten(vector: Tensor):
+    def unflatten(vector: Tensor) -> Any:
         out, start = [], 0
         for shape in shapes:
             n = math.prod(shape)

@@ -25,6 +25,7 @@ added as it is, whatever the reducer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -411,13 +412,16 @@ def none() -> Reducer:
 
 def reduce(
     reducer: Reducer | None,
-    terms: dict[str, Terms],
+    terms: Mapping[str, Terms],
     labels: Tensor | None,
     out_dtype: torch.dtype,
-):
+) -> Any:
     """Reduce every sub-loss with ``reducer`` and sum them (PML's ``MultipleReducers``); the
     result in ``out_dtype`` (a dict of unreduced terms for :func:`none`). ``reducer=None`` is for
     a loss whose every sub-loss is :class:`AlreadyReduced`.
+
+    The result is a 0-d ``Tensor``, or for :func:`none` a ``dict[str, dict[str, Any]]``
+    (annotated ``Any``: which one depends on the reducer's value, not its type).
 
     Example:
         >>> reduce(sum(), {"a": elements(torch.ones(3)), "b": elements(torch.ones(2))}, None,
@@ -432,8 +436,13 @@ def reduce(
         )
     if isinstance(reducer, _None):
         return {name: t.dense() for name, t in terms.items()}
-    total = None
+    total: Tensor | None = None
     for t in terms.values():
-        v = t.value if isinstance(t, AlreadyReduced) else reducer(t, labels)
+        if isinstance(t, AlreadyReduced):
+            v = t.value
+        else:
+            assert reducer is not None  # checked above: without one every term is AlreadyReduced
+            v = reducer(t, labels)
         total = v if total is None else total + v
+    assert total is not None, "reduce needs at least one sub-loss"
     return total.to(out_dtype)

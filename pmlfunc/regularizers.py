@@ -32,9 +32,9 @@ __all__ = [
 def _input(x: object, name: str) -> tuple[Tensor, torch.dtype]:
     """``x`` in the compute dtype, and the regularizer's dtype: that one too (float32 for
     float16/bfloat16 inputs), as the losses'."""
-    _checks.embeddings(x, name)
-    cd = _checks.compute_dtype(x.dtype)
-    return x.to(cd), cd
+    t = _checks.embeddings(x, name)
+    cd = _checks.compute_dtype(t.dtype)
+    return t.to(cd), cd
 
 
 def _reduce(values: Tensor, reducer: Reducer | None, default: Reducer, out_dtype) -> Tensor:

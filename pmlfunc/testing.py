@@ -112,13 +112,13 @@ def check_distributed(
         raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
     names = _names(loss_fn, len(args))
     batch = _batch_size(args, kwargs)
-    sizes = _sizes(batch, world_size, sizes)
+    shard_sizes = _sizes(batch, world_size, sizes)
     expected_loss, expected = _single_process(loss_fn, args, kwargs, names)
-    payload = (loss_fn, distributed_fn, exchange, args, kwargs, names, sizes)
+    payload = (loss_fn, distributed_fn, exchange, args, kwargs, names, shard_sizes)
     results = spawn_ranks(_check_rank, payload, world_size=world_size, timeout=timeout)
     report = DistributedReport(
         world_size,
-        tuple(sizes),
+        tuple(shard_sizes),
         float(expected_loss),
         max(abs(float(r["loss"]) - float(expected_loss)) for r in results),
     )
@@ -147,7 +147,7 @@ def check_distributed(
             )
     if problems:
         raise DistributedMismatch(
-            f"{_name(loss_fn)} on {world_size} ranks (batch sizes {list(sizes)}) is not the "
+            f"{_name(loss_fn)} on {world_size} ranks (batch sizes {shard_sizes}) is not the "
             "single-process loss of the whole batch:\n- " + "\n- ".join(problems)
         )
     return report
@@ -284,21 +284,22 @@ def spawn_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout
         >>> spawn_ranks(torch.distributed.get_world_size, world_size=2)
         [2, 2]
     """
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
+        ctx = start_processes(
             _rank_main,
             args=(_free_port(), world_size, fn, args, out_dir),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
+        assert ctx is not None  # join=False: start_processes returns the context
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                for p in ctx.processes:
-                    p.kill()
+                for p in ctx.processes:  # (pyright infers [None] * n from torch's unannotated code)
+                    p.kill()  # pyright: ignore[reportAttributeAccessIssue]
                 raise TimeoutError(f"the {world_size} ranks did not finish within {timeout} s")
         results = []
         for r in range(world_size):

@@ -153,7 +153,7 @@ class MinedPairs(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.pos.shape)
+        return (self.pos.shape[0], self.pos.shape[1])
 
     def pair_masks(self, shape, dtype: torch.dtype, rows=None) -> tuple[Tensor, Tensor]:
         return _pair_rows(self.pos, rows).to(dtype), _pair_rows(self.neg, rows).to(dtype)
@@ -176,7 +176,7 @@ class MinedPairs(NamedTuple):
             reps = w.round().long().reshape(-1)
             flat = torch.arange(reps.numel(), device=w.device).repeat_interleave(reps)
             out += [flat // w.shape[1], flat % w.shape[1]]
-        return tuple(out)
+        return out[0], out[1], out[2], out[3]
 
 
 class MinedTriplets(NamedTuple):
@@ -204,7 +204,7 @@ class MinedTriplets(NamedTuple):
     def sample_counts(self, batch_size: int, dtype: torch.dtype, anchors_only: bool) -> Tensor:
         idx = (self.anchors,) if anchors_only else (self.anchors, self.positives, self.negatives)
         w = self.valid
-        return sum(_counts_by_index(i, w, batch_size, dtype, w.device) for i in idx)
+        return sum(_counts_by_index(i, w, batch_size, dtype, w.device) for i in idx)  # type: ignore[return-value]  # idx is never empty: a Tensor
 
     def for_rows(self, rows: tuple[int, int] | None) -> MinedTriplets:
         """The triplets of the anchor ``rows = (r0, r1)`` of a chunk, anchors renumbered from 0:
@@ -318,7 +318,8 @@ class TripletMask(NamedTuple):
     def to_indices(self) -> tuple[Tensor, Tensor, Tensor]:
         """PML triplets ``(a, p, n)`` ordered by anchor, positive, negative (eager only)."""
         _eager_only("TripletMask")
-        return tuple(torch.where(self.mask))
+        a, p, n = torch.where(self.mask)
+        return a, p, n
 
 
 MINED_TYPES = (MinedPairs, MinedTriplets, TripletWindow, TripletMask)
@@ -392,7 +393,8 @@ def _cube_indices(select, shape) -> tuple[Tensor, Tensor, Tensor]:
     for start in range(0, b, chunk):
         a, p, n = torch.where(select(start, min(b, start + chunk)))
         parts.append((a + start, p, n))
-    return tuple(torch.cat([x[i] for x in parts]) for i in range(3))
+    a, p, n = (torch.cat([x[i] for x in parts]) for i in range(3))
+    return a, p, n
 
 
 class WindowSearch(NamedTuple):
@@ -401,7 +403,8 @@ class WindowSearch(NamedTuple):
     order: Tensor  # (B, M) column order sorting each row's negatives first, by e
     first: Tensor  # (B, M) first sorted position inside the window
     stop: Tensor  # (B, M) one past the last (narrowed by the margin when given)
-    count: Tensor  # (B, M) int64 (stop − first) on positives, 0 elsewhere
+    # (B, M) int64 (stop − first) on positives, 0 elsewhere (the ignore: it shadows tuple.count)
+    count: Tensor  # type: ignore[assignment]
     window_count: Tensor  # (B, M) the same without the margin
 
 

@@ -289,14 +289,15 @@ def multiple_losses(
         raise TypeError(
             f"losses must be a dict or a list of loss functions, got {type(losses).__name__}"
         )
-    keys = list(losses) if is_dict else list(range(len(losses)))
+    # the dict's keys (str) or the list's positions (int): whatever indexes losses
+    keys: list[Any] = list(losses) if is_dict else list(range(len(losses)))
     if not keys:
         raise ValueError("losses is empty")
     for k in keys:
         if not callable(losses[k]):
             raise TypeError(f"losses[{k!r}] must be a loss function")
 
-    def aligned(x, name, all_keys):
+    def aligned(x: Any, name: str, all_keys: bool) -> dict[Any, Any]:
         if x is None:
             return {}
         if is_dict:
@@ -320,11 +321,12 @@ def multiple_losses(
     ) -> Tensor:
         if miner_of and indices_tuple is not None:
             raise ValueError("indices_tuple cannot be given when miners are set")
-        total = None
+        total: Tensor | None = None
         for k in keys:
             it = miner_of[k](embeddings, labels) if k in miner_of else indices_tuple
             term = losses[k](embeddings, labels, indices_tuple=it, **kwargs) * weight_of.get(k, 1.0)
             total = term if total is None else total + term
+        assert total is not None  # keys is not empty (checked above)
         return total
 
     return combined

@@ -68,7 +68,7 @@ def test_an_index_out_of_range_names_the_tuple_position_and_the_valid_range(name
     role = "p" if len(tup) == 4 else "positives"
     match = (
         rf"indices_tuple\[1\] \({role}\)\[2\] = {bad} is out of range for {B} rows "
-        rf"\(valid: -{B} <= index < {B}\)"
+        rf"\(valid: -{B} <= value < {B}\)"
     )
     with pytest.raises(IndexError, match=match):
         fn(emb, labels, indices_tuple=tuple(broken), **hp)

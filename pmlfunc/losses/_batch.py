@@ -8,8 +8,8 @@ A *batch loss* scores a batch of embeddings against itself (or a reference set) 
 
        def contrastive(embeddings, labels=None, *, pos_margin=0.0, neg_margin=1.0, **inputs):
            '''...'''
-           return contrastive.spec(embeddings, labels, inputs, pos_margin=pos_margin,
-                                   neg_margin=neg_margin)
+           return spec(contrastive)(embeddings, labels, inputs, pos_margin=pos_margin,
+                                    neg_margin=neg_margin)
 
 2. the terms, the math: a function of a :class:`Batch` and the hyper-parameters that returns the
    unreduced :class:`~pmlfunc.reducers.Terms` of each sub-loss, made the spec of the public
@@ -18,7 +18,8 @@ A *batch loss* scores a batch of embeddings against itself (or a reference set) 
        @batch_loss(contrastive, distance=lp(), reducer=avg_nonzero())
        def _contrastive_terms(batch, *, pos_margin, neg_margin): ...
 
-The spec (:class:`BatchLoss`, attached as ``contrastive.spec``) validates the shared inputs,
+The spec (:class:`BatchLoss`, attached as ``contrastive.spec`` and read by :func:`spec`, which
+gives it its type) validates the shared inputs,
 builds the batch, reduces the terms and adds the embedding regularizer: every batch loss does
 these the same way. :mod:`pmlfunc.chunked` and :mod:`pmlfunc.distributed` call the same terms on
 a block of anchor rows (``Batch.rows``), which is why a spec also says whether, and why not, its
@@ -53,6 +54,7 @@ __all__ = [
     "prepare",
     "refuse",
     "regularized",
+    "spec",
     "spec_of",
 ]
 
@@ -111,7 +113,7 @@ def refuse(name: str, given: Mapping, refused: tuple[str, ...]) -> None:
             raise ValueError(f"{name} does not support {arg} (neither does PML)")
 
 
-def regularized(loss, embeddings: Tensor, inputs: Mapping):
+def regularized(loss: Any, embeddings: Tensor, inputs: Mapping) -> Any:
     """``loss`` plus the embedding regularizer that ``inputs`` names (if any)."""
     return regularize(
         loss,
@@ -227,6 +229,7 @@ class Batch:
         if self.ref_emb is not None and self.ref_labels is None:
             raise ValueError("ref_emb was given without ref_labels: this loss needs both")
         ref_labels = None if self.ref_emb is None else self.ref_labels
+        assert self.all_labels is not None  # the losses that call this need labels (needs_labels)
         return label_masks(self.all_labels, ref_labels, dtype=self.dtype, rows=self.rows)
 
     def similarity(self) -> Tensor:
@@ -283,7 +286,7 @@ def prepare(
         mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)
 
     def make_mat(scale: float | Tensor | None = None) -> Tensor:
-        if given:
+        if mat is not None:  # given
             return mat if scale is None else mat * scale
         return matrix(embeddings, ref_emb, None, distance, rows, anchors, ties=ties, scale=scale)
 
@@ -359,8 +362,9 @@ class LossCall:
     def terms(self, batch: Batch) -> dict[str, Terms]:
         return self.spec.terms(batch, **self.hyper)
 
-    def loss(self):
-        """The whole-batch loss: terms, reducer, regularizer."""
+    def loss(self) -> Any:
+        """The whole-batch loss: terms, reducer, regularizer. A 0-d tensor, or the terms' dict
+        for ``reducer=none()`` (hence ``Any``, as :func:`~pmlfunc.reducers.reduce`)."""
         batch = self.batch()
         loss = reduce(self.reducer, self.terms(batch), batch.labels, batch.out_dtype)
         return regularize(
@@ -428,7 +432,9 @@ class BatchLoss:
     distance_rule: tuple[str, Callable[[Distance], bool]] | None = None
     exact_ties: bool = True
 
-    def __call__(self, embeddings: Tensor, labels: Tensor | None, inputs: Mapping, **hyper):
+    def __call__(
+        self, embeddings: Tensor, labels: Tensor | None, inputs: Mapping, **hyper: Any
+    ) -> Any:
         """The loss of one call from the public function: ``inputs`` its ``**inputs``."""
         return self.bind(embeddings, labels, inputs, hyper).loss()
 
@@ -482,7 +488,8 @@ class BatchLoss:
         if len(args) > len(names):
             raise TypeError(f"{self.name}() takes at most {len(names)} positional arguments")
         values = dict(zip(names, args, strict=False))
-        hyper, inputs = {}, {}
+        hyper: dict[str, Any] = {}
+        inputs: dict[str, Any] = {}
         for k, v in kwargs.items():
             if k in values:
                 raise TypeError(f"{self.name}() got multiple values for argument {k!r}")
@@ -519,7 +526,7 @@ def batch_loss(
         missing = [k for k in wanted if k not in public]
         if missing:
             raise TypeError(f"{terms.__name__} takes {missing}, which {fn.__name__} lacks")
-        fn.spec = BatchLoss(
+        fn.spec = BatchLoss(  # type: ignore[attr-defined]  # a function attribute (see spec)
             fn.__name__,
             terms,
             distance,
@@ -537,6 +544,12 @@ def batch_loss(
         return terms
 
     return attach
+
+
+def spec(loss_fn: Callable[..., Any]) -> BatchLoss:
+    """The :class:`BatchLoss` that :func:`batch_loss` attached to the public loss ``loss_fn`` as
+    its ``spec`` attribute (read here, where a type checker learns its type)."""
+    return loss_fn.spec  # type: ignore[attr-defined]  # a function attribute, set by batch_loss
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 
@@ -14,19 +15,20 @@ __all__ = ["regularize", "regularize_params"]
 
 
 def regularize(
-    loss,
+    loss: Any,
     x: Tensor,
     regularizer: Callable[[Tensor], Tensor] | None,
     weight: float | Tensor,
     *,
     name: str = "embedding",
-):
+) -> Any:
     """``loss + weight · regularizer(x)``, as PML adds a regularizer's (already reduced) loss.
 
     ``name`` is ``"embedding"`` (``embedding_regularizer`` on the embeddings) or ``"weight"``
     (``weight_regularizer`` on a class-major weight matrix). With the ``none()`` reducer the loss
     is a dict of terms: the regularizer becomes its ``"<name>_reg_loss"`` entry, an
-    :class:`~pmlfunc.reducers.AlreadyReduced` term.
+    :class:`~pmlfunc.reducers.AlreadyReduced` term (so ``loss`` and the result are ``Any``: a
+    0-d tensor or that dict, as :func:`~pmlfunc.reducers.reduce` returns).
     """
     if regularizer is None:
         return loss
@@ -46,14 +48,14 @@ def regularize(
 
 
 def regularize_params(
-    loss,
+    loss: Any,
     embeddings: Tensor,
     weights: Tensor,
     embedding_regularizer: Callable[[Tensor], Tensor] | None,
     embedding_reg_weight: float | Tensor,
     weight_regularizer: Callable[[Tensor], Tensor] | None,
     weight_reg_weight: float | Tensor,
-):
+) -> Any:
     """A learnable loss's two regularizers, as PML's mixins add them: on the embeddings, and on
     the class-major weights flattened to ``(C[·K], D)`` rows (sub-centres one row each)."""
     loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)

@@ -52,7 +52,7 @@ from torch import Tensor
 from .. import _checks
 from .._inputs import validate
 from .._ops import fresh, matmul, ratio
-from ..distances import cosine, resolve
+from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
 
@@ -157,7 +157,7 @@ def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
     return torch.where(has, torch.log(torch.where(has, total, 1.0)) + shift, low).squeeze(-1)
 
 
-def _exp_(s: Tensor, shift: Tensor) -> Tensor:
+def _exp_(s: Tensor, shift: float | Tensor) -> Tensor:
     """``exp(max(s − shift, −80))`` in place."""
     return s.sub_(shift).clamp_min_(-80.0).exp_()
 
@@ -363,6 +363,7 @@ def block_backward(
                 dot = (x[r0:r1] * part).sum()
                 x_dot = dot if x_dot is None else x_dot + dot
             if need_rows and into is not None:
+                assert gy is not None  # into, or into plus the columns' parts
                 gy[r0:r1] += part
             elif need_rows:
                 row_parts.append(part)
@@ -536,7 +537,7 @@ def softmax_call(
     ref_emb, ref_labels = inputs.get("ref_emb"), inputs.get("ref_labels")
     validate(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels)
     distance = resolve(inputs.get("distance"), cosine())
-    if distance.kind != "dot":
+    if not isinstance(distance, _Dot):  # kind "dot": cosine() or dot()
         raise ValueError(
             f"{what} needs a similarity computed by a matmul (distance=cosine() or dot()); "
             f"got distance={distance!r}"
@@ -553,11 +554,13 @@ def softmax_call(
         if isinstance(temperature, Tensor)
         else temperature
     )
-    finish = None
+    finish: Callable[[Tensor], Tensor] | None = None
     if inputs.get("embedding_regularizer") is not None:
 
-        def finish(loss: Tensor) -> Tensor:
+        def add_regularizer(loss: Tensor) -> Tensor:
             return regularized(loss, embeddings, inputs)
+
+        finish = add_regularizer
 
     return EngineCall(kind, x, y, labels, ref_labels, 1.0 / t, None, chunk, reducer, finish)
 

@@ -90,6 +90,7 @@ def clip(
     )
     if call.chunk is not None:
         return run_local(call)
+    assert call.y is not None  # a pair's call: y is emb_b
     s = _logits(call.x, call.y, call.scale, call.bias)
     pos = _positives(labels, s)
     n_pos = pos.sum(-1)  # every row and column has itself: no empty set
@@ -149,6 +150,7 @@ def siglip(
     )
     if call.chunk is not None:
         return run_local(call)
+    assert call.y is not None  # a pair's call: y is emb_b
     s = _logits(call.x, call.y, call.scale, call.bias)
     z = 1.0 - 2.0 * _positives(labels, s)  # −z: −1 on positives, +1 elsewhere
     total = F.softplus(z * s).sum()
@@ -249,7 +251,7 @@ def _scalar_param(params, key: str, like: Tensor, dtype: torch.dtype) -> Tensor:
     return v.to(dtype)
 
 
-def _logits(a: Tensor, b: Tensor, t: Tensor, bias: Tensor | None) -> Tensor:
+def _logits(a: Tensor, b: Tensor, t: float | Tensor, bias: Tensor | None) -> Tensor:
     s = matmul(a, b.transpose(-1, -2)) * t
     return s if bias is None else s + bias
 
@@ -264,8 +266,10 @@ def _positives(labels: Tensor | None, s: Tensor) -> Tensor:
 
 def _engine_call(kind: str, a, what: str | None) -> EngineCall:
     """``clip``/``siglip``'s bound arguments ``a`` as the engine's call (the ring's)."""
-    names = ("emb_a", "emb_b", "params", "labels", "normalize", "max_logit_scale", "chunk_size")
-    return _pair_call(kind, *(a[k] for k in names), a["reducer"], what)
+    return _pair_call(
+        kind, a["emb_a"], a["emb_b"], a["params"], a["labels"], a["normalize"],
+        a["max_logit_scale"], a["chunk_size"], a["reducer"], what,
+    )  # fmt: skip
 
 
 builds(clip)(functools.partial(_engine_call, "clip"))

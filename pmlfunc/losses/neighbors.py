@@ -23,10 +23,10 @@ from torch import Tensor
 from .. import _checks, _random
 from .. import params as _params
 from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like
-from ..distances import Distance, cosine, lp, resolve
+from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
-from ._batch import Batch, BatchInputs, batch_loss, refuse
+from ._batch import Batch, BatchInputs, batch_loss, refuse, spec
 from ._regularize import regularize
 
 __all__ = [
@@ -87,7 +87,7 @@ def nca(
 
     Reference: Goldberger et al., "Neighbourhood Components Analysis", NeurIPS 2004.
     """
-    return nca.spec(embeddings, labels, inputs, softmax_scale=softmax_scale)
+    return spec(nca)(embeddings, labels, inputs, softmax_scale=softmax_scale)
 
 
 @batch_loss(
@@ -157,7 +157,7 @@ def npairs(
     Reference: Sohn, "Improved Deep Metric Learning with Multi-class N-pair Loss Objective",
     NeurIPS 2016.
     """
-    return npairs.spec(embeddings, labels, inputs)
+    return spec(npairs)(embeddings, labels, inputs)
 
 
 @batch_loss(
@@ -170,6 +170,7 @@ def npairs(
 )
 def _npairs_terms(batch: Batch) -> dict[str, Terms]:
     b = batch.embeddings.shape[0]
+    assert batch.labels is not None  # needs_labels
     anchor_slot, pos_slot, occupied = _npairs_slots(batch, batch.labels)
     # The occupied slots first, in k static slots: from labels a class with a pair has two
     # members, so at most b // 2 classes do (a given tuple may pair a row with itself: b).
@@ -274,7 +275,7 @@ def angular(
 
     Reference: Wang et al., "Deep Metric Learning with Angular Loss", ICCV 2017.
     """
-    return angular.spec(embeddings, labels, inputs, alpha=alpha)
+    return spec(angular)(embeddings, labels, inputs, alpha=alpha)
 
 
 @batch_loss(
@@ -284,7 +285,7 @@ def angular(
     needs_labels=True,
     distance_rule=(
         "lp() (p=2, power=1, normalize=True)",
-        lambda d: d.kind == "lp" and d.p == 2 and d.power == 1 and d.normalize,
+        lambda d: isinstance(d, _Lp) and d.p == 2 and d.power == 1 and d.normalize,
     ),
     # chunking normalises the batch once up front; the negative term needs the raw references
     unchunkable="its negative term uses the unnormalised references",
@@ -299,6 +300,7 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     ref = (batch.embeddings if batch.ref_emb is None else batch.ref_emb).to(cd)
     ref_norm = torch.linalg.vector_norm(ref, dim=-1)
     ref_hat = F.normalize(ref, dim=-1)
+    t: float | Tensor
     if isinstance(alpha, Tensor):
         t = torch.tan(torch.deg2rad(alpha.to(torch.float64))).square().to(cd)
     else:
@@ -359,7 +361,7 @@ def instance(
     Reference: Zheng et al., "Dual-Path Convolutional Image-Text Embeddings with Instance
     Loss", ACM TOMM 2020.
     """
-    return instance.spec(embeddings, labels, inputs, gamma=gamma)
+    return spec(instance)(embeddings, labels, inputs, gamma=gamma)
 
 
 @batch_loss(
@@ -374,6 +376,7 @@ def instance(
 def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
     gamma = _checks.hyper(gamma, "gamma")
     z = batch.scaled_similarity(gamma)
+    assert batch.all_labels is not None  # needs_labels
     target = _dense_rank(batch.all_labels)
     if batch.rows is not None:
         target = target[batch.rows[0] : batch.rows[1]]
@@ -436,7 +439,7 @@ def ranked_list(
 
     Reference: Wang et al., "Ranked List Loss for Deep Metric Learning", CVPR 2019.
     """
-    return ranked_list.spec(
+    return spec(ranked_list)(
         embeddings, labels, inputs, margin=margin, Tn=Tn, imbalance=imbalance, alpha=alpha, Tp=Tp
     )
 

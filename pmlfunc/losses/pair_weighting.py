@@ -30,7 +30,7 @@ from .. import _checks
 from .._ops import masked_logsumexp, rshift, scalar_like, shift
 from ..distances import cosine, lp
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean
-from ._batch import Batch, BatchInputs, batch_loss
+from ._batch import Batch, BatchInputs, batch_loss, spec
 
 __all__ = [
     "circle",
@@ -81,7 +81,7 @@ def multi_similarity(
     Reference: Wang et al., "Multi-Similarity Loss with General Pair Weighting for Deep Metric
     Learning", CVPR 2019.
     """
-    return multi_similarity.spec(embeddings, labels, inputs, alpha=alpha, beta=beta, base=base)
+    return spec(multi_similarity)(embeddings, labels, inputs, alpha=alpha, beta=beta, base=base)
 
 
 @batch_loss(multi_similarity, distance=cosine(), reducer=mean())
@@ -142,7 +142,7 @@ def circle(
     Reference: Sun et al., "Circle Loss: A Unified Perspective of Pair Similarity Optimization",
     CVPR 2020.
     """
-    return circle.spec(embeddings, labels, inputs, m=m, gamma=gamma)
+    return spec(circle)(embeddings, labels, inputs, m=m, gamma=gamma)
 
 
 @batch_loss(circle, distance=cosine(), reducer=avg_nonzero(), distance_rule=_COSINE)
@@ -210,7 +210,7 @@ def lifted_structure(
     Reference: Oh Song et al., "Deep Metric Learning via Lifted Structured Feature Embedding",
     CVPR 2016.
     """
-    return lifted_structure.spec(
+    return spec(lifted_structure)(
         embeddings, labels, inputs, neg_margin=neg_margin, pos_margin=pos_margin
     )
 
@@ -287,7 +287,7 @@ def generalized_lifted_structure(
     Reference: Hermans, Beyer, Leibe, "In Defense of the Triplet Loss for Person
     Re-Identification", 2017 (section 2, "generalized lifted embedding").
     """
-    return generalized_lifted_structure.spec(
+    return spec(generalized_lifted_structure)(
         embeddings, labels, inputs, neg_margin=neg_margin, pos_margin=pos_margin
     )
 
@@ -355,7 +355,7 @@ def tuplet_margin(
 
     Reference: Yu, Tao, "Deep Metric Learning with Tuplet Margin Loss", ICCV 2019.
     """
-    return tuplet_margin.spec(embeddings, labels, inputs, margin=margin, scale=scale)
+    return spec(tuplet_margin)(embeddings, labels, inputs, margin=margin, scale=scale)
 
 
 @batch_loss(tuplet_margin, distance=cosine(), reducer=mean(), distance_rule=_COSINE)

@@ -22,7 +22,7 @@ from .. import _checks
 from .._ops import matmul, rshift, scalar_like, shift
 from ..distances import cosine, lp, snr
 from ..reducers import DenseTerms, Terms, avg_nonzero, mean
-from ._batch import Batch, BatchInputs, batch_loss
+from ._batch import Batch, BatchInputs, batch_loss, spec
 
 __all__ = [
     "contrastive",
@@ -68,7 +68,7 @@ def contrastive(
     Reference: Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an Invariant
     Mapping", CVPR 2006.
     """
-    return contrastive.spec(
+    return spec(contrastive)(
         embeddings, labels, inputs, pos_margin=pos_margin, neg_margin=neg_margin
     )
 
@@ -124,7 +124,7 @@ def signal_to_noise_ratio_contrastive(
     Reference: Yuan et al., "Signal-To-Noise Ratio: A Robust Distance Metric for Deep Metric
     Learning", CVPR 2019.
     """
-    return signal_to_noise_ratio_contrastive.spec(
+    return spec(signal_to_noise_ratio_contrastive)(
         embeddings, labels, inputs, pos_margin=pos_margin, neg_margin=neg_margin
     )
 
@@ -178,7 +178,7 @@ def intra_pair_variance(
 
     Reference: Yu, Tao, "Deep Metric Learning with Tuplet Margin Loss", ICCV 2019.
     """
-    return intra_pair_variance.spec(embeddings, labels, inputs, pos_eps=pos_eps, neg_eps=neg_eps)
+    return spec(intra_pair_variance)(embeddings, labels, inputs, pos_eps=pos_eps, neg_eps=neg_eps)
 
 
 @batch_loss(
@@ -252,7 +252,7 @@ def threshold_consistent_margin(
     Reference: Zhang et al., "Threshold-Consistent Margin Loss for Open-World Deep Metric
     Learning", ICLR 2024.
     """
-    return threshold_consistent_margin.spec(
+    return spec(threshold_consistent_margin)(
         embeddings,
         labels,
         inputs,

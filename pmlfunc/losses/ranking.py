@@ -19,7 +19,7 @@ rows (:mod:`pmlfunc.chunked`). Nothing of size ``B × M × M`` lives at once:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Unpack
+from typing import Unpack, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ from torch import Tensor
 from .. import _checks
 from .._inputs import matrix
 from .._ops import bin_floor, einsum, matmul, ratio, scalar_like
-from ..distances import Distance, cosine, lp, resolve
+from ..distances import Distance, _Lp, cosine, lp, resolve
+from ..labels import PairMasks
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
 from ..tuples import (
     TripletMask,
@@ -37,7 +38,7 @@ from ..tuples import (
     cube_chunk,
     sample_weights,
 )
-from ._batch import Batch, BatchInputs, batch_loss, prepare
+from ._batch import Batch, BatchInputs, batch_loss, prepare, spec
 from ._regularize import regularize
 
 __all__ = [
@@ -165,7 +166,7 @@ def fast_ap(
 
     Reference: Cakir et al., "Deep Metric Learning to Rank", CVPR 2019.
     """
-    return fast_ap.spec(embeddings, labels, inputs, num_bins=num_bins)
+    return spec(fast_ap)(embeddings, labels, inputs, num_bins=num_bins)
 
 
 @batch_loss(
@@ -180,7 +181,7 @@ def _fast_ap_terms(batch: Batch, *, num_bins) -> dict[str, Terms]:
     num_bins = _checks.integer(num_bins, "num_bins")
     d = batch.mat
     pos, neg = batch.label_masks()
-    delta = 2.0**batch.distance.power / num_bins
+    delta = 2.0 ** cast(_Lp, batch.distance).power / num_bins  # (_L2 admits lp() only)
     # Triangular kernel: node floor(t) and the next one (t = d/Δ), exactly PML's pulses there.
     t = d / delta
     low = bin_floor(t, 0, num_bins - 1)
@@ -251,7 +252,7 @@ def histogram(
     Reference: Ustinova and Lempitsky, "Learning Deep Embeddings with Histogram Loss",
     NeurIPS 2016.
     """
-    return histogram.spec(embeddings, labels, inputs, n_bins=n_bins, delta=delta)
+    return spec(histogram)(embeddings, labels, inputs, n_bins=n_bins, delta=delta)
 
 
 @batch_loss(
@@ -347,7 +348,7 @@ def smooth_ap(
     Reference: Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale Image
     Retrieval", ECCV 2020.
     """
-    return smooth_ap.spec(embeddings, labels, inputs, temperature=temperature)
+    return spec(smooth_ap)(embeddings, labels, inputs, temperature=temperature)
 
 
 @batch_loss(
@@ -425,7 +426,7 @@ def pnp(
     Reference: Li et al., "Rethinking the Optimization of Average Precision: Only Penalizing
     Negative Instances before Positive Ones is Enough", AAAI 2022.
     """
-    return pnp.spec(embeddings, labels, inputs, b=b, alpha=alpha, anneal=anneal, variant=variant)
+    return spec(pnp)(embeddings, labels, inputs, b=b, alpha=alpha, anneal=anneal, variant=variant)
 
 
 @batch_loss(
@@ -650,6 +651,8 @@ def dynamic_soft_margin(
             "dynamic_soft_margin takes MinedPairs or MinedTriplets as indices_tuple; pass "
             "tuples_per_anchor to the miner (or result.to_indices() in eager mode)"
         )
+    parts: tuple[Tensor, Tensor] | None  # listed values and their weights, or
+    product: PairMasks | None  # the masks of all (a, p) × (a, n)
     if labels is None and indices_tuple is None:
         d, parts, product = _dsm_matched(embeddings, ref_emb, ref_labels, mat, distance)
     else:
@@ -674,6 +677,7 @@ def dynamic_soft_margin(
     if product is not None:
         h_batch, total, loss_sum = _dsm_product(d, product.pos, product.neg, lo, delta, k)
     else:
+        assert parts is not None  # without a product: the listed values and their weights
         h_batch, total, loss_sum = _dsm_list(*parts, lo, delta, k)
     one = torch.ones((), dtype=d.dtype, device=d.device)
     mu = torch.where(hist_old.sum() != 0, one * scalar_like(momentum, d), one)
@@ -691,7 +695,9 @@ def dynamic_soft_margin(
     return loss, {"hist": new.detach().to(hist_in.dtype)}
 
 
-def _dsm_matched(embeddings, ref_emb, ref_labels, mat, distance):
+def _dsm_matched(
+    embeddings, ref_emb, ref_labels, mat, distance
+) -> tuple[Tensor, tuple[Tensor, Tensor], None]:
     """Without labels or tuple, row ``i`` matches row ``i``: ``v_i = d_ii − min(other entries of
     row or column i)`` for the ``min(B, M)`` matched rows, as listed values with weights."""
     _checks.embeddings(embeddings)

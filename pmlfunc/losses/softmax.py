@@ -26,7 +26,7 @@ from .._ops import masked_logsumexp, matmul, scalar_like
 from ..distances import cosine, resolve
 from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
-from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized
+from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized, spec
 from ._tiled import builds, run_local, softmax_call
 
 __all__ = ["decoupled_contrastive", "multi_supcon", "ntxent", "supcon"]
@@ -78,7 +78,7 @@ def ntxent(
         return run_local(
             softmax_call("ntxent", embeddings, labels, temperature, chunk_size, inputs)
         )
-    return ntxent.spec(embeddings, labels, inputs, temperature=temperature)
+    return spec(ntxent)(embeddings, labels, inputs, temperature=temperature)
 
 
 @batch_loss(ntxent, distance=cosine(), reducer=mean(), exact_ties=False)
@@ -135,7 +135,7 @@ def supcon(
         return run_local(
             softmax_call("supcon", embeddings, labels, temperature, chunk_size, inputs)
         )
-    return supcon.spec(embeddings, labels, inputs, temperature=temperature)
+    return spec(supcon)(embeddings, labels, inputs, temperature=temperature)
 
 
 @batch_loss(supcon, distance=cosine(), reducer=avg_nonzero(), exact_ties=False)
@@ -208,7 +208,7 @@ def decoupled_contrastive(
 
     Reference: Yeh, Hong, Hsu, Liu, Chen, LeCun, "Decoupled Contrastive Learning", ECCV 2022.
     """
-    return decoupled_contrastive.spec(
+    return spec(decoupled_contrastive)(
         embeddings, labels, inputs, temperature=temperature, sigma=sigma
     )
 

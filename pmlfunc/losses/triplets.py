@@ -56,7 +56,7 @@ from ..tuples import (
     ordered_bits,
     window_cover,
 )
-from ._batch import Batch, BatchInputs, batch_loss
+from ._batch import Batch, BatchInputs, batch_loss, spec
 
 __all__ = ["margin", "margin_init", "selectively_contrastive_triplet", "triplet_margin"]
 
@@ -107,7 +107,7 @@ def triplet_margin(
     "Learning local feature descriptors with triplets and shallow convolutional neural networks",
     BMVC 2016).
     """
-    return triplet_margin.spec(
+    return spec(triplet_margin)(
         embeddings, labels, inputs, margin=margin, swap=swap, smooth_loss=smooth_loss
     )
 
@@ -123,6 +123,7 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     swap, smooth_loss = bool(swap), bool(smooth_loss)
     sign = batch.distance.sign()
     listed = as_triplets(batch.indices_tuple)
+    e_pn: Tensor | None  # positive-to-negative entries, for swap
     if listed is not None:  # only the listed pairs' distances: O(L·D), not the B × M matrix
         t = listed.for_rows(batch.rows)
         a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
@@ -149,7 +150,7 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     if isinstance(it, (TripletWindow, TripletMask)):
         # the miner's own label masks (the batch's masks hold its pair multiplicities)
         select = it.for_rows(batch.rows)
-        if isinstance(it, TripletWindow):
+        if isinstance(select, TripletWindow):  # (for_rows keeps the type of it)
             pos, neg = select.pos.to(e.dtype), select.neg.to(e.dtype)
         else:
             pos = neg = torch.ones_like(e)
@@ -209,6 +210,7 @@ def _sorted_hinge_stats(
         order, wp, wn = _merged_order_floats(values, is_pos, is_neg, binary, diagonal)
     if not binary:
         wp, wn = pos.gather(-1, order), neg.gather(-1, order)
+    assert wp is not None and wn is not None  # binary: both sorts give the type bits' weights
     before = wn.cumsum(-1).sub_(wn)  # negatives strictly before each position
     after = wp.cumsum(-1).neg_().add_(wp.sum(-1, keepdim=True))  # positives strictly after
     coef = wp.mul_(before)
@@ -219,7 +221,9 @@ def _sorted_hinge_stats(
     return hinge, count
 
 
-def _merged_order_bits(values, is_pos, is_neg, binary, diagonal):
+def _merged_order_bits(
+    values: Tensor, is_pos: Tensor, is_neg: Tensor, binary: bool, diagonal: int | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(order, wp, wn)`` of :func:`_sorted_hinge_stats` by one integer sort: keys ordered like
     the floats with the lowest bit cleared for a type bit (0: positive, 1: negative), so a
     positive sorts before a negative of equal value; columns that are neither sort last."""
@@ -338,6 +342,7 @@ class _CubeStats(torch.autograd.Function):
             grad_m = grad_m + gx.sum()
         grad_e = torch.cat(rows, -2)
         if ctx.swap_self:
+            assert grad_pn is not None  # swap_self: e_pn is e
             grad_e, grad_pn = grad_e + grad_pn, None
         return grad_e, None, None, grad_pn, grad_m, None, None, None, None, None, None
 
@@ -400,8 +405,9 @@ class AllTriplets(Terms):
     def stats(self, low: Bound = None, high: Bound = None) -> tuple[Tensor, Tensor]:
         plain = not self.smooth and not self.swap_self and self.e_pn is None and high is None
         zero_low = isinstance(low, float) and low == 0.0
-        if self.select is not None and self.fast_window and plain and (low is None or zero_low):
-            hinge, active, total = _window_hinge_stats(self.e, self.select, self.margin)
+        window = self.select if isinstance(self.select, TripletWindow) else None
+        if self.fast_window and window is not None and plain and (low is None or zero_low):
+            hinge, active, total = _window_hinge_stats(self.e, window, self.margin)
             return hinge, (active if zero_low else total)
         if self.select is None and plain and low is None:
             hinge, _ = _sorted_hinge_stats(
@@ -638,12 +644,15 @@ def _margin_terms(
     return terms
 
 
-_MARGIN = margin.spec
+_MARGIN = spec(margin)
 
 
-def _boundary(batch: Batch, params, beta) -> tuple[float | Tensor, bool]:
+def _boundary(batch: Batch, params, beta) -> tuple[Any, bool]:
     """``(β, per_class)``: the fixed ``beta`` (no ``params``), the one learnable value, or
-    ``(B,)`` per anchor row, its class's value (``per_class``)."""
+    ``(B,)`` per anchor row, its class's value (``per_class``).
+
+    ``β`` is a number or a tensor, a tensor whenever learnable (``params``) or per class, which
+    the terms rely on (hence ``Any``: a type cannot tie it to ``params``)."""
     if params is None:
         beta_v = _checks.hyper(beta, "beta")
         if isinstance(beta_v, Tensor):
@@ -652,7 +661,7 @@ def _boundary(batch: Batch, params, beta) -> tuple[float | Tensor, bool]:
     b = _beta_param(params, batch.embeddings).to(batch.dtype)
     if b.shape[0] == 1:
         return b[0], False
-    if batch.labels is None:
+    if batch.labels is None or batch.all_labels is None:  # (both or neither)
         raise ValueError("params['beta'] with one value per class needs labels")
     _params.class_labels(batch.all_labels, b.shape[0])
     return b[batch.labels.long()], True
@@ -800,7 +809,7 @@ def selectively_contrastive_triplet(
     Reference: Xuan, Stylianou, Liu, Pless, "Hard Negative Examples are Hard, but Useful",
     ECCV 2020.
     """
-    return selectively_contrastive_triplet.spec(
+    return spec(selectively_contrastive_triplet)(
         embeddings,
         labels,
         inputs,
