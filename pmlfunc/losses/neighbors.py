@@ -385,9 +385,9 @@ def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
 
 def _dense_rank(labels: Tensor) -> Tensor:
     """Each label's rank among the distinct labels (``unique(return_inverse=True)[1]``)."""
-    s = labels.sort().values
-    new = torch.cat([torch.zeros_like(s[:1]), (s[1:] != s[:-1]).to(s.dtype)])
-    return new.cumsum(0)[torch.searchsorted(s, labels)]
+    s, order = labels.sort()
+    rank = F.pad((s[1:] != s[:-1]).cumsum(0), (1, 0))  # of the sorted labels
+    return torch.empty_like(rank).scatter_(0, order, rank)
 
 
 def ranked_list(
