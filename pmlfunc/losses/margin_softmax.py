@@ -680,7 +680,8 @@ def large_margin_softmax_init(
     """``{"weight": (num_classes, embedding_size)}`` drawn ``N(0, 1)`` (PML's ``normal_``).
 
     Drawn in PML's ``(embedding_size, num_classes)`` order then transposed: a generator seeded
-    like PML's global RNG reproduces PML's initial ``W`` exactly (``weight == W.T``).
+    like PML's global RNG reproduces PML's initial ``W`` exactly (``weight == W.T``). The same
+    function is ``sphereface_init``, ``cosface_init`` and ``arcface_init``.
 
     Example:
         >>> params = large_margin_softmax_init(10, 16, generator=torch.Generator().manual_seed(0))

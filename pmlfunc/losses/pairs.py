@@ -237,7 +237,8 @@ def threshold_consistent_margin(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (may be ``None`` with ``indices_tuple``).
         lambda_plus, lambda_minus: weights ``λ⁺``, ``λ⁻`` (default ``1``).
-        margin_plus: ``m⁺`` (default ``0.9``); margin_minus: ``m⁻`` (default ``0.5``).
+        margin_plus: ``m⁺`` (default ``0.9``).
+        margin_minus: ``m⁻`` (default ``0.5``).
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance`` must
             be ``cosine()`` (the default; PML asserts ``CosineSimilarity``); default
             ``reducer=mean()`` (see above).
