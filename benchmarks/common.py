@@ -147,6 +147,16 @@ def synced(step: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
     return call
 
 
+def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[..., Any]:
+    """``torch.compile(fn, fullgraph=True)`` from a clean dynamo state: each compiled entry is
+    cold and independent of the ones before. Without the reset, the members' callables (often
+    ``functools.partial`` objects, which dynamo runs through one shared frame guarded on the
+    wrapped function) reach dynamo's recompile limit after 8 entries in one process, and
+    ``fullgraph=True`` turns that into a hard failure."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
 def floor_loss(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cost floor: one B×B matmul and its backward, ``(E @ E.T).sum()``."""
     del labels

@@ -593,7 +593,6 @@ def run_args(settings: Settings, batch: int, dtype: str, modes: Iterable[str]):
 
 def bench_worker(jobs_path: Path, events_path: Path, deadline: float) -> int:
     """In a child process: measure the jobs of ``jobs_path`` until ``deadline`` (epoch)."""
-    import torch
 
     from .cases import registry
     from .run import environment, measure
@@ -607,8 +606,6 @@ def bench_worker(jobs_path: Path, events_path: Path, deadline: float) -> int:
             f.write(json.dumps(event) + "\n")
 
     def measure_one(job: dict[str, Any]) -> dict[str, Any]:
-        if job["mode"] == "compile":
-            torch._dynamo.reset()  # a cold compile per entry, and no recompile limit reached
         args = run_args(settings, job["batch"], job["dtype"], [job["mode"]])
         return measure(table[job["case"]], job["impl"], args, job["mode"])
 

@@ -262,9 +262,7 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
             )
             got = None
             if mode == "compile":
-                step.fn = torch.compile(
-                    fn, fullgraph=True, backend=getattr(args, "compile_backend", "inductor")
-                )
+                step.fn = C.compiled(fn, getattr(args, "compile_backend", "inductor"))
                 _sync(device)
                 t0 = time.perf_counter()
                 got = _result(step)

@@ -83,7 +83,7 @@ def bench_mode(benchmark, request, case: str, impl: str, mode: str) -> None:
     eager = _Step(member, fn, params, emb, labels)  # FLOPs and memory are counted on it
     with C.set_threads(THREADS):
         if mode == "compile":
-            step.fn = torch.compile(fn, fullgraph=True)
+            step.fn = C.compiled(fn)
             start = time.perf_counter()
             out = step.forward()
             step.check(out, step.backward(out))
