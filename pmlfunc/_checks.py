@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._ops import inside_transform
+from ._ops import inside_transform, readable
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -86,7 +86,7 @@ def in_range(t: Tensor, low: int, high: int, name: str, what: str = "") -> None:
         return
     inside = (t >= low) & (t < high)
     what = f" {what}" if what else ""
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+    if readable(t):
         if not bool(inside.all()):
             pos = tuple(int(i) for i in (~inside).nonzero()[0])
             where = pos[0] if len(pos) == 1 else pos

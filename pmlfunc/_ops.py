@@ -226,6 +226,15 @@ def inside_transform() -> bool:
     return _functorch_level() is not None
 
 
+def readable(t: Tensor) -> bool:
+    """Whether reading ``t``'s values on the host is free and safe: a CPU tensor in eager mode,
+    outside ``torch.func`` transforms. There a data-dependent shortcut (a check, or skipping
+    work that the values show to be a no-op) costs nothing and breaks no trace; on an
+    accelerator (asynchronous, capturable in a CUDA graph) and under ``torch.compile`` the
+    static path runs."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not inside_transform()
+
+
 def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:
     """``buf.scatter_(-1, index, src)`` in place when possible.
 

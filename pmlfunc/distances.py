@@ -47,20 +47,26 @@ __all__ = ["Distance", "cosine", "dot", "lp", "safe_euclidean", "snr"]
 TIE_BUDGET = 32  # rows per call that duplicate an earlier row and are made bitwise equal to it
 
 
-def _ties(x: Tensor) -> Tensor:
+def _ties(x: Tensor) -> Tensor | None:
     """The rows of ``x`` that duplicate an earlier row, and that row: a ``(2, k)`` index tensor
     ``[dup; src]`` with ``k = min(TIE_BUDGET, B − 1)`` (an entry that is no duplicate has
     ``src = dup``: a no-op copy). Rows are sorted by a weighted sum of their values and only
     neighbours with equal sums are compared exactly, the first ``k`` such pairs (``O(B·D +
     B log B + k·D)``, static shapes, no host sync). A group of equal rows maps to its first
     (smallest) index. Rows that are equal but not neighbours after the sort, through a collision
-    of the sums of different rows, are left apart."""
+    of the sums of different rows, are left apart.
+
+    ``None`` (nothing to merge) when no two sums are equal and the values can be read for free
+    (:func:`~pmlfunc._ops.readable`: CPU, eager): the common case skips the rest, ~20 small
+    ops a call."""
     b, d = x.shape[-2:]
     v = x.detach()  # -0.0 == 0.0 below, as in the sums
     h = (v * torch.linspace(1.0, 2.0, d, dtype=v.dtype, device=v.device)).sum(-1)
     order = h.argsort(stable=True)
     hs = h[order]
     cand = hs[1:] == hs[:-1]  # sorted neighbours with equal sums
+    if _ops.readable(cand) and not bool(cand.any()):
+        return None
     k = min(TIE_BUDGET, b - 1)
     pos = torch.arange(b, device=x.device)
     # the first k candidates (the sentinel b - 1 clamps to the last pair, a repeat: same values)
