@@ -94,6 +94,18 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:,.1f}×" if a / b < 1000 else f"{a / b:,.0f}×"
 
 
+def _compiled_cells(compiled_of: dict[tuple[str, str], dict], case: str, impl: str) -> str:
+    """The two compiled cells of an eager table row: the compiled median and its ratio to the
+    compiled floor (blank where the entry was not compiled or did not run)."""
+    row, floor = compiled_of.get((case, impl)), compiled_of.get((case, "floor"))
+    if row is None or row["status"] != "ok":
+        return "  |  |"
+    ratio = ""
+    if impl != "floor" and floor is not None and floor["status"] == "ok":
+        ratio = _ratio(row["median_ms"], floor["median_ms"])
+    return f" {_fmt(row['median_ms'])} | {ratio} |"
+
+
 def markdown(
     runs: list[dict[str, Any]],
     title: str,
@@ -126,9 +138,15 @@ def markdown(
     skipped: list[str] = []
     for (batch, dtype, mode), members in sorted(groups.items(), key=lambda kv: kv[0]):
         lines += [f"## Batch {batch}, {dtype}, {mode}", ""]
+        # An eager table also shows the compiled run of the same batch and dtype, when there is
+        # one: its time and its ratio to the compiled floor, beside the eager ones.
+        compiled_rows = groups.get((batch, dtype, "compile")) if mode == "eager" else None
+        compiled_of = {(r["case"], r["impl"]): r for r in compiled_rows or []}
+        extra_head = " compiled ms | compiled / compiled floor |" if compiled_of else ""
         lines += [
-            "| case | implementation | median ms | q1–q3 ms | PML / this | this / floor | peak MiB |",
-            "|---|---|---|---|---|---|---|",
+            "| case | implementation | median ms | q1–q3 ms | PML / this | this / floor | peak MiB |"
+            + extra_head,
+            "|---|---|---|---|---|---|---|" + ("---|---|" if compiled_of else ""),
         ]
         by_case: dict[str, dict[str, dict]] = defaultdict(dict)
         for row in members:
@@ -148,9 +166,12 @@ def markdown(
                 vs_pml = _ratio(pml, med) if impl.startswith("pmlfunc") else ""
                 vs_floor = _ratio(med, floor) if impl != "floor" else ""
                 peak = _fmt(row["peak_memory_mib"])
-                lines.append(
+                cells = (
                     f"| {case} | {impl} | {_fmt(med)} | {spread} | {vs_pml} | {vs_floor} | {peak} |"
                 )
+                if compiled_of:
+                    cells += _compiled_cells(compiled_of, case, impl)
+                lines.append(cells)
         compiled = [r for r in members if r.get("first_step_ms") is not None]
         if compiled:
             lines += ["", "First compiled step (compilation included), ms: " + ", ".join(

@@ -153,6 +153,38 @@ def test_summary_speedups_are_pml_over_pmlfunc_and_pmlfunc_over_floor():
     ]
 
 
+def test_eager_tables_show_the_compiled_time_and_its_ratio_to_the_compiled_floor():
+    def entries(mode, pmlfunc, floor):
+        rows = [_entry("ntxent", "pmlfunc", pmlfunc), _entry("ntxent", "floor", floor)]
+        rows += [] if mode == "compile" else [_entry("ntxent", "pml", 40.0)]
+        return [{**r, "mode": mode} for r in rows]
+
+    def run(mode, pmlfunc, floor):
+        return {
+            **_run(512, entries(mode, pmlfunc, floor)),
+            "environment": {},
+            "config": {
+                "batch_size": 512,
+                "dtype": "float32",
+                "dimensions": 128,
+                "samples_per_class": 4,
+                "threads": 1,
+                "repeats": 10,
+                "warmup": 2,
+                "device": "cpu",
+            },
+            "path": f"{mode}.json",
+        }
+
+    md = report.markdown([run("eager", 4.0, 2.0), run("compile", 3.0, 2.5)], "t")
+    eager = md.split("## Batch 512, float32, eager")[1].split("##")[0]
+    assert "| compiled ms | compiled / compiled floor |" in eager
+    assert "| ntxent | pmlfunc | 4 |" in eager and eager.count("| 3 | 1.2× |") == 1
+    assert "| ntxent | pml | 40 |" in eager  # PML has no compiled run: blank cells
+    compiled = md.split("## Batch 512, float32, compile")[1]
+    assert "compiled ms" not in compiled.split("\n\n")[1]  # the compiled table itself: as before
+
+
 def test_report_of_a_single_run_leads_with_the_summary_chart(eager_run, tmp_path):
     source = tmp_path / "b16.json"
     source.write_text(json.dumps(eager_run))
