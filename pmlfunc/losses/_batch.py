@@ -186,14 +186,15 @@ class Batch:
     def pair_values(self, i: Tensor, j: Tensor) -> Tensor:
         """The matrix entries ``(i_k, j_k)`` (``i`` indexes this batch's anchor rows).
 
-        Without the matrix at hand, and when the pairs are few (``2·L·D ≤ B·M``), they are
+        Without the matrix at hand, and when the pairs are few (``L·D ≤ B·M``), they are
         computed from the listed rows only (:meth:`~pmlfunc.distances.Distance.pairs`):
         ``O(L·D)`` for ``L`` pairs instead of the ``O(B·M·D)`` matrix.
         """
         ref = self.embeddings if self.ref_emb is None else self.ref_emb
         # Gathering costs O(L·D) elementwise work (forward and backward); the matrix one matmul
-        # and O(B·M): gather only when the pairs are few (batch-hard: L = B).
-        few = 2 * i.numel() * ref.shape[-1] <= self.shape[0] * self.shape[1]
+        # and O(B·M) passes plus the exact-budget search of a Euclidean distance: gather when
+        # L·D ≤ B·M (batch-hard at B = D = 128: 1.21 -> 1.06 ms a step on one CPU thread).
+        few = i.numel() * ref.shape[-1] <= self.shape[0] * self.shape[1]
         if self._mat is not None or self.given_mat or self.rows is not None or not few:
             return self.mat[i, j]
         return self.distance.pairs(self.embeddings[i], ref[j])
