@@ -207,10 +207,11 @@ class _TiedMatmul(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, y: Tensor | None, rows: Tensor, cols: Tensor | None) -> Tensor:
-        # y and cols are None in self mode (compile rejects one tensor given twice)
+    def forward(x: Tensor, y: Tensor | None, rows: Tensor | None, cols: Tensor | None) -> Tensor:
+        # y is None in self mode (compile rejects one tensor given twice); rows / cols None: no
+        # ties on that side
         mat = _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
-        return _ops.fresh(_merge_ties_(mat, rows, rows if cols is None else cols))
+        return _ops.fresh(_merge_ties_(mat, rows, rows if y is None else cols))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -203,6 +203,31 @@ def test_exact_duplicates_give_bitwise_equal_rows_and_columns(distance, dtype):
         assert m[3, 5] == 0 and m[0, 39] == 0
 
 
+@pytest.mark.parametrize("scale", [None, 2.5])
+@pytest.mark.parametrize(
+    "distance",
+    [pf.distances.lp(), pf.distances.cosine(), pf.distances.dot(), pf.distances.snr()],
+    ids=repr,
+)
+def test_ties_on_one_side_only_merge_that_side_only(distance, scale):
+    """Duplicates among the query rows but none among the reference rows (and the reverse):
+    only the duplicated side is merged. The other side's columns (rows) stay as computed,
+    whatever the two sizes; a side without ties must not borrow the other side's."""
+    base = _case("random", torch.float32)
+    x, y = base[:10].clone(), base[10:40].clone()  # distinct rows; y larger than x
+    x[5] = x[3]
+    for q, r, dup in ((x, y, "rows"), (y[:10], x, "cols")):
+        got = distance.matrix(q, r, scale=scale)
+        want = distance.matrix(q, r, ties=False, scale=scale)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if dup == "rows":
+            assert torch.equal(got[3], got[5])
+            assert not torch.equal(got[:, 3], got[:, 5])  # y's rows 3 and 5 differ
+        else:
+            assert torch.equal(got[:, 3], got[:, 5])
+            assert not torch.equal(got[3], got[5])
+
+
 @pytest.mark.parametrize(
     "distance", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr
 )
