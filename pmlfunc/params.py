@@ -47,8 +47,9 @@ def check(
 ) -> Tensor:
     """Return ``params[key]`` after checking it against the embeddings.
 
-    It must be a floating-point tensor with ``ndim`` dimensions (``(C, D)`` or ``(C, K, D)``), its
-    last dimension the embedding width, on the embeddings' device. Shapes only: no host sync.
+    It must be a floating-point tensor with ``ndim`` dimensions (``(C, D)`` or ``(C, K, D)``, its
+    last dimension the embedding width; ``ndim=0``: a scalar such as a logit scale), on the
+    embeddings' device. Shapes only: no host sync.
     """
     if not isinstance(params, Mapping):
         raise TypeError(
@@ -63,19 +64,27 @@ def check(
     if not p.dtype.is_floating_point:
         raise TypeError(f"{where} must be floating point, got {p.dtype}")
     if p.ndim != ndim:
-        layout = (
-            "(num_classes, embedding_size)"
-            if ndim == 2
-            else "(num_classes, sub_centers, embedding_size)"
-        )
+        layout = {
+            0: "() (a 0-d tensor)",
+            2: "(num_classes, embedding_size)",
+            3: "(num_classes, sub_centers, embedding_size)",
+        }[ndim]
         raise ValueError(f"{where} must have shape {layout}, got {tuple(p.shape)}")
-    if p.shape[-1] != embeddings.shape[-1]:
+    if ndim > 0 and p.shape[-1] != embeddings.shape[-1]:
         raise ValueError(
             f"{where} has embedding size {p.shape[-1]} but embeddings have {embeddings.shape[-1]}"
         )
     if p.device != embeddings.device:
         raise ValueError(f"{where} is on {p.device} but embeddings are on {embeddings.device}")
     return p
+
+
+def known_keys(params: Mapping, allowed: tuple[str, ...], name: str = "params") -> None:
+    """A ``ValueError`` naming the entries of ``params`` outside ``allowed`` (a misspelt key would
+    otherwise be ignored silently)."""
+    unknown = sorted(str(k) for k in params if k not in allowed)
+    if unknown:
+        raise ValueError(f"{name} has unknown entries {unknown} (expected {', '.join(allowed)})")
 
 
 def class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None:

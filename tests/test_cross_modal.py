@@ -181,8 +181,10 @@ def test_errors_name_the_argument(name):
         fn(a, b, {})
     with pytest.raises(ValueError, match="unknown entries"):
         fn(a, b, {**params, "temperature": torch.tensor(0.1, dtype=F64)})
-    with pytest.raises(TypeError, match="0-d"):
+    with pytest.raises(ValueError, match="0-d"):  # a shape error, as for every params entry
         fn(a, b, {"logit_scale": torch.ones(1, dtype=F64)})
+    with pytest.raises(TypeError, match="floating point"):
+        fn(a, b, {"logit_scale": torch.tensor(1)})
     with pytest.raises(ValueError, match="labels has length"):
         fn(a, b, params, labels=torch.zeros(N + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="reducer"):

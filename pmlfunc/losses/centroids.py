@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
+from .. import params as _params
 from .._ops import cross_entropy, inside_transform, matmul
 from ..reducers import DenseTerms, Reducer, Terms, mean, reduce
 from ._regularize import regularize
@@ -188,22 +189,8 @@ def _scalar_param(params: object, key: str, embeddings: Tensor) -> Tensor:
             "params must be a dict {'w': 0-d tensor, 'b': 0-d tensor} (from "
             f"pf.losses.ge2e_init()), got {type(params).__name__}"
         )
-    unknown = sorted(str(k) for k in params if k not in ("w", "b"))
-    if unknown:
-        raise ValueError(f"params has unknown entries {unknown} (expected 'w' and 'b')")
-    if key not in params:
-        raise ValueError(f"params has no {key!r} entry (keys: {sorted(params)}; expected 'w', 'b')")
-    v = params[key]
-    where = f"params[{key!r}]"
-    if not isinstance(v, Tensor):
-        raise TypeError(f"{where} must be a 0-d floating-point tensor, got {type(v).__name__}")
-    if not v.dtype.is_floating_point:
-        raise TypeError(f"{where} must be floating point, got {v.dtype}")
-    if v.ndim != 0:
-        raise ValueError(f"{where} must be a 0-d tensor, got shape {tuple(v.shape)}")
-    if v.device != embeddings.device:
-        raise ValueError(f"{where} is on {v.device} but embeddings are on {embeddings.device}")
-    return v
+    _params.known_keys(params, ("w", "b"))
+    return _params.check(params, key, embeddings, ndim=0)
 
 
 def _slots(labels: Tensor, num_classes: int | None) -> tuple[Tensor, int]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
+from .. import params as _params
 from .._ops import matmul
 from ..reducers import Reducer
 from ._tiled import EngineCall, builds, run_local, tiled_reducer
@@ -226,29 +227,22 @@ def _pair_call(
             f"params must be a dict with a 'logit_scale' entry (from pf.losses.{name}_init()), got "
             f"{params if not isinstance(params, dict) else sorted(params)!r}"
         )
-    unknown = sorted(set(params) - {"logit_scale", "logit_bias"})
-    if unknown:
-        raise ValueError(f"params has unknown entries {unknown} (expected logit_scale, logit_bias)")
+    _params.known_keys(params, ("logit_scale", "logit_bias"))
     cd = _checks.compute_dtype(emb_a.dtype)
-    scale = _scalar_param(params, "logit_scale", emb_a, cd)
+    scale = _params.check(params, "logit_scale", emb_a, ndim=0).to(cd)
     if max_logit_scale is not None:
         scale = scale.clamp(max=_checks.number(max_logit_scale, "max_logit_scale"))
-    bias = _scalar_param(params, "logit_bias", emb_a, cd) if "logit_bias" in params else None
+    bias = (
+        _params.check(params, "logit_bias", emb_a, ndim=0).to(cd)
+        if "logit_bias" in params
+        else None
+    )
     a, b = emb_a.to(cd), emb_b.to(cd)
     if normalize:
         a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
     red = tiled_reducer(name, reducer, what)
     chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
     return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
-
-
-def _scalar_param(params, key: str, like: Tensor, dtype: torch.dtype) -> Tensor:
-    v = params[key]
-    if not isinstance(v, Tensor) or v.ndim != 0 or not v.dtype.is_floating_point:
-        raise TypeError(f"params[{key!r}] must be a 0-d floating-point tensor, got {v!r}")
-    if v.device != like.device:
-        raise ValueError(f"params[{key!r}] is on {v.device} but emb_a is on {like.device}")
-    return v.to(dtype)
 
 
 def _logits(a: Tensor, b: Tensor, t: float | Tensor, bias: Tensor | None) -> Tensor:
