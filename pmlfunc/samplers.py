@@ -27,7 +27,6 @@ many seeds); the random numbers themselves are torch's, not NumPy's.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from . import _checks
 from . import tuples as _tuples
 
 __all__ = [
@@ -84,14 +84,6 @@ def _default_generator(generator: object) -> torch.Generator:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         return torch.Generator().manual_seed(seed)
     return _generator(generator)
-
-
-def _int(x: object, name: str, *, minimum: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return int(x)
 
 
 def _integer_tensor(labels: object, name: str, ndim: int, shape: str) -> Tensor:
@@ -202,10 +194,10 @@ def _m_per_class_plan(
     labels: object, m: object, batch_size: object, length_before_new_iter: object
 ):
     y = _labels_1d(labels)
-    m = _int(m, "m", minimum=1)
+    m = _checks.integer(m, "m", minimum=1)
     if batch_size is not None:
-        batch_size = _int(batch_size, "batch_size", minimum=1)
-    length = _int(length_before_new_iter, "length_before_new_iter", minimum=1)
+        batch_size = _checks.integer(batch_size, "batch_size", minimum=1)
+    length = _checks.integer(length_before_new_iter, "length_before_new_iter", minimum=1)
     groups = _class_groups(y)
     num_classes = groups.counts.shape[0]
     single_pass = m * num_classes
@@ -381,12 +373,12 @@ def _hierarchy(
     y = _integer_tensor(
         labels, "labels", 2, "(dataset_size, num_levels) (one column per hierarchy level)"
     )
-    batch_size = _int(batch_size, "batch_size", minimum=1)
-    k = _int(super_classes_per_batch, "super_classes_per_batch", minimum=1)
-    bpst = _int(batches_per_super_tuple, "batches_per_super_tuple", minimum=1)
+    batch_size = _checks.integer(batch_size, "batch_size", minimum=1)
+    k = _checks.integer(super_classes_per_batch, "super_classes_per_batch", minimum=1)
+    bpst = _checks.integer(batches_per_super_tuple, "batches_per_super_tuple", minimum=1)
     cols = y.shape[1]
     for name, col in (("inner_label", inner_label), ("outer_label", outer_label)):
-        _int(col, name, minimum=-(1 << 62))
+        _checks.integer(col, name, minimum=-(1 << 62))
         if not -cols <= col < cols:
             raise IndexError(f"{name}={col} is not a column of labels (shape {tuple(y.shape)})")
     if batch_size % k != 0:
@@ -403,7 +395,7 @@ def _hierarchy(
             )
         spc = None
     else:
-        spc = _int(samples_per_class, "samples_per_class", minimum=1)
+        spc = _checks.integer(samples_per_class, "samples_per_class", minimum=1)
         if sub_batch_len % spc != 0:
             raise ValueError(
                 f"batch_size / super_classes_per_batch = {sub_batch_len} must be a multiple of "
@@ -647,7 +639,7 @@ def fixed_set_of_triplets(
     """
     g = _generator(generator)
     groups = _class_groups(_labels_1d(labels))
-    num_triplets = _int(num_triplets, "num_triplets", minimum=1)
+    num_triplets = _checks.integer(num_triplets, "num_triplets", minimum=1)
     if groups.counts.shape[0] < 2:
         raise ValueError(
             "labels must have at least 2 classes to form triplets (a negative needs another class)"
@@ -695,8 +687,12 @@ def fixed_set_of_pairs(
     """
     g = _generator(generator)
     groups = _class_groups(_labels_1d(labels))
-    num_pos = _int(num_pos_pairs, "num_pos_pairs", minimum=0)
-    num_neg = num_pos if num_neg_pairs is None else _int(num_neg_pairs, "num_neg_pairs", minimum=0)
+    num_pos = _checks.integer(num_pos_pairs, "num_pos_pairs", minimum=0)
+    num_neg = (
+        num_pos
+        if num_neg_pairs is None
+        else _checks.integer(num_neg_pairs, "num_neg_pairs", minimum=0)
+    )
     if num_pos + num_neg == 0:
         raise ValueError("num_pos_pairs + num_neg_pairs must be >= 1")
     pairable = (groups.counts >= 2).nonzero().reshape(-1)
@@ -808,7 +804,7 @@ def tuples_to_weights(indices_tuple, dataset_size: int, *, indices: Tensor | Non
         >>> pf.samplers.tuples_to_weights((a, p, n), 6, indices=torch.tensor([5, 4, 3, 2]))
         tensor([0.0000, 0.0000, 0.5000, 0.5000, 1.0000, 1.0000])
     """
-    dataset_size = _int(dataset_size, "dataset_size", minimum=1)
+    dataset_size = _checks.integer(dataset_size, "dataset_size", minimum=1)
     if indices is None:
         batch = dataset_size
         where = torch.arange(dataset_size)
@@ -822,8 +818,7 @@ def tuples_to_weights(indices_tuple, dataset_size: int, *, indices: Tensor | Non
                 "indices must be a 1-D int32/int64 tensor of dataset indices (one per batch row)"
             )
         where = indices.detach().to("cpu", torch.int64)
-        if where.numel() and (int(where.min()) < 0 or int(where.max()) >= dataset_size):
-            raise IndexError(f"indices must lie in [0, dataset_size={dataset_size})")
+        _checks.in_range(where, 0, dataset_size, "indices", f"for dataset_size={dataset_size}")
         batch = where.numel()
     if (
         isinstance(indices_tuple, tuple)
@@ -848,7 +843,7 @@ def weighted(weights: Tensor, num_samples: int, *, generator: torch.Generator) -
         (True, True)
     """
     g = _generator(generator)
-    num_samples = _int(num_samples, "num_samples", minimum=1)
+    num_samples = _checks.integer(num_samples, "num_samples", minimum=1)
     if not isinstance(weights, Tensor) or weights.ndim != 1 or not weights.dtype.is_floating_point:
         raise TypeError(
             "weights must be a 1-D floating-point tensor (one weight per dataset sample)"
@@ -892,9 +887,9 @@ class TuplesToWeightsSampler(Sampler[int]):
                 f"mine must be a callable (indices -> indices_tuple), got {type(mine).__name__}"
             )
         self.mine = mine
-        self.dataset_size = _int(dataset_size, "dataset_size", minimum=1)
+        self.dataset_size = _checks.integer(dataset_size, "dataset_size", minimum=1)
         self.subset_size = (
-            None if subset_size is None else _int(subset_size, "subset_size", minimum=1)
+            None if subset_size is None else _checks.integer(subset_size, "subset_size", minimum=1)
         )
         self.generator = _default_generator(generator)
         self.weights: Tensor | None = None

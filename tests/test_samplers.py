@@ -240,9 +240,9 @@ M_PER_CLASS_ERRORS = [  # (labels, m, batch_size, length, kwargs, exception, mes
     (LABELS.double(), 3, 6, 100, TypeError, "integer", False),
     ("0123", 1, 2, 100, TypeError, "labels must be a torch.Tensor", False),
     ([0.5, 1.0], 1, 2, 100, TypeError, "integer", False),
-    (LABELS, 0, 6, 100, ValueError, "m must be >= 1", True),
-    (LABELS, 3, 0, 100, ValueError, "batch_size must be >= 1", False),
-    (LABELS, 3, None, 0, ValueError, "length_before_new_iter must be >= 1", False),
+    (LABELS, 0, 6, 100, ValueError, "m must be an int >= 1", True),
+    (LABELS, 3, 0, 100, ValueError, "batch_size must be an int >= 1", False),
+    (LABELS, 3, None, 0, ValueError, "length_before_new_iter must be an int >= 1", False),
     (LABELS, 1.5, 3, 100, TypeError, "m must be an int", False),
 ]
 
@@ -394,7 +394,7 @@ def test_hierarchical_columns_count_from_the_end_as_in_numpy():
 H_ERRORS = [  # (labels, batch_size, spc, kwargs, exception, message, pml also rejects)
     (H_LABELS, 9, 2, {}, ValueError, "multiple of super_classes_per_batch", True),
     (H_LABELS, 8, 3, {}, ValueError, "multiple of samples_per_class", True),
-    (H_LABELS, 8, 0, {}, ValueError, "samples_per_class must be >= 1", True),
+    (H_LABELS, 8, 0, {}, ValueError, "samples_per_class must be an int >= 1", True),
     (H_LABELS, 8, "some", {}, ValueError, "samples_per_class must be an int or", False),
     (H_LABELS, 10, 2, {"super_classes_per_batch": 5}, ValueError, "4 distinct super labels", False),
     (H_LABELS[:, 0], 8, 2, {}, ValueError, "labels must be 2-D", True),
@@ -408,7 +408,7 @@ H_ERRORS = [  # (labels, batch_size, spc, kwargs, exception, message, pml also r
         2,
         {"batches_per_super_tuple": 0},
         ValueError,
-        "batches_per_super_tuple must be >= 1",
+        "batches_per_super_tuple must be an int >= 1",
         False,
     ),
 ]
@@ -525,7 +525,7 @@ def test_fixed_set_of_pairs_sampler_and_defaults():
         (
             lambda: pf.samplers.fixed_set_of_triplets(LABELS, 0, generator=gen()),
             ValueError,
-            "num_triplets must be >= 1",
+            "num_triplets must be an int >= 1",
         ),
         (
             lambda: pf.samplers.fixed_set_of_triplets(torch.tensor([]).long(), 3, generator=gen()),
@@ -550,7 +550,7 @@ def test_fixed_set_of_pairs_sampler_and_defaults():
         (
             lambda: pf.samplers.fixed_set_of_pairs(LABELS, -1, generator=gen()),
             ValueError,
-            "num_pos_pairs must be >= 0",
+            "num_pos_pairs must be an int >= 0",
         ),
     ],
 )
@@ -654,19 +654,19 @@ def test_tuples_to_weights_sampler_matches_pml_weights_with_the_model_and_miner_
         (
             lambda: pf.samplers.weighted(torch.ones(2), 0, generator=gen()),
             ValueError,
-            "num_samples must be >= 1",
+            "num_samples must be an int >= 1",
         ),
         (
             lambda: pf.samplers.tuples_to_weights((torch.tensor([0]),) * 3, 0),
             ValueError,
-            "dataset_size must be >= 1",
+            "dataset_size must be an int >= 1",
         ),
         (
             lambda: pf.samplers.tuples_to_weights(
                 (torch.tensor([0]),) * 3, 3, indices=torch.tensor([5])
             ),
             IndexError,
-            "indices must lie",
+            r"indices\[0\] = 5 is out of range for dataset_size=3",
         ),
         (
             lambda: pf.samplers.tuples_to_weights((torch.tensor([4]),) * 3, 3),
