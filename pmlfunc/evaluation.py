@@ -456,6 +456,8 @@ def mrr(retrieved: Tensor, *, k: int | None = None) -> Tensor:
     Example:
         >>> mrr(torch.tensor([[0, 1, 1], [0, 0, 0], [1, 0, 0]]))
         tensor([0.5000, 0.0000, 1.0000], dtype=torch.float64)
+
+    Reference: Voorhees, "The TREC-8 Question Answering Track Report", TREC 1999.
     """
     top, k = _ranked(retrieved, k)
     return ((top > 0).to(torch.float64) / _ranks(k, top.device)).amax(1)
@@ -513,6 +515,9 @@ def ndcg(retrieved: Tensor, ideal: Tensor, *, k: int | None = None) -> Tensor:
         >>> best = torch.tensor([[2.0, 1.0, 0.0]])
         >>> round(ndcg(got, best).item(), 4)
         0.6697
+
+    Reference: Järvelin and Kekäläinen, "Cumulated gain-based evaluation of IR techniques",
+    ACM TOIS 2002.
     """
     top, k = _ranked(retrieved, k)
     best, _ = _ranked(ideal, k, "ideal")
