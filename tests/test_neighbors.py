@@ -103,6 +103,43 @@ def test_angular_unnormalised_negatives_and_other_angles(alpha, gen):
     assert_same(got, run_pml("angular", emb, labels, alpha=alpha), **TOL[F64])
 
 
+FEW_POSITIVES = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # 16 of 256 entries positive
+
+
+@pytest.mark.parametrize("with_ref", [False, True])
+@pytest.mark.parametrize("layout", [FEW_POSITIVES, UNEVEN])
+def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monkeypatch):
+    """In CPU eager mode, with few positive pairs, the terms come from the listed pairs (one row
+    dot product each); under a torch.func transform (as under compile or on an accelerator)
+    from the static Gram matmul. Both equal PML."""
+    import pmlfunc.losses.neighbors as nb
+
+    emb, labels = data(gen, layout)
+    ref, ref_labels = (
+        (randn(gen, len(REF_LABELS), D), lab(REF_LABELS)) if with_ref else (None, None)
+    )
+    listed = []
+    real = nb._listed_pairs
+    monkeypatch.setattr(nb, "_listed_pairs", lambda pos: listed.append(real(pos)) or listed[-1])
+    eager = run_pf("angular", emb, labels, ref, ref_labels)
+    other = labels if ref is None else ref_labels
+    same = labels[:, None] == other[None, :]
+    if ref is None:
+        same.fill_diagonal_(False)
+    assert (listed[-1] is not None) == (8 * int(same.sum()) <= same.numel())  # few: listed
+    args = (emb,) if ref is None else (emb, ref)
+
+    def loss(*t):
+        return angular(
+            t[0], labels, **({} if ref is None else {"ref_emb": t[1]}), ref_labels=ref_labels
+        )
+
+    grads, value = torch.func.grad_and_value(loss, argnums=tuple(range(len(args))))(*args)
+    assert listed[-1] is None  # inside the transform: the static path
+    assert_same(eager, (value, list(grads)), **TOL[F64])
+    assert_same(eager, run_pml("angular", emb, labels, ref, ref_labels), **TOL[F64])
+
+
 # ----------------------------------------------------------------------------------------------
 # manifold (params, randomness)
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like
+from .._ops import cross_entropy, masked_logsumexp, matmul, readable, scalar_like
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
@@ -253,7 +253,10 @@ def angular(
     issue #329); here the log-sum-exp of every pair comes from Gram matrices:
     ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max}`` and
     ``B = e^{v_pn − max}``, ``u = 4t x̂_a·x_n``, ``v = 4t x̂_p·x_n``: one matmul, ``O(B·M + M²)``
-    memory. Exact unless a pair's largest term is more than ~80 (float32; ~700 in float64)
+    memory. In CPU eager mode, when at most an eighth of the entries are positive pairs, only
+    their entries of ``A Bᵀ`` are computed (a row dot product each, ``O(pairs·M)`` instead of
+    ``O(B·M²)``); on an accelerator and under ``torch.compile`` the matmul (static shapes) runs.
+    Exact unless a pair's largest term is more than ~80 (float32; ~700 in float64)
     below the row maxima used as shifts, i.e. ``8t·max‖x_n‖ ≳ 80`` (e.g. α ≳ 72° with unit
     embeddings in float32); such terms underflow to 0 instead.
 
@@ -294,34 +297,67 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     alpha = _checks.hyper(alpha, "alpha")
     _, neg = batch.label_masks()
     pos = batch.masks.pos
-    d = batch.mat  # normalised Euclidean distances: cos = 1 − d²/2
-    cos_ar = 1.0 - 0.5 * d * d  # x̂_a · x̂_r, (rows, M)
-    cd = d.dtype
-    ref = (batch.embeddings if batch.ref_emb is None else batch.ref_emb).to(cd)
+    cd = batch.dtype
+    x = batch.embeddings.to(cd)
+    ref = x if batch.ref_emb is None else batch.ref_emb.to(cd)
     ref_norm = torch.linalg.vector_norm(ref, dim=-1)
     ref_hat = F.normalize(ref, dim=-1)
+    if batch.given_mat:  # the normalised Euclidean distances: cos = 1 − d²/2
+        cos_ar = 1.0 - 0.5 * batch.mat.square()
+    else:  # x̂_a · x̂_r directly, as PML's dot products (no distance to invert)
+        x_hat = ref_hat if batch.ref_emb is None else F.normalize(x, dim=-1)
+        cos_ar = matmul(x_hat, ref_hat.transpose(-1, -2))
     t: float | Tensor
     if isinstance(alpha, Tensor):
         t = torch.tan(torch.deg2rad(alpha.to(torch.float64))).square().to(cd)
     else:
         t = math.tan(math.radians(alpha)) ** 2
     u = (4 * t) * (cos_ar * ref_norm)  # 4t x̂_a·x_n, (rows, M)
-    v = (4 * t) * matmul(ref_hat, ref.transpose(-1, -2))  # 4t x̂_p·x_n, (M, M)
+    # 4t x̂_p·x_n, (M, M): u itself in self mode (anchors are the references)
+    v = u if batch.ref_emb is None else (4 * t) * matmul(ref_hat, ref.transpose(-1, -2))
     low = torch.finfo(cd).min
     u_max = torch.where(neg > 0, u, low).amax(-1, keepdim=True)
     has_neg = ~(u_max <= low)  # a NaN row counts as having negatives: its loss is NaN
     u_max = torch.where(has_neg, u_max, 0.0).detach()
     v_max = v.amax(-1, keepdim=True).detach()
+    # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts} = (A Bᵀ)_{ap}
     a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
-    w = matmul(a, torch.exp(v - v_max).transpose(-1, -2))  # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
-    lse = torch.log(w.clamp_min(torch.finfo(cd).tiny)) + u_max + v_max.transpose(-1, -2)
-    f = lse - (2 * (1 + t)) * cos_ar
-    losses = torch.where(has_neg, torch.logaddexp(f, f.new_zeros(())), torch.zeros_like(f))
+    b = torch.exp(v - v_max)
+    pairs = _listed_pairs(pos)
+    if pairs is None:  # every entry by one matmul (the static path)
+        w = matmul(a, b.transpose(-1, -2))
+        keep = has_neg & (pos > 0)
+        losses = _angular_term(w, u_max, v_max.transpose(-1, -2), cos_ar, keep, t)
+    else:  # the positive pairs' entries only, one row dot product each
+        i, j = pairs
+        w = (a.index_select(0, i) * b.index_select(0, j)).sum(-1)
+        listed = _angular_term(w, u_max[i, 0], v_max[j, 0], cos_ar[i, j], has_neg[i, 0], t)
+        losses = cos_ar.new_zeros(cos_ar.shape).index_put((i, j), listed)
     weights = pos
     if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
         has_p, has_n = batch.any_pairs()
         weights = weights * (has_p & has_n).to(pos.dtype)
     return {"loss": DenseTerms(losses, weights, "pos_pair", batch.num_anchors)}
+
+
+def _listed_pairs(pos: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The nonzero entries ``(rows, columns)`` of ``pos`` as index lists, where listing them is
+    free (:func:`~pmlfunc._ops.readable`) and they are few (at most an eighth of the matrix);
+    else ``None``."""
+    if not readable(pos):
+        return None
+    rows, cols = pos.nonzero(as_tuple=True)
+    return (rows, cols) if 8 * rows.numel() <= pos.numel() else None
+
+
+def _angular_term(
+    w: Tensor, u_shift: Tensor, v_shift: Tensor, cos_ap: Tensor, keep: Tensor, t: float | Tensor
+) -> Tensor:
+    """``log(1 + e^f)`` with ``f = log w + shifts − 2(1 + t) x̂_a·x̂_p`` (0 where not ``keep``),
+    for whole matrices or listed pairs alike."""
+    lse = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny)) + u_shift + v_shift
+    f = lse - (2 * (1 + t)) * cos_ap
+    return torch.where(keep, torch.logaddexp(f, f.new_zeros(())), 0.0)
 
 
 def instance(
