@@ -11,6 +11,7 @@
 | :func:`matmul`, :func:`einsum` | in the operands' dtype, also under ``torch.autocast`` |
 | :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
 | :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
+| :func:`readable`, :func:`sparse_rows` | whether values may be read (CPU eager); a sparse mask's columns per row |
 
 Masks enter by arithmetic rather than ``where`` wherever a mask is scattered: on CPU a ``where``
 with a scattered mask is ~25× slower than a multiply-add.
@@ -40,6 +41,7 @@ __all__ = [
     "scalar_tensor",
     "scatter_",
     "shift",
+    "sparse_rows",
 ]
 
 
@@ -233,6 +235,26 @@ def readable(t: Tensor) -> bool:
     accelerator (asynchronous, capturable in a CUDA graph) and under ``torch.compile`` the
     static path runs."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not inside_transform()
+
+
+def sparse_rows(mask: Tensor, max_fraction: float = 1 / 8) -> tuple[Tensor, Tensor] | None:
+    """Each row's nonzero columns of a 2-D ``mask`` as ``(index, valid)``, both ``(R, K)`` with
+    ``K`` the longest row's count (at least 1): row ``r``'s columns in order, then padding
+    (column 0, ``valid`` False). Only where listing is free (:func:`readable`) and worth it (at
+    most ``max_fraction`` of the entries nonzero); else ``None``, and the caller takes its dense
+    (static-shape) path over every column."""
+    if not readable(mask):
+        return None
+    nonzero = mask != 0
+    counts = nonzero.sum(-1)
+    if int(counts.sum()) > max_fraction * mask.numel():
+        return None
+    rows, cols = nonzero.nonzero(as_tuple=True)  # row-major: each row's columns in order
+    slot = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]
+    shape = (mask.shape[0], max(int(counts.max()), 1) if mask.shape[0] else 1)
+    index = torch.zeros(shape, dtype=torch.long, device=mask.device)
+    valid = torch.zeros(shape, dtype=torch.bool, device=mask.device)
+    return index.index_put_((rows, slot), cols), valid.index_put_((rows, slot), torch.tensor(True))
 
 
 def scatter_(buf: Tensor, index: Tensor, src: Tensor) -> Tensor:

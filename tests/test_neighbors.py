@@ -119,8 +119,8 @@ def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monke
         (randn(gen, len(REF_LABELS), D), lab(REF_LABELS)) if with_ref else (None, None)
     )
     listed = []
-    real = nb._listed_pairs
-    monkeypatch.setattr(nb, "_listed_pairs", lambda pos: listed.append(real(pos)) or listed[-1])
+    real = nb.sparse_rows
+    monkeypatch.setattr(nb, "sparse_rows", lambda pos: listed.append(real(pos)) or listed[-1])
     eager = run_pf("angular", emb, labels, ref, ref_labels)
     other = labels if ref is None else ref_labels
     same = labels[:, None] == other[None, :]

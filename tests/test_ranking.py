@@ -186,10 +186,18 @@ def test_dynamic_soft_margin_unlabelled_unequal_sizes(gen):
     assert_same(got, want, **TOL[F64])
 
 
-def test_dynamic_soft_margin_product_equals_listed_triplets(gen):
-    """The closed form over all triplets equals the same triplets listed explicitly."""
-    labels = lab(UNEVEN)
-    emb = randn(gen, 11, 3)  # low dimension: values spread over many bins, both clamps hit
+PAIRS_OF_TWO = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # 16 of 256 entries positive
+
+
+@pytest.mark.parametrize("layout", [UNEVEN, PAIRS_OF_TWO])
+def test_dynamic_soft_margin_product_equals_listed_triplets(layout, gen, monkeypatch):
+    """The closed form over all triplets equals the same triplets listed explicitly: over every
+    column (UNEVEN) and over each anchor's listed positive columns (few positives, CPU eager)."""
+    listed = []
+    real = ranking.sparse_rows
+    monkeypatch.setattr(ranking, "sparse_rows", lambda pos: listed.append(real(pos)) or listed[-1])
+    labels = lab(layout)
+    emb = randn(gen, len(layout), 3)  # low dimension: values spread over many bins, clamps hit
     state = {"hist": torch.rand(10, generator=gen, dtype=F64)}
     trip = lmu.get_all_triplets_indices(labels)
     for min_val in (-2.0, -0.5):
@@ -202,6 +210,22 @@ def test_dynamic_soft_margin_product_equals_listed_triplets(gen):
         h1 = dynamic_soft_margin(emb, labels, state, **kw)[1]["hist"]
         h2 = dynamic_soft_margin(emb, labels, state, indices_tuple=trip, **kw)[1]["hist"]
         torch.testing.assert_close(h1, h2, **TOL[F64])
+    assert (listed[0] is not None) == (layout == PAIRS_OF_TWO)
+
+
+def test_dynamic_soft_margin_listed_positives_equal_every_column(gen):
+    """CPU eager with few positives searches only their columns; under a torch.func transform
+    (as under compile or on an accelerator) every column is searched: the same loss, gradient
+    and state."""
+    labels, emb = lab(PAIRS_OF_TWO), randn(gen, len(PAIRS_OF_TWO), 3)
+    state = {"hist": torch.rand(10, generator=gen, dtype=F64)}
+    eager = value_and_grads(lambda e: dynamic_soft_margin(e, labels, state, momentum=0.3), emb)
+    grad, (value, new) = torch.func.grad_and_value(
+        lambda e: dynamic_soft_margin(e, labels, state, momentum=0.3), has_aux=True
+    )(emb)
+    assert_same(eager, (value, [grad]), **TOL[F64])
+    want = dynamic_soft_margin(emb, labels, state, momentum=0.3)[1]["hist"]
+    torch.testing.assert_close(new["hist"], want, **TOL[F64])
 
 
 # ----------------------------------------------------------------------------------------------

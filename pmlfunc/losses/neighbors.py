@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, readable, scalar_like
+from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, sparse_rows
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
@@ -323,31 +323,24 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts} = (A Bᵀ)_{ap}
     a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
     b = torch.exp(v - v_max)
-    pairs = _listed_pairs(pos)
-    if pairs is None:  # every entry by one matmul (the static path)
+    listed = sparse_rows(pos)
+    if listed is None:  # every entry by one matmul (the static path)
         w = matmul(a, b.transpose(-1, -2))
         keep = has_neg & (pos > 0)
         losses = _angular_term(w, u_max, v_max.transpose(-1, -2), cos_ar, keep, t)
-    else:  # the positive pairs' entries only, one row dot product each
-        i, j = pairs
-        w = (a.index_select(0, i) * b.index_select(0, j)).sum(-1)
-        listed = _angular_term(w, u_max[i, 0], v_max[j, 0], cos_ar[i, j], has_neg[i, 0], t)
-        losses = cos_ar.new_zeros(cos_ar.shape).index_put((i, j), listed)
+    else:  # each anchor's positive columns only: (rows, K) entries by a batched mat-vec
+        idx, valid = listed
+        rows, k = idx.shape
+        b_listed = b.index_select(0, idx.reshape(-1)).view(rows, k, -1)
+        w = matmul(b_listed, a.unsqueeze(-1)).squeeze(-1)
+        v_shift, cos_ap = v_max[idx, 0], cos_ar.gather(-1, idx)
+        term = _angular_term(w, u_max, v_shift, cos_ap, has_neg & valid, t)
+        losses = torch.zeros_like(cos_ar).scatter_add(-1, idx, term)
     weights = pos
     if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
         has_p, has_n = batch.any_pairs()
         weights = weights * (has_p & has_n).to(pos.dtype)
     return {"loss": DenseTerms(losses, weights, "pos_pair", batch.num_anchors)}
-
-
-def _listed_pairs(pos: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The nonzero entries ``(rows, columns)`` of ``pos`` as index lists, where listing them is
-    free (:func:`~pmlfunc._ops.readable`) and they are few (at most an eighth of the matrix);
-    else ``None``."""
-    if not readable(pos):
-        return None
-    rows, cols = pos.nonzero(as_tuple=True)
-    return (rows, cols) if 8 * rows.numel() <= pos.numel() else None
 
 
 def _angular_term(

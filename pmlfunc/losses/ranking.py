@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import bin_floor, einsum, matmul, ratio, scalar_like
+from .._ops import bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..labels import PairMasks
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
@@ -520,23 +520,32 @@ def _dsm_product(d: Tensor, pos: Tensor, neg: Tensor, lo, delta, k: int):
     Both the histogram and the loss are linear in the per-segment counts and sums, so they are
     written in the cumulative ``N_j``, ``S_j`` directly (summation by parts) and every
     ``(a, p)`` sum is taken once, as a contraction of the ``(B·M, K)`` tables with the weights
-    ``pos`` and ``pos · d``: no per-segment ``(B, M, K + 1)`` tensors in either pass."""
-    b, m = d.shape
+    ``pos`` and ``pos · d``: no per-segment ``(B, M, K + 1)`` tensors in either pass. Where
+    the positives can be listed (:func:`~pmlfunc._ops.sparse_rows`), only their columns are
+    searched and contracted: ``(B, P_max, K)`` instead of ``(B, M, K)``."""
+    b = d.shape[0]
     key = torch.where(neg > 0, d.detach(), torch.finfo(d.dtype).max)
     keys, order = key.sort(-1)
     dn, wn = d.gather(-1, order), neg.gather(-1, order)
     zero = d.new_zeros(b, 1)
     ccount = torch.cat([zero, wn.cumsum(-1)], -1)  # (B, M + 1)
     csum = torch.cat([zero, (wn * dn).cumsum(-1)], -1)
+    listed = sparse_rows(pos)
+    if listed is not None:  # only each anchor's positive columns (CPU eager, few positives)
+        idx, valid = listed
+        d_p, pos = d.gather(-1, idx), pos.gather(-1, idx) * valid
+    else:  # every column (static shapes)
+        d_p = d
+    m = d_p.shape[-1]
     steps = torch.arange(k, dtype=d.dtype, device=d.device)
-    bounds = d.detach().unsqueeze(-1) - lo - delta * steps  # (B, M, K): c_j = d_ap − lo − jΔ
+    bounds = d_p.detach().unsqueeze(-1) - lo - delta * steps  # (B, M, K): c_j = d_ap − lo − jΔ
     # Columns that are no positive weigh 0: a constant query makes their searches cheap
     # (predictable branches, one cache line), ~5× faster than searching their real bounds.
     bounds = torch.where((pos > 0).unsqueeze(-1), bounds, -torch.inf)
     at = torch.searchsorted(keys.contiguous(), bounds.detach().reshape(b, m * k), right=True)
     n_ge = ccount.gather(-1, at).view(b * m, k)  # N_j: negatives with t ≥ j
     s_ge = csum.gather(-1, at).view(b * m, k)  # S_j: their sum of d_an
-    pos_d = pos * d
+    pos_d = pos * d_p
     a_n, d_n = matmul(torch.stack([pos, pos_d]).view(2, b * m), n_ge).unbind(0)  # Σ pos·N, ·d·N
     s_n = matmul(pos.reshape(1, b * m), s_ge)[0]  # Σ pos·S
     n_pos = pos.sum(-1)

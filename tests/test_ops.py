@@ -1,0 +1,34 @@
+"""Tests for ``pmlfunc._ops`` helpers whose contract is not already pinned by every loss using
+them (those are tested through the losses)."""
+
+from __future__ import annotations
+
+import torch
+
+from pmlfunc._ops import sparse_rows
+
+
+def test_sparse_rows_lists_each_rows_columns_in_order_then_pads():
+    mask = torch.zeros(4, 16)
+    mask[0, [3, 9]] = 1.0
+    mask[2, 5] = 2.0  # a count, not just 0/1
+    index, valid = sparse_rows(mask)
+    assert index.tolist() == [[3, 9], [0, 0], [5, 0], [0, 0]]
+    assert valid.tolist() == [[True, True], [False, False], [True, False], [False, False]]
+
+
+def test_sparse_rows_of_an_empty_mask_is_one_invalid_column():
+    index, valid = sparse_rows(torch.zeros(3, 8))
+    assert index.shape == valid.shape == (3, 1) and not valid.any()
+
+
+def test_sparse_rows_declines_dense_masks_and_unreadable_values():
+    dense = torch.ones(4, 4)
+    assert sparse_rows(dense) is None  # more than an eighth of the entries
+    assert sparse_rows(dense, max_fraction=1.0) is not None
+    assert sparse_rows(torch.eye(16, device="meta")) is None  # values cannot be read
+    seen = []
+    torch.func.vmap(lambda m: seen.append(sparse_rows(m)) or m.sum())(
+        torch.eye(16).expand(2, 16, 16)
+    )
+    assert seen == [None]  # inside a transform: the static path
