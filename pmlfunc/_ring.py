@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._ops import apply
 from .losses._tiled import (
     ROW_STATS,
     EngineCall,
@@ -216,5 +217,5 @@ def ring_loss(call: EngineCall, group) -> Tensor:
     """The loss of ``call`` (this rank's rows) over every rank's rows in ``group``, by the ring."""
     ring = Ring(group, call.x.shape[-2], call.x.device)
     scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
-    loss = _RingLoss.apply(call.x, call.y, scale, call.bias, call, ring)
+    loss = apply(_RingLoss, call.x, call.y, scale, call.bias, call, ring)
     return loss if call.finish is None else call.finish(loss)

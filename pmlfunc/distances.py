@@ -249,9 +249,9 @@ def safe_euclidean(
     cd = _checks.compute_dtype(out_dtype)
     xc = x.to(cd)
     if y is None:
-        d = _SafeEuclideanSelf.apply(xc, squared, int(exact_budget), False, True)
+        d = _ops.apply(_SafeEuclideanSelf, xc, squared, int(exact_budget), False, True)
     else:
-        d = _SafeEuclidean.apply(xc, y.to(cd), squared, int(exact_budget), False, True)
+        d = _ops.apply(_SafeEuclidean, xc, y.to(cd), squared, int(exact_budget), False, True)
     return d.to(out_dtype)
 
 
@@ -414,9 +414,9 @@ class _Lp(_Budgeted):
         if self.p == 2:
             squared, budget = self.power == 2, self.exact_budget
             if y is None:
-                mat = _SafeEuclideanSelf.apply(x, squared, budget, self.normalize, ties)
+                mat = _ops.apply(_SafeEuclideanSelf, x, squared, budget, self.normalize, ties)
             else:
-                mat = _SafeEuclidean.apply(x, y, squared, budget, self.normalize, ties)
+                mat = _ops.apply(_SafeEuclidean, x, y, squared, budget, self.normalize, ties)
             if squared:
                 return mat
         else:
@@ -474,7 +474,7 @@ class _Dot(_Normalizing):
         if not ties:
             return _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
         cols = None if y is None else _ties(y)
-        return _TiedMatmul.apply(x, y, _ties(x), cols)
+        return _ops.apply(_TiedMatmul, x, y, _ties(x), cols)
 
     def _scaled(
         self, x: Tensor, y: Tensor | None, ties: bool, scale: float | Tensor | None
@@ -486,7 +486,7 @@ class _Dot(_Normalizing):
         if not ties:
             return _ops.matmul(x * scale, ref.transpose(-1, -2))
         rows = _ties(x)  # of the unscaled rows: the same ties, whatever the scale
-        return _TiedMatmul.apply(x * scale, ref, rows, rows if y is None else _ties(y))
+        return _ops.apply(_TiedMatmul, x * scale, ref, rows, rows if y is None else _ties(y))
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)
@@ -526,10 +526,10 @@ class _SNR(_Budgeted):
         # Var(x − y) = ‖(x − x̄) − (y − ȳ)‖² / (D − 1): a squared Euclidean distance of centred rows.
         xc = x - x.mean(-1, keepdim=True)
         if y is None:
-            sq = _SafeEuclideanSelf.apply(xc, True, self.exact_budget, False, ties)
+            sq = _ops.apply(_SafeEuclideanSelf, xc, True, self.exact_budget, False, ties)
         else:
             yc = y - y.mean(-1, keepdim=True)
-            sq = _SafeEuclidean.apply(xc, yc, True, self.exact_budget, False, ties)
+            sq = _ops.apply(_SafeEuclidean, xc, yc, True, self.exact_budget, False, ties)
         var_x = (xc * xc).sum(-1, keepdim=True)  # (D − 1)·Var(x_i); the (D − 1) factors cancel
         return sq / var_x
 

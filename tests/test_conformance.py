@@ -568,16 +568,26 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(f, tuple(x[k] for k in varying), **entry.gradcheck)
 
 
+@pytest.mark.parametrize("listing", ["default", "always"])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_func_grad_equals_autograd(name):
+def test_func_grad_equals_autograd(name, listing, monkeypatch):
+    """Also with every mask's rows listed in eager mode (``pmlfunc._ops.sparse_rows``, taken
+    by default only for sparse positives): inside the transform the static path runs, so the
+    listed and the dense computations are compared, value and gradient."""
+    if listing == "always":
+        monkeypatch.setattr(pf._ops, "SPARSE_FRACTION", 1.0)
     call = LOSSES[name].make(Draw(F64))
     names = list(call.wrt)
 
     def loss(*v):
-        return loss_of(call.run(**dict(zip(names, v, strict=True))))
+        value = loss_of(call.run(**dict(zip(names, v, strict=True))))
+        return value, value
 
-    got = torch.func.grad(loss, argnums=tuple(range(len(names))))(*call.wrt.values())
-    _, want = value_and_grads(call.run, call)
+    got, got_value = torch.func.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
+        *call.wrt.values()
+    )
+    out, want = value_and_grads(call.run, call)
+    torch.testing.assert_close(got_value, loss_of(out).detach(), rtol=1e-12, atol=1e-14)
     for k, g, w in zip(names, got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14, msg=lambda m, k=k: f"{k}: {m}")
     assert any(w.abs().max() > 0 for w in want), "every gradient is zero: nothing was compared"

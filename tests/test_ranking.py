@@ -186,7 +186,7 @@ def test_dynamic_soft_margin_unlabelled_unequal_sizes(gen):
     assert_same(got, want, **TOL[F64])
 
 
-PAIRS_OF_TWO = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # 16 of 256 entries positive
+PAIRS_OF_TWO = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # one positive per row of 16
 
 
 @pytest.mark.parametrize("layout", [UNEVEN, PAIRS_OF_TWO])

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import fresh, matmul, ratio
+from .._ops import apply, fresh, matmul, ratio
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -453,7 +453,9 @@ class _TiledLoss(torch.autograd.Function):
         scale = ctx.scale_float if scale is None else scale
         padded = (*stats, *(None,) * (6 - len(stats)))
         grads = iter(
-            _TiledGrads.apply(x, y, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind, needs)
+            apply(
+                _TiledGrads, x, y, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind, needs
+            )
         )
         out = [next(grads) if need else None for need in needs]
         return out[0], out[1], None, None, out[2], out[3], None, None, None
@@ -479,7 +481,7 @@ def tiled_loss(
     ``None`` for two aligned sets (row ``i`` pairs with column ``i``). ``scale``: a number or a 0-d tensor (its gradient
     is returned); ``bias``: ``None`` or a 0-d tensor. ``reducer`` one of ``KINDS[kind]``.
     """
-    return _TiledLoss.apply(x, y, rows, cols, scale, bias, chunk, kind, reducer)[0]
+    return apply(_TiledLoss, x, y, rows, cols, scale, bias, chunk, kind, reducer)[0]
 
 
 @dataclass(frozen=True)

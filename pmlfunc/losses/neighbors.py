@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, sparse_rows
+from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, scatter_rows, sparse_rows
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
@@ -183,8 +183,10 @@ def _npairs_terms(batch: Batch) -> dict[str, Terms]:
     d = batch.block(anchors, positives)  # (k, k): the chosen pairs' rows only
     s = d if batch.distance.is_similarity else -d
     weight = used.to(s.dtype)
-    lse = masked_logsumexp(s, weight.unsqueeze(0).expand(k, k).contiguous())
-    losses = torch.where(used, lse - s.diagonal(), torch.zeros_like(lse))
+    # empty slots' columns out of every softmax: −finfo.max, finite (an all-empty row's
+    # gradient stays finite), and its rows weighted 0
+    s = s.masked_fill(~used, -torch.finfo(s.dtype).max)
+    losses = torch.where(used, cross_entropy(s, idx[:k]), 0.0)
     return {"loss": DenseTerms(losses, weight, "element", b, anchor_index=anchors)}
 
 
@@ -253,9 +255,10 @@ def angular(
     issue #329); here the log-sum-exp of every pair comes from Gram matrices:
     ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max}`` and
     ``B = e^{v_pn − max}``, ``u = 4t x̂_a·x_n``, ``v = 4t x̂_p·x_n``: one matmul, ``O(B·M + M²)``
-    memory. In CPU eager mode, when at most an eighth of the entries are positive pairs, only
-    their entries of ``A Bᵀ`` are computed (a row dot product each, ``O(pairs·M)`` instead of
-    ``O(B·M²)``); on an accelerator and under ``torch.compile`` the matmul (static shapes) runs.
+    memory. In CPU eager mode, when no anchor has positives in more than an eighth of the
+    columns, only their entries of ``A Bᵀ`` are computed (``O(B·K·M)`` for at most ``K``
+    positives per anchor, instead of ``O(B·M²)``); on an accelerator and under
+    ``torch.compile`` the matmul (static shapes) runs.
     Exact unless a pair's largest term is more than ~80 (float32; ~700 in float64)
     below the row maxima used as shifts, i.e. ``8t·max‖x_n‖ ≳ 80`` (e.g. α ≳ 72° with unit
     embeddings in float32); such terms underflow to 0 instead.
@@ -335,7 +338,7 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
         w = matmul(b_listed, a.unsqueeze(-1)).squeeze(-1)
         v_shift, cos_ap = v_max[idx, 0], cos_ar.gather(-1, idx)
         term = _angular_term(w, u_max, v_shift, cos_ap, has_neg & valid, t)
-        losses = torch.zeros_like(cos_ar).scatter_add(-1, idx, term)
+        losses = scatter_rows(term, listed, cos_ar)
     weights = pos
     if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
         has_p, has_n = batch.any_pairs()

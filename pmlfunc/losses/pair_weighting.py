@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._ops import masked_logsumexp, rshift, scalar_like, shift
+from .._ops import masked_logsumexp, rshift, scalar_like, scatter_rows, shift, sparse_rows
 from ..distances import cosine, lp
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean
 from ._batch import Batch, BatchInputs, batch_loss, spec
@@ -301,7 +301,13 @@ def _generalized_lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[s
     # s·(d − m_pos) and s·(m_neg − d): the constant leaves the log-sum-exp
     sd = d if s > 0 else -d
     has_pos, has_neg = (pos.sum(-1) > 0).to(d.dtype), (neg.sum(-1) > 0).to(d.dtype)
-    pos_lse = _lse_or_zero(sd, pos) - (s * scalar_like(pos_margin, d)) * has_pos
+    listed = sparse_rows(pos)
+    if listed is not None:  # few positives (CPU eager): only their columns
+        idx, valid = listed
+        pos_lse = _lse_or_zero(sd.gather(-1, idx), valid.to(d.dtype))
+    else:
+        pos_lse = _lse_or_zero(sd, pos)
+    pos_lse = pos_lse - (s * scalar_like(pos_margin, d)) * has_pos
     neg_lse = _lse_or_zero(-sd, neg) + (s * scalar_like(neg_margin, d)) * has_neg
     return {"loss": elements(F.relu(pos_lse + neg_lse))}
 
@@ -366,10 +372,16 @@ def _tuplet_margin_terms(batch: Batch, *, margin, scale) -> dict[str, Terms]:
     beta = scalar_like(margin, s) * (math.pi / 180.0)  # np.radians
     scale = scalar_like(scale, s)
     pos, neg = batch.masks
-    neg_lse = masked_logsumexp(scale * s, neg, batch.keep(neg))  # −finfo.max: no negatives
-    shifted = torch.cos(_safe_acos(s) - beta)
+    neg_lse = masked_logsumexp(scale * s, neg, batch.keep(neg)).unsqueeze(-1)  # −finfo.max: none
+    listed = sparse_rows(pos)  # few positives (CPU eager): the terms on their columns only
+    s_pos = s if listed is None else s.gather(-1, listed[0])
+    shifted = torch.cos(_safe_acos(s_pos) - beta)
     # log(1 + e^x) exactly (F.softplus switches to x above its threshold)
-    losses = torch.logaddexp(neg_lse.unsqueeze(-1) - scale * shifted, s.new_zeros(()))
+    losses = torch.logaddexp(neg_lse - scale * shifted, s.new_zeros(()))
+    # 0 off the positive pairs on either path (their weight is 0 anyway)
+    losses = (
+        torch.where(pos > 0, losses, 0.0) if listed is None else scatter_rows(losses, listed, s)
+    )
     return {"loss": DenseTerms(losses, pos, "pos_pair", batch.num_anchors)}
 
 

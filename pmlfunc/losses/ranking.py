@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
+from .._ops import apply, bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..labels import PairMasks
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
@@ -121,7 +121,7 @@ def sigmoid_ranks(s: Tensor, w: Tensor, tau, clamp: float | None = None) -> Tens
     r"""``R[q, a, j] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)`` in anchor chunks (see
     :class:`_SigmoidRanks`): ``s`` is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, the result
     ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions."""
-    return _SigmoidRanks.apply(s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1]))
+    return apply(_SigmoidRanks, s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1]))
 
 
 def fast_ap(

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import masked, matmul, scalar_like, scalar_tensor, scatter_
+from .._ops import apply, masked, matmul, scalar_like, scalar_tensor, scatter_
 from ..distances import cosine, lp
 from ..reducers import (
     AlreadyReduced,
@@ -422,7 +422,8 @@ class AllTriplets(Terms):
         margin = scalar_tensor(self.margin, self.e)
         lo = None if low is None else scalar_tensor(low, self.e)
         hi = None if high is None else scalar_tensor(high, self.e)
-        s, c = _CubeStats.apply(
+        s, c = apply(
+            _CubeStats,
             self.e,
             self.pos,
             self.neg,
