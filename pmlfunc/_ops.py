@@ -257,23 +257,23 @@ def readable(t: Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not inside_transform()
 
 
-SPARSE_FRACTION = 1 / 8  # sparse_rows' default: listing pays up to an eighth of the columns
+SPARSE_FRACTION = 1 / 8  # sparse_rows: listing pays up to an eighth of the columns
 
 
-def sparse_rows(mask: Tensor, max_fraction: float | None = None) -> tuple[Tensor, Tensor] | None:
+def sparse_rows(mask: Tensor, cost: float = 1.0) -> tuple[Tensor, Tensor] | None:
     """Each row's nonzero columns of a 2-D ``mask`` as ``(index, valid)``, both ``(R, K)`` with
     ``K`` the longest row's count (at least 1): row ``r``'s columns in order, then padding
     (column 0, ``valid`` False). Only where listing is free (:func:`readable`) and worth it:
-    ``K`` at most ``max_fraction`` of the columns (default :data:`SPARSE_FRACTION`), so that
-    work on the listed layout costs a fraction of the same work on the matrix. Else ``None``,
-    and the caller takes its dense (static-shape) path over every column."""
-    if not readable(mask) or mask.shape[0] == 0:
+    ``cost·K`` at most :data:`SPARSE_FRACTION` of the columns (``cost``: what the caller's
+    work per listed column costs relative to a pass over a row), so that work on the listed
+    layout costs a fraction of the same work on the matrix. Else ``None``, and the caller
+    takes its dense (static-shape) path over every column."""
+    if not readable(mask) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
     nonzero = mask != 0
     counts = nonzero.sum(-1)
     k = max(int(counts.max()), 1)
-    fraction = SPARSE_FRACTION if max_fraction is None else max_fraction
-    if k > fraction * mask.shape[-1]:
+    if cost * k > SPARSE_FRACTION * mask.shape[-1]:
         return None
     rows, cols = nonzero.nonzero(as_tuple=True)  # row-major: each row's columns in order
     slot = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]

@@ -575,7 +575,7 @@ def test_func_grad_equals_autograd(name, listing, monkeypatch):
     by default only for sparse positives): inside the transform the static path runs, so the
     listed and the dense computations are compared, value and gradient."""
     if listing == "always":
-        monkeypatch.setattr(pf._ops, "SPARSE_FRACTION", 1.0)
+        monkeypatch.setattr(pf._ops, "SPARSE_FRACTION", math.inf)
     call = LOSSES[name].make(Draw(F64))
     names = list(call.wrt)
 

@@ -25,7 +25,11 @@ def test_sparse_rows_of_an_empty_mask_is_one_invalid_column():
 def test_sparse_rows_declines_dense_masks_and_unreadable_values():
     dense = torch.ones(4, 4)
     assert sparse_rows(dense) is None  # more than an eighth of the columns
-    assert sparse_rows(dense, max_fraction=1.0) is not None
+    assert sparse_rows(dense, cost=1 / 8) is not None  # work per listed column that cheap
+    assert (
+        sparse_rows(torch.eye(16), cost=2.0) is not None
+        and sparse_rows(torch.eye(16), cost=3.0) is None
+    )
     assert sparse_rows(torch.eye(16, device="meta")) is None  # values cannot be read
     seen = []
     torch.func.vmap(lambda m: seen.append(sparse_rows(m)) or m.sum())(

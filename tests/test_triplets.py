@@ -301,3 +301,23 @@ def test_sct_bad_input(gen):
         selectively_contrastive_triplet(emb, labels, hard_cutoff=torch.ones(2))
     with pytest.raises(ValueError, match="labels and indices_tuple"):
         selectively_contrastive_triplet(emb)
+
+
+@pytest.mark.parametrize("mined", [False, True])
+@pytest.mark.parametrize("margin_", [0.2, 1.5])
+def test_all_triplets_with_few_positives_per_anchor_match_pml(mined, margin_, gen):
+    """Two samples per class in a batch of 64: each anchor's one positive is compared with
+    every column (no sort, CPU eager) — the same value and gradient as PML's enumeration."""
+    import pmlfunc.losses.triplets as tr
+
+    labels = torch.arange(64) // 2
+    emb = randn(gen, 64, 8)
+    assert tr.sparse_rows((labels[:, None] == labels[None]).fill_diagonal_(False), 8.0) is not None
+    pairs = pf.miners.pair_margin(emb, labels, pos_margin=0.0, neg_margin=1.5) if mined else None
+    pml_pairs = lmu.get_all_pairs_indices(labels) if not mined else pairs.to_indices()
+    got = value_and_grads(
+        lambda e: triplet_margin(e, labels, margin=margin_, indices_tuple=pairs), emb
+    )
+    pml = pml_losses.TripletMarginLoss(margin=margin_)
+    want = value_and_grads(lambda e: pml(e, labels, pml_pairs), emb)
+    assert_same(got, want, **core.TOL[F64])
