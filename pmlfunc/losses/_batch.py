@@ -150,6 +150,7 @@ class Batch:
     given_mat: bool = False  # the caller passed mat=
     _mat: Tensor | None = None
     _masks: PairMasks | None = None
+    _unit: tuple[Tensor, Tensor] | None = None  # the rows as the distance normalises them
 
     @property
     def mat(self) -> Tensor:
@@ -197,7 +198,14 @@ class Batch:
         few = i.numel() * ref.shape[-1] <= self.shape[0] * self.shape[1]
         if self._mat is not None or self.given_mat or self.rows is not None or not few:
             return self.mat[i, j]
-        return self.distance.pairs(self.embeddings[i], ref[j])
+        # a normalising distance normalises each row once, not once per listed pair
+        normalize, plain = self.distance.split_normalization()
+        if self._unit is None:  # in the compute dtype, as Distance.pairs
+            x = normalize(self.embeddings.to(self.dtype))
+            y = x if self.ref_emb is None else normalize(self.ref_emb.to(self.dtype))
+            self._unit = (x, y)
+        x, ref = self._unit
+        return plain.pairs(x[i], ref[j])
 
     def block(self, i: Tensor, j: Tensor) -> Tensor:
         """The ``(len(i), len(j))`` block of the matrix: anchor rows ``i``, reference columns
