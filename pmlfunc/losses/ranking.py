@@ -121,7 +121,9 @@ def sigmoid_ranks(s: Tensor, w: Tensor, tau, clamp: float | None = None) -> Tens
     r"""``R[q, a, j] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)`` in anchor chunks (see
     :class:`_SigmoidRanks`): ``s`` is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, the result
     ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions."""
-    return apply(_SigmoidRanks, s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1]))
+    return apply(
+        _SigmoidRanks, s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1], s.device)
+    )
 
 
 def fast_ap(

@@ -451,7 +451,7 @@ class AllTriplets(Terms):
             return _sorted_hinge_stats(
                 self.e, self.pos, self.neg, self.margin, self.binary, self.diagonal
             )
-        chunk = cube_chunk(self.e.shape[-1])
+        chunk = cube_chunk(self.e.shape[-1], self.e.device)
         margin = scalar_tensor(self.margin, self.e)
         lo = None if low is None else scalar_tensor(low, self.e)
         hi = None if high is None else scalar_tensor(high, self.e)
