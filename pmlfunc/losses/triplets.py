@@ -246,9 +246,13 @@ def _listed_hinge_stats(
     m = margin.detach() if isinstance(margin, Tensor) else margin
     wp = pos.gather(-1, idx) * valid  # (B, K) multiplicities, 0 on the padding
     t = ed.gather(-1, idx) + m  # t_ap = e_ap + m
-    below = (ed.unsqueeze(-2) < t.unsqueeze(-1)).to(ed.dtype)  # (B, K, M)
-    c_pos = wp * matmul(below, neg.unsqueeze(-1)).squeeze(-1)  # w_k·C_k
-    p_neg = matmul(wp.unsqueeze(-2), below).squeeze(-2)  # P_n
+    counted = torch.empty_like(wp)  # C_k
+    p_neg = torch.zeros_like(ed)  # P_n
+    for k in range(idx.shape[-1]):  # one (B, M) block at a time (K is small)
+        below = (ed < t[:, k : k + 1]).to(ed.dtype)
+        counted[:, k] = matmul(below.unsqueeze(-2), neg.unsqueeze(-1))[:, 0, 0]
+        p_neg.addcmul_(below, wp[:, k : k + 1])
+    c_pos = wp * counted  # w_k·C_k
     coef = scatter_rows(c_pos, listed, ed).sub_(neg * p_neg)
     count = c_pos.sum(-1)
     return (e * coef).sum(-1) + count * margin, count
