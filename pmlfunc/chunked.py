@@ -103,7 +103,8 @@ def value_and_grad(
 
     With ``L = Σ_a ℓ_a / N`` (``N`` the reducer's normaliser over the whole batch), each chunk
     ``C`` contributes ``Σ_{a∈C} ℓ_a / N`` and its gradient; only a ``chunk × M`` block of the
-    distance matrix and its autograd graph is alive at a time.
+    distance matrix and its autograd graph is alive at a time. When one chunk holds the whole
+    batch (``chunk_size ≥ B``, eager mode), the whole loss is differentiated by plain autograd.
 
     Args:
         loss_fn: a chunkable loss (:func:`chunkable` lists them: ``pf.losses.ntxent``, ...), or
