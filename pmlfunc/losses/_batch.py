@@ -198,14 +198,19 @@ class Batch:
         few = i.numel() * ref.shape[-1] <= self.shape[0] * self.shape[1]
         if self._mat is not None or self.given_mat or self.rows is not None or not few:
             return self.mat[i, j]
-        # a normalising distance normalises each row once, not once per listed pair
+        x, ref, plain = self._unit_rows()
+        return plain.pairs(x[i], ref[j])
+
+    def _unit_rows(self) -> tuple[Tensor, Tensor, Distance]:
+        """The rows and reference rows as the distance normalises them (each row once, in the
+        compute dtype; cached), and the distance without its normalisation: listed pairs and
+        blocks gather from them instead of normalising every gathered row."""
         normalize, plain = self.distance.split_normalization()
-        if self._unit is None:  # in the compute dtype, as Distance.pairs
+        if self._unit is None:
             x = normalize(self.embeddings.to(self.dtype))
             y = x if self.ref_emb is None else normalize(self.ref_emb.to(self.dtype))
             self._unit = (x, y)
-        x, ref = self._unit
-        return plain.pairs(x[i], ref[j])
+        return *self._unit, plain
 
     def block(self, i: Tensor, j: Tensor) -> Tensor:
         """The ``(len(i), len(j))`` block of the matrix: anchor rows ``i``, reference columns
@@ -213,9 +218,8 @@ class Batch:
         exact ties: for a loss smooth in it), ``O(len(i)·len(j)·D)`` instead of ``O(B·M·D)``."""
         if self._mat is not None or self.given_mat or self.rows is not None:
             return self.mat.index_select(0, i).index_select(1, j)
-        ref = self.embeddings if self.ref_emb is None else self.ref_emb
-        rows, cols = self.embeddings.index_select(0, i), ref.index_select(0, j)
-        return self.distance.matrix(rows, cols, ties=False)
+        x, ref, plain = self._unit_rows()
+        return plain.matrix(x.index_select(0, i), ref.index_select(0, j), ties=False)
 
     def keep(self, w: Tensor) -> Tensor | None:
         """The 0/1 indicator of ``w > 0`` when the masks hold pair counts (``None`` for 0/1
