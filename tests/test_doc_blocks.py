@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,8 +38,6 @@ PAGES = [
     *sorted((ROOT / "docs" / "guides").glob("*.md")),
 ]
 MODES = {"needs-cuda", "script", "torchrun"}
-# docs/evaluation.md is being rewritten elsewhere (project issue 20); its current block uses
-# undefined names. Remove this entry once the rewritten page lands (the test then XPASSes).
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 _MARKER = re.compile(r"#\s*doc-test:\s*(?P<mode>[\w-]+)\s*(?P<reason>.*)$")
 
@@ -123,14 +122,32 @@ def _run_in_process(block: Block) -> dict:
     return scope
 
 
-def _write_script(block: Block, tmp_path: Path) -> Path:
+# Printed after a rank's last line: the block ran to its end (see _teardown_abort).
+_DONE = "__doc_block_done__"
+
+
+def _write_script(block: Block, tmp_path: Path, epilogue: str = "") -> Path:
     script = tmp_path / (re.sub(r"\W", "_", block.id) + ".py")
-    script.write_text(block.source, encoding="utf-8")
+    script.write_text(block.source + epilogue, encoding="utf-8")
     return script
 
 
-def _check_exit(block: Block, procs: list[subprocess.Popen]) -> None:
-    """Wait for every process (5 minutes at most); each must exit with status 0."""
+def _teardown_abort(returncode: int, out: str, err: str) -> bool:
+    """A rank that ran the whole block (barrier and ``destroy_process_group`` included) and then
+    aborted while the interpreter shut down: PyTorch 2.13's CPU gloo teardown race after a
+    backward through collectives (``terminate called without an active exception`` from a
+    native thread; ~1 run in 8 with DDP alone and a plain loss, no pmlfunc call). The block's
+    work is done and checked; the crash is torch's, after it."""
+    return (
+        returncode == -signal.SIGABRT
+        and _DONE in out
+        and "terminate called without an active exception" in err
+    )
+
+
+def _check_exit(block: Block, procs: list[subprocess.Popen], torchrun: bool = False) -> None:
+    """Wait for every process (5 minutes at most); each must exit with status 0 (or, for a
+    torchrun block, abort only in torch's teardown race: :func:`_teardown_abort`)."""
     failures = []
     for rank, proc in enumerate(procs):
         try:
@@ -139,7 +156,7 @@ def _check_exit(block: Block, procs: list[subprocess.Popen]) -> None:
             for p in procs:
                 p.kill()
             raise
-        if proc.returncode != 0:
+        if proc.returncode != 0 and not (torchrun and _teardown_abort(proc.returncode, out, err)):
             failures.append(f"process {rank}: exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}")
     assert not failures, f"{block.id} failed:\n" + "\n".join(failures)
 
@@ -164,14 +181,15 @@ def _free_port() -> int:
 def _run_as_ranks(block: Block, tmp_path: Path, world_size: int = 2) -> None:
     """What ``torchrun --standalone --nproc_per_node=<world_size>`` does for the script, without
     its agent: one process per rank, with the environment ``init_process_group`` reads."""
-    script, port = _write_script(block, tmp_path), str(_free_port())
+    script = _write_script(block, tmp_path, f"\nprint({_DONE!r}, flush=True)\n")
+    port = str(_free_port())
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
         env.update(LOCAL_WORLD_SIZE=str(world_size))
         procs.append(_popen(script, env))
-    _check_exit(block, procs)
+    _check_exit(block, procs, torchrun=True)
 
 
 @pytest.mark.parametrize("block", _params())
