@@ -460,7 +460,7 @@ def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
     is_neg = neg > 0
     is_pos = pos > 0
     keys = ordered_keys(torch.where(is_neg, e, torch.inf))
-    order = keys.argsort(-1)
+    order = _ops.argsort_rows(keys)
     sorted_keys = keys.gather(-1, order)
     n_neg = is_neg.sum(-1, keepdim=True)
 

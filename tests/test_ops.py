@@ -3,9 +3,10 @@ them (those are tested through the losses)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pmlfunc._ops import sparse_rows
+from pmlfunc._ops import argsort_rows, sparse_rows
 
 
 def test_sparse_rows_lists_each_rows_columns_in_order_then_pads():
@@ -36,3 +37,17 @@ def test_sparse_rows_declines_dense_masks_and_unreadable_values():
         torch.eye(16).expand(2, 16, 16)
     )
     assert seen == [None]  # inside a transform: the static path
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+def test_argsort_rows_is_a_stable_argsort(dtype):
+    g = torch.Generator().manual_seed(3)
+    info = torch.iinfo(dtype)
+    keys = torch.randint(info.min, info.max, (5, 300), generator=g, dtype=torch.int64).to(dtype)
+    keys[:, ::4] = keys[:, 1:2]  # ties (order by column), extremes
+    keys[0, 7], keys[1, 9] = info.min, info.max
+    want = keys.argsort(stable=True, dim=-1)
+    assert torch.equal(argsort_rows(keys), want)
+    assert torch.equal(argsort_rows(keys[2]), want[2])  # one row
+    got = torch.func.vmap(argsort_rows)(keys)  # inside a transform: torch's sort
+    assert torch.equal(got, want)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import apply, bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
+from .._ops import apply, argsort_rows, bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..labels import PairMasks
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
@@ -36,6 +36,7 @@ from ..tuples import (
     TripletWindow,
     as_triplets,
     cube_chunk,
+    ordered_keys,
     sample_weights,
 )
 from ._batch import Batch, BatchInputs, batch_loss, prepare, spec
@@ -527,7 +528,8 @@ def _dsm_product(d: Tensor, pos: Tensor, neg: Tensor, lo, delta, k: int):
     searched and contracted: ``(B, P_max, K)`` instead of ``(B, M, K)``."""
     b = d.shape[0]
     key = torch.where(neg > 0, d.detach(), torch.finfo(d.dtype).max)
-    keys, order = key.sort(-1)
+    order = argsort_rows(ordered_keys(key))  # ordered integers: the vectorised sort on CPU
+    keys = key.gather(-1, order)
     dn, wn = d.gather(-1, order), neg.gather(-1, order)
     zero = d.new_zeros(b, 1)
     ccount = torch.cat([zero, wn.cumsum(-1)], -1)  # (B, M + 1)

@@ -38,6 +38,7 @@ from .. import _checks
 from .. import params as _params
 from .._ops import (
     apply,
+    argsort_rows,
     masked,
     matmul,
     scalar_like,
@@ -271,7 +272,7 @@ def _merged_order_bits(
     elif not binary:  # columns that are neither sort last (by arithmetic: `where` is slower)
         inside = (is_pos + is_neg).to(keys.dtype)
         keys = keys.mul_(inside).add_(inside.neg_().add_(1).mul_(top))
-    order = keys.argsort(dim=-1)  # argsort is ~2x faster than sort on CPU for int rows
+    order = argsort_rows(keys)
     if not binary:
         return order, None, None
     # the type bit of the sorted keys says which column is which
