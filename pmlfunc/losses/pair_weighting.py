@@ -227,24 +227,37 @@ def _lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[str, Terms]:
     d, s = batch.mat, batch.distance.sign()
     pos, neg = batch.masks  # counts: a repeated negative pair is a repeated column, as in PML
     x_neg = rshift(neg_margin, d) if s > 0 else shift(d, neg_margin)  # PML margin(m_neg, d)
-    keep = (neg > 0).to(neg.dtype)
+    keep = batch.keep(neg)  # None for 0/1 masks
     row_lse = masked_logsumexp(x_neg, neg, keep)  # (B,), −finfo.max for rows without negatives
-    row_has = keep.sum(-1) > 0
+    row_has = neg.sum(-1) > 0
     if batch.ref_emb is None:  # the positive's negatives: its own row
         other_lse, other_has = row_lse, row_has
     else:  # a reference row's negatives: its column
-        other_lse = masked_logsumexp(x_neg.t(), neg.t(), keep.t())
-        other_has = keep.sum(0) > 0
-    both = torch.logaddexp(row_lse.unsqueeze(-1), other_lse.unsqueeze(-2))
+        other_lse = masked_logsumexp(x_neg.t(), neg.t(), None if keep is None else keep.t())
+        other_has = neg.sum(0) > 0
+    # the terms on every (anchor, column) entry, or on each anchor's listed positive columns
+    listed = sparse_rows(pos)
+    cols = None if listed is None else listed[0]
+
+    def at_columns(x: Tensor) -> Tensor:  # a per-column value at each term's column
+        return x.unsqueeze(-2) if cols is None else x[cols]
+
+    d_pos = d if cols is None else d.gather(-1, cols)
+    both = torch.logaddexp(row_lse.unsqueeze(-1), at_columns(other_lse))
     if batch.ref_emb is None:  # (a, a): one row, counted once (PML's `|`)
-        eye = torch.eye(d.shape[0], d.shape[1], dtype=torch.bool, device=d.device)
-        both = torch.where(eye, row_lse.unsqueeze(-1), both)
-    has = row_has.unsqueeze(-1) | other_has.unsqueeze(-2)
+        rows = torch.arange(d.shape[0], device=d.device).unsqueeze(-1)
+        own = rows == (torch.arange(d.shape[1], device=d.device) if cols is None else cols)
+        both = torch.where(own, row_lse.unsqueeze(-1), both)
+    has = row_has.unsqueeze(-1) | at_columns(other_has)
     neg_part = torch.where(has, both, 0.0)
-    pos_part = shift(d, pos_margin) if s > 0 else rshift(pos_margin, d)  # margin(d, m_pos)
+    pos_part = shift(d_pos, pos_margin) if s > 0 else rshift(pos_margin, d_pos)  # margin(d, m_pos)
     losses = F.relu(neg_part + pos_part).square() / 2
     _, has_neg = batch.any_pairs()
     losses = losses * has_neg.to(losses.dtype)  # PML: no negative pair at all gives 0
+    # 0 off the positive pairs on either path (their weight is 0 anyway)
+    losses = (
+        torch.where(pos > 0, losses, 0.0) if listed is None else scatter_rows(losses, listed, d)
+    )
     return {"loss": DenseTerms(losses, pos, "pos_pair", batch.num_anchors)}
 
 
