@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 
 __all__ = [
     "apply",
@@ -128,7 +127,7 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     the C++ ``apply`` directly (after the same unwrapping of dead ``torch.func`` wrappers);
     inside ``torch.func`` transforms and under ``torch.compile`` it is ``fn.apply``.
     """
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _unwrap_dead_wrappers is None or torch.compiler.is_compiling() or _transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*_unwrap_dead_wrappers(args))  # type: ignore[misc]
 
@@ -236,6 +235,12 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits, labels.long(), reduction="none")
     return torch.logsumexp(logits, -1) - logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
+
+try:  # private (apply's shortcut): without them, apply is plain fn.apply
+    from torch._C import _are_functorch_transforms_active as _transforms_active
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+except ImportError:  # pragma: no cover - a torch without them
+    _unwrap_dead_wrappers = None  # type: ignore[assignment]
 
 try:  # private, but stable since functorch moved into torch (2.0)
     from torch._C._functorch import maybe_current_level as _functorch_level
