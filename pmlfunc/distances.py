@@ -22,6 +22,13 @@ most ``~2·√D·eps·(‖a‖² + ‖b‖²)``, so ``|d − d*| ≤ √D·eps·
 ``exact_budget`` near-duplicates keep expansion values for the surplus (clamped at 0). For
 float16/bfloat16 inputs the float32 error is far below the output rounding (``2⁻¹¹``/``2⁻⁹``
 relative).
+
+On a CPU in eager mode, outside ``torch.func`` transforms, the per-row ``topk`` that finds
+those entries (half a matmul at B = 512) is replaced by a listing: the entries with ratio below
+``NEAR_RATIO`` (¼), when no row has more than ``exact_budget`` of them (else the ``topk``
+runs). Every other entry then has ``r ≥ ¼``, where the expansion's relative error,
+``≤ 4·√D·eps``, is of the order of the direct difference's; the recomputed entries are the
+same values the static path computes.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar, overload
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -62,6 +70,10 @@ def _ties(x: Tensor) -> Tensor | None:
     b, d = x.shape[-2:]
     v = x.detach()  # -0.0 == 0.0 below, as in the sums
     h = (v * torch.linspace(1.0, 2.0, d, dtype=v.dtype, device=v.device)).sum(-1)
+    if _ops.readable(h) and h.ndim == 1:  # NumPy's sort: a few µs instead of ~20 small ops
+        sums = np.sort(h.numpy())
+        if not (sums[1:] == sums[:-1]).any():
+            return None
     order = h.argsort(stable=True)
     hs = h[order]
     cand = hs[1:] == hs[:-1]  # sorted neighbours with equal sums
@@ -87,6 +99,33 @@ def _merge_ties_(mat: Tensor, rows: Tensor | None, cols: Tensor | None) -> Tenso
         if ties is not None:
             mat = _ops.index_copy_(mat, dim, ties[0], mat.index_select(dim, ties[1]))
     return mat
+
+
+NEAR_RATIO = 0.25  # CPU eager: entries with a smaller d² / (‖a‖² + ‖b‖²) are recomputed
+
+
+def _listed_near(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor] | None:
+    """The ``(rows, cols)`` of the entries of a 2-D ``key`` below ``threshold``, where the
+    values can be read (:func:`~pmlfunc._ops.readable`) and no row has more than ``budget`` of
+    them; else ``None`` and the caller takes the static per-row top-``budget`` (a ``topk``
+    over every row: at B = 512 it costs half a matmul; the listing, one pass)."""
+    if not _ops.readable(key) or key.ndim != 2:
+        return None
+    if bool(key.amin() >= threshold):  # the common case: nothing near anything
+        empty = key.new_empty(0, dtype=torch.long)
+        return empty, empty
+    near = key < threshold
+    if int(near.sum(-1).max()) > budget:
+        return None
+    rows, cols = near.nonzero(as_tuple=True)
+    return rows, cols
+
+
+def _squared_differences(gathered: Tensor, x: Tensor) -> Tensor:
+    """``Σ (gathered − x)²`` over the last dim, in place on ``gathered`` (a fresh gather of
+    rows). (a − b)² = (b − a)²: the same value from either side."""
+    diff = gathered.sub_(x)
+    return diff.mul_(diff).sum(-1)
 
 
 def _expansion(
@@ -115,15 +154,22 @@ def _expansion(
         key = d2 if normalized else d2 / (sq_x + sq_y).clamp_min_(torch.finfo(d2.dtype).tiny)
         if self_mode:
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
-        idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
-        # (B, k, D) differences: the static per-row budget (index_select: far faster than y[idx]).
-        diff = (
-            y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1]).sub_(x.unsqueeze(-2))
-        )
-        exact = diff.mul_(diff).sum(-1)  # (a − b)² = (b − a)²: the same value from either side
-        d2 = _ops.scatter_(d2, idx, exact)
-        if self_mode:
-            d2 = _ops.scatter_(d2.transpose(-1, -2), idx, exact).transpose(-1, -2)
+        near = _listed_near(key, k, 2.0 * NEAR_RATIO if normalized else NEAR_RATIO)
+        if near is not None:
+            rows, cols = near
+            if rows.numel():
+                exact = _squared_differences(y.index_select(-2, cols), x.index_select(-2, rows))
+                d2.index_put_((rows, cols), exact)
+                if self_mode:
+                    d2.index_put_((cols, rows), exact)
+        else:
+            idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
+            # (B, k, D) rows of y: the static per-row budget (index_select: far faster than y[idx])
+            near_y = y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1])
+            exact = _squared_differences(near_y, x.unsqueeze(-2))
+            d2 = _ops.scatter_(d2, idx, exact)
+            if self_mode:
+                d2 = _ops.scatter_(d2.transpose(-1, -2), idx, exact).transpose(-1, -2)
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)
@@ -133,19 +179,30 @@ def _expansion(
     return _merge_ties_(d2, rows, rows if self_mode else _ties(y))
 
 
+def _euclid_weights(g: Tensor, d: Tensor, squared: bool) -> Tensor:
+    """``∂L/∂(d²)·2``: the weight ``w`` with ``∂L/∂x_i = Σ_j w_ij (x_i − y_j)``; 0 (not NaN) at
+    ``d = 0`` (duplicates, the diagonal), without a where."""
+    if squared:
+        return 2.0 * g
+    dd = (d * d).clamp_min_(torch.finfo(d.dtype).tiny)
+    return (g * d).div_(dd)
+
+
 def _euclid_backward(
     g: Tensor, d: Tensor, x: Tensor, y: Tensor, squared: bool
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``d_ij = ‖x_i − y_j‖`` (or its square) w.r.t. ``x`` and ``y``: two matmuls."""
-    if squared:
-        w = 2.0 * g
-    else:
-        # g / d, and 0 (not NaN) at d = 0 (duplicates, the diagonal), without a where.
-        dd = (d * d).clamp_min_(torch.finfo(d.dtype).tiny)
-        w = (g * d).div_(dd)
+    w = _euclid_weights(g, d, squared)
     grad_x = x * w.sum(-1, keepdim=True) - _ops.matmul(w, y)
     grad_y = y * w.sum(-2).unsqueeze(-1) - _ops.matmul(w.transpose(-1, -2), x)
     return grad_x, grad_y
+
+
+def _euclid_backward_self(g: Tensor, d: Tensor, x: Tensor, squared: bool) -> Tensor:
+    """The gradient of ``d_ij = ‖x_i − x_j‖`` (or its square) w.r.t. ``x``, both sides summed:
+    ``x·(Σ_j w_ij + Σ_j w_ji) − (w + wᵀ) x`` (:func:`~pmlfunc._ops.self_product_grad`)."""
+    w = _euclid_weights(g, d, squared)
+    return x * (w.sum(-1) + w.sum(-2)).unsqueeze(-1) - _ops.self_product_grad(w, x)
 
 
 class _SafeEuclidean(torch.autograd.Function):
@@ -192,42 +249,55 @@ class _SafeEuclideanSelf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, d = ctx.saved_tensors
-        grad_x, grad_y = _euclid_backward(g, d, x, x, ctx.squared)
-        return grad_x + grad_y, None, None, None, None
+        return _euclid_backward_self(g, d, x, ctx.squared), None, None, None, None
 
 
 class _TiedMatmul(torch.autograd.Function):
-    """The matmul similarity ``x yᵀ`` (``y=None``: ``x xᵀ``) with the rows and columns of
-    duplicated embeddings made bitwise equal (:func:`_merge_ties_`, in place on the product's own
-    buffer: no copy of the matrix). That changes values by rounding only (the function is the
-    same), so the backward is the matmul's: each entry's gradient goes to the rows it was
+    """The matmul similarity ``x yᵀ`` (``y=None``: ``scale · x xᵀ``) with the rows and columns
+    of duplicated embeddings made bitwise equal (:func:`_merge_ties_`, in place on the product's
+    own buffer: no copy of the matrix). That changes values by rounding only (the function is
+    the same), so the backward is the matmul's: each entry's gradient goes to the rows it was
     computed from (an autograd ``index_copy_`` would move it to the first copy's row instead).
-    The backward is written in differentiable ops: higher derivatives work."""
+    In self mode both sides' gradients come from one product where that is cheaper
+    (:func:`~pmlfunc._ops.self_product_grad`), and ``scale`` (a number or a 0-d tensor, folded
+    into the rows; ``None``: 1) is an input of its own so that it does not split the two sides
+    apart. The backward is written in differentiable ops: higher derivatives work."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, y: Tensor | None, rows: Tensor | None, cols: Tensor | None) -> Tensor:
+    def forward(
+        x: Tensor,
+        y: Tensor | None,
+        rows: Tensor | None,
+        cols: Tensor | None,
+        scale: float | Tensor | None = None,
+    ) -> Tensor:
         # y is None in self mode (compile rejects one tensor given twice); rows / cols None: no
-        # ties on that side
-        mat = _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
+        # ties on that side. A cross product takes no scale (its caller folds it into x).
+        xs = x if scale is None else x * scale
+        mat = _ops.matmul(xs, (x if y is None else y).transpose(-1, -2))
         return _ops.fresh(_merge_ties_(mat, rows, rows if y is None else cols))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, y, _, _ = inputs
-        ctx.save_for_backward(x, y)
+        x, y, _, _, scale = inputs
+        ctx.scale = None if isinstance(scale, Tensor) else scale
+        ctx.save_for_backward(x, y, scale if isinstance(scale, Tensor) else None)
 
     @staticmethod
     def backward(ctx, g):
-        x, y = ctx.saved_tensors
-        g_t = g.transpose(-1, -2)
-        if y is None:  # x on both sides
-            gx = _ops.matmul(g, x) + _ops.matmul(g_t, x) if ctx.needs_input_grad[0] else None
-            return gx, None, None, None
+        x, y, scale_t = ctx.saved_tensors
+        if y is None:  # x on both sides: gₓ = scale·(g + gᵀ) x
+            h = _ops.self_product_grad(g, x)
+            scale = scale_t if scale_t is not None else ctx.scale
+            gx = h if scale is None else h * scale
+            # ∂/∂scale = Σ g_ij x_i·x_j = ½ Σ (h ⊙ x)
+            gs = 0.5 * (h * x).sum() if ctx.needs_input_grad[4] else None
+            return gx, None, None, None, gs
         gx = _ops.matmul(g, y) if ctx.needs_input_grad[0] else None
-        gy = _ops.matmul(g_t, x) if ctx.needs_input_grad[1] else None
-        return gx, gy, None, None
+        gy = _ops.matmul(g.transpose(-1, -2), x) if ctx.needs_input_grad[1] else None
+        return gx, gy, None, None, None
 
 
 def safe_euclidean(
@@ -470,23 +540,19 @@ class _Dot(_Normalizing):
     kind: ClassVar[str] = "dot"
 
     def _compute(self, x: Tensor, y: Tensor | None, ties: bool = True) -> Tensor:
-        x, y = self._normalized(x, y)
-        if not ties:
-            return _ops.matmul(x, (x if y is None else y).transpose(-1, -2))
-        cols = None if y is None else _ties(y)
-        return _ops.apply(_TiedMatmul, x, y, _ties(x), cols)
+        return self._scaled(x, y, ties, None)
 
     def _scaled(
         self, x: Tensor, y: Tensor | None, ties: bool, scale: float | Tensor | None
     ) -> Tensor:
-        if scale is None:
-            return self._compute(x, y, ties)
         x, y = self._normalized(x, y)
-        ref = x if y is None else y
+        rows = _ties(x) if ties else None  # of the unscaled rows: the same, whatever the scale
+        if y is None:  # one product for both sides' gradients, the scale folded into the rows
+            return _ops.apply(_TiedMatmul, x, None, rows, None, scale)
+        xs = x if scale is None else x * scale
         if not ties:
-            return _ops.matmul(x * scale, ref.transpose(-1, -2))
-        rows = _ties(x)  # of the unscaled rows: the same ties, whatever the scale
-        return _ops.apply(_TiedMatmul, x * scale, ref, rows, rows if y is None else _ties(y))
+            return _ops.matmul(xs, y.transpose(-1, -2))
+        return _ops.apply(_TiedMatmul, xs, y, rows, _ties(y), None)
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)

@@ -262,6 +262,45 @@ def test_near_entries_are_symmetric_bitwise():
     torch.testing.assert_close(m, m.T, rtol=1e-5, atol=1e-5)  # the rest: to rounding
 
 
+@pytest.mark.parametrize("kind", ["random", "nearby", "duplicate", "mixed"])
+@pytest.mark.parametrize("self_mode", [True, False])
+@pytest.mark.parametrize("distance", [pf.distances.lp(), pf.distances.lp(normalize=False)], ids=repr)
+def test_listed_near_entries_equal_the_topk_path(monkeypatch, distance, kind, self_mode):
+    """CPU eager recomputes the entries with ratio below NEAR_RATIO from a listing; the static
+    path (accelerators, compile, transforms) recomputes each row's ``exact_budget`` smallest.
+    Those near entries are bitwise equal on both; the rest agree to rounding."""
+    from pmlfunc import distances as dist
+
+    x = _case(kind, torch.float32)
+    y = None if self_mode else x.flip(0).contiguous()
+    yy = x if y is None else y
+    listed = distance.matrix(x, y)
+    ratio = _direct(x, yy).pow(2) / (x.double().pow(2).sum(1)[:, None] + yy.double().pow(2).sum(1))
+    near = ratio < dist.NEAR_RATIO
+    assert dist._listed_near(torch.zeros(1, 1) + 1.0, 8, 0.5) is not None  # the CPU eager path
+    monkeypatch.setattr(dist, "_listed_near", lambda key, budget, threshold: None)
+    static = distance.matrix(x, y)
+    if kind in ("nearby", "duplicate"):
+        assert near.any(-1).all()  # every row has a near entry: the listing has work to do
+    assert torch.equal(listed[near], static[near])
+    torch.testing.assert_close(listed, static, rtol=2e-6, atol=1e-6)
+
+
+def test_a_row_over_the_budget_of_near_entries_takes_the_topk():
+    """Four near copies of each row: three near entries a row. A budget of two cannot list
+    them all, so the per-row top-2 runs (as on the static path)."""
+    from pmlfunc import distances as dist
+
+    g = _gen(9)
+    base = _case("random", torch.float32)[:8]
+    x = torch.cat([base] + [base + 1e-3 * torch.randn(base.shape, generator=g) for _ in range(3)])
+    d2 = (x[:, None] - x[None]).pow(2).sum(-1)
+    d2.fill_diagonal_(float("inf"))
+    assert dist._listed_near(d2, 2, 0.5) is None
+    rows, cols = dist._listed_near(d2, 3, 0.5)
+    assert rows.numel() == 3 * len(x)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients and transforms
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +329,35 @@ def test_gradient_is_zero_not_nan_at_zero_distance():
         if (xd[i] - xd[j]).norm() > 0
     )
     torch.testing.assert_close(g[0].double(), 2 * ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-product", "two-products"])
+@pytest.mark.parametrize("ties", [True, False])
+@pytest.mark.parametrize(
+    "distance",
+    [pf.distances.dot(), pf.distances.cosine(), pf.distances.lp(), pf.distances.snr()],
+    ids=repr,
+)
+def test_self_matrix_gradients_both_ways(monkeypatch, distance, ties, fused):
+    """A self-matrix's backward gives both sides' gradients from one product (g + gᵀ) x on a
+    CPU for a cache-sized matrix, else two; a matmul similarity takes a learnable ``scale``
+    as an input of its own. Either way: gradients and second derivatives are the function's,
+    checked against finite differences, with the scale's."""
+    import pmlfunc._ops as ops
+
+    monkeypatch.setattr(ops, "SELF_PRODUCT_FUSE_LIMIT", 1 << 30 if fused else 0)
+    g = _gen(11)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    if distance.kind == "dot":
+        scale = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+        fn = lambda a, s: (distance.matrix(a, ties=ties, scale=s) * w).sum()  # noqa: E731
+        args: tuple[torch.Tensor, ...] = (x, scale)
+    else:
+        fn = lambda a: (distance.matrix(a, ties=ties) * w).sum()  # noqa: E731
+        args = (x,)
+    assert torch.autograd.gradcheck(fn, args)
+    assert torch.autograd.gradgradcheck(fn, args)
 
 
 @pytest.mark.parametrize(

@@ -101,8 +101,20 @@ def pml_matrix(pml_distance, emb, ref_kw):
 
 
 def quantiles(mat, *qs):
-    flat = mat.reshape(-1).to(F64)
-    return [float(torch.quantile(flat, q)) for q in qs]
+    """Thresholds at the ``qs`` quantiles of the matrix's entries, each moved to the midpoint
+    of the gap between the entries around it: a symmetric matrix holds every value twice, so a
+    plain quantile often equals an entry, and which side of it that entry falls on is then
+    decided by the last bit of rounding (pmlfunc's expansion against PML's direct difference),
+    not by the selection rule under test."""
+    flat = mat.reshape(-1).to(F64).sort().values
+    scale = flat.abs().max().clamp_min(1.0)
+    out = []
+    for q in qs:
+        tol = 1e-9 * scale
+        low = flat[flat <= torch.quantile(flat, q) + tol][-1]  # the entry at the quantile
+        high = flat[flat > low + tol][0]  # the next distinct entry
+        out.append(float((low + high) / 2))
+    return out
 
 
 def multiset(*tensors):

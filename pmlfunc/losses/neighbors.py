@@ -22,7 +22,15 @@ from torch import Tensor
 
 from .. import _checks, _random
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, scatter_rows, sparse_rows
+from .._ops import (
+    cross_entropy,
+    masked_logsumexp,
+    matmul,
+    readable,
+    scalar_like,
+    scatter_rows,
+    sparse_rows,
+)
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
@@ -172,21 +180,30 @@ def _npairs_terms(batch: Batch) -> dict[str, Terms]:
     b = batch.embeddings.shape[0]
     assert batch.labels is not None  # needs_labels
     anchor_slot, pos_slot, occupied = _npairs_slots(batch, batch.labels)
-    # The occupied slots first, in k static slots: from labels a class with a pair has two
-    # members, so at most b // 2 classes do (a given tuple may pair a row with itself: b).
-    k = max(1, b // 2) if batch.indices_tuple is None else b
     idx = torch.arange(b, device=occupied.device)
-    sel = torch.where(occupied, idx, b).topk(k, largest=False).values
-    used = sel < b
-    sel = sel.clamp_max(b - 1)
+    used: Tensor | None = None
+    if readable(occupied) and bool(occupied.any()):
+        sel = occupied.nonzero().squeeze(1)  # the occupied slots alone: nothing to mask
+    else:
+        # The occupied slots first, in k static slots: from labels a class with a pair has two
+        # members, so at most b // 2 classes do (a given tuple may pair a row with itself: b).
+        k = max(1, b // 2) if batch.indices_tuple is None else b
+        sel = torch.where(occupied, idx, b).topk(k, largest=False).values
+        used = sel < b
+        sel = sel.clamp_max(b - 1)
     anchors, positives = anchor_slot[sel], pos_slot[sel]
     d = batch.block(anchors, positives)  # (k, k): the chosen pairs' rows only
     s = d if batch.distance.is_similarity else -d
-    weight = used.to(s.dtype)
-    # empty slots' columns out of every softmax: −finfo.max, finite (an all-empty row's
-    # gradient stays finite), and its rows weighted 0
-    s = s.masked_fill(~used, -torch.finfo(s.dtype).max)
-    losses = torch.where(used, cross_entropy(s, idx[:k]), 0.0)
+    target = idx[: sel.numel()]
+    if used is None:
+        losses = cross_entropy(s, target)
+        weight = torch.ones_like(losses)
+    else:
+        weight = used.to(s.dtype)
+        # empty slots' columns out of every softmax: −finfo.max, finite (an all-empty row's
+        # gradient stays finite), and its rows weighted 0
+        s = s.masked_fill(~used, -torch.finfo(s.dtype).max)
+        losses = torch.where(used, cross_entropy(s, target), 0.0)
     return {"loss": DenseTerms(losses, weight, "element", b, anchor_index=anchors)}
 
 
@@ -416,7 +433,10 @@ def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
 
 
 def _dense_rank(labels: Tensor) -> Tensor:
-    """Each label's rank among the distinct labels (``unique(return_inverse=True)[1]``)."""
+    """Each label's rank among the distinct labels (``unique(return_inverse=True)[1]``; that
+    itself where the values can be read, :func:`~pmlfunc._ops.readable`: one op, not five)."""
+    if readable(labels):
+        return torch.unique(labels, return_inverse=True)[1]
     s, order = labels.sort()
     rank = F.pad((s[1:] != s[:-1]).cumsum(0), (1, 0))  # of the sorted labels
     return torch.empty_like(rank).scatter_(0, order, rank)
