@@ -50,12 +50,13 @@ CUBE_BLOCK = 1 << 22  # elements of one (chunk, M, M) block of a triplet cube
 CPU_CUBE_BLOCK = 1 << 16
 
 
-def cube_chunk(m: int, device: torch.device | None = None) -> int:
-    """Anchors per chunk so that a ``(chunk, M, M)`` block of a triplet cube holds about
-    :data:`CUBE_BLOCK` elements (:data:`CPU_CUBE_BLOCK` for a CPU ``device`` in eager mode),
-    at least one anchor."""
+def cube_chunk(m: int, device: torch.device | None = None, width: int | None = None) -> int:
+    """Anchors per chunk so that a ``(chunk, width, M)`` block of a triplet cube (``width``:
+    ``M`` unless given, e.g. each anchor's listed columns) holds about :data:`CUBE_BLOCK`
+    elements (:data:`CPU_CUBE_BLOCK` for a CPU ``device`` in eager mode), at least one anchor."""
     cpu = device is not None and device.type == "cpu" and not torch.compiler.is_compiling()
-    return max(1, (CPU_CUBE_BLOCK if cpu else CUBE_BLOCK) // max(1, m * m))
+    size = m * (m if width is None else width)
+    return max(1, (CPU_CUBE_BLOCK if cpu else CUBE_BLOCK) // max(1, size))
 
 
 _ROLES = {3: ("anchors", "positives", "negatives"), 4: ("a1", "p", "a2", "n")}

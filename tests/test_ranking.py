@@ -309,13 +309,35 @@ def test_histogram_pml_defaults_and_delta(gen):
         assert_same(got, want, **TOL[F32])  # (d)
 
 
+def _list_every_row(monkeypatch) -> list[bool]:
+    """Make the CPU eager path list every anchor's columns (``sparse_rows`` takes only sparse
+    rows by default, none in these small batches) and record, per ``sigmoid_ranks`` call,
+    whether it ranked listed columns."""
+    import pmlfunc._ops
+
+    monkeypatch.setattr(pmlfunc._ops, "SPARSE_FRACTION", float("inf"))
+    calls: list[bool] = []
+    inner = ranking.sigmoid_ranks
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("cols") is not None)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(ranking, "sigmoid_ranks", spy)
+    return calls
+
+
+@pytest.mark.parametrize("listing", ["default", "listed"])
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("mined", [None, "pml_pairs", "pf_triplets"])
 @pytest.mark.parametrize(
     "layout", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [4, 4, 9, 9], [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4]
 )
-def test_smooth_ap_pml(layout, mined, dtype, gen):
-    """Class-sorted batches with m samples per class = #classes (where PML is right: (a))."""
+def test_smooth_ap_pml(layout, mined, dtype, listing, gen, monkeypatch):
+    """Class-sorted batches with m samples per class = #classes (where PML is right: (a)); also
+    with the ranks taken on each anchor's listed group members only (CPU eager, small
+    classes)."""
+    calls = _list_every_row(monkeypatch) if listing == "listed" else None
     labels = lab(layout)
     emb = randn(gen, len(layout), 5, dtype=dtype)
     ours_t, pml_t = _mined(mined, emb, labels)
@@ -326,6 +348,7 @@ def test_smooth_ap_pml(layout, mined, dtype, gen):
         lambda e: pml_losses.SmoothAPLoss(temperature=0.1)(e, labels, pml_t), emb
     )
     assert_same(got, want, **(TOL_F32_BUFFER if dtype == F64 else TOL[dtype]))
+    assert calls is None or (calls and all(calls))
 
 
 def test_smooth_ap_pml_default_temperature_and_sum(gen):
@@ -336,16 +359,21 @@ def test_smooth_ap_pml_default_temperature_and_sum(gen):
     assert_same(got, value_and_grads(lambda e: pml(e, labels), emb), **TOL_F32_BUFFER)
 
 
+@pytest.mark.parametrize("listing", ["default", "listed"])
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("variant", ["O", "Ds", "Dq", "Iu", "Ib"])
 @pytest.mark.parametrize("layout", [UNEVEN, SINGLETONS])
-def test_pnp_pml(layout, variant, dtype, gen):
+def test_pnp_pml(layout, variant, dtype, listing, gen, monkeypatch):
+    """Also with the ranks taken on each anchor's listed positives only (CPU eager, small
+    classes: the default at B = 512 with 4 per class)."""
+    calls = _list_every_row(monkeypatch) if listing == "listed" else None
     labels = lab(layout)
     emb = randn(gen, len(layout), 5, dtype=dtype)
     hp = {"anneal": 0.05, "b": 3.0, "alpha": 2.0}
     got = value_and_grads(lambda e: pnp(e, labels, variant=variant, **hp), emb)
     want = value_and_grads(lambda e: pml_losses.PNPLoss(variant=variant, **hp)(e, labels), emb)
     assert_same(got, want, **TOL[dtype])
+    assert calls is None or calls == [True]
 
 
 def test_pnp_pml_defaults(gen):
@@ -466,25 +494,33 @@ def test_gradcheck_with_respect_to_temperatures(gen):
         assert torch.autograd.gradcheck(fn, args, eps=1e-7, atol=1e-6)
 
 
-def test_sigmoid_ranks_chunks_equal_direct(gen, monkeypatch):
-    """The chunked function (any chunk size) equals the direct B × M × M autograd formula."""
+@pytest.mark.parametrize("listed", [False, True], ids=["every-column", "listed-columns"])
+def test_sigmoid_ranks_chunks_equal_direct(gen, monkeypatch, listed):
+    """The chunked function (any chunk size), on every column or on listed columns per anchor
+    (repeats included), equals the direct B × M × M autograd formula read at those columns."""
     s = randn(gen, 7, 9).requires_grad_(True)
     w = (torch.rand(2, 7, 9, generator=gen, dtype=F64) > 0.4).to(F64)
     tau = torch.tensor(0.2, dtype=F64, requires_grad=True)
-    g = randn(gen, 2, 7, 9)
+    cols = torch.randint(0, 9, (7, 4), generator=gen) if listed else None
+    g = randn(gen, 2, 7, 9 if cols is None else 4)
 
     def direct(s, tau, clamp=None):
         z = (s.unsqueeze(-2) - s.unsqueeze(-1)) / tau
         if clamp is not None:
             z = z.clamp(-clamp, clamp)
-        return torch.einsum("ajk,qak->qaj", torch.sigmoid(z), w)
+        r = torch.einsum("ajk,qak->qaj", torch.sigmoid(z), w)
+        return r if cols is None else r.gather(-1, cols.expand(2, -1, -1))
 
     for clamp in (None, 1.5):
         want = value_and_grads(lambda s, t, c=clamp: (direct(s, t, c) * g).sum(), s, tau)
         for chunk in (1, 2, 7):
-            monkeypatch.setattr(ranking, "cube_chunk", lambda m, device=None, c=chunk: c)
+            monkeypatch.setattr(ranking, "cube_chunk", lambda m, device=None, width=None, c=chunk: c)
             got = value_and_grads(
-                lambda s, t, c=clamp: (ranking.sigmoid_ranks(s, w, t, clamp=c) * g).sum(), s, tau
+                lambda s, t, c=clamp: (
+                    ranking.sigmoid_ranks(s, w, t, clamp=c, cols=cols) * g
+                ).sum(),
+                s,
+                tau,
             )
             assert_same(got, want, **TOL[F64])
 

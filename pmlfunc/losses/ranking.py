@@ -6,10 +6,12 @@ rows (:mod:`pmlfunc.chunked`). Nothing of size ``B × M × M`` lives at once:
 - ``fast_ap`` and ``histogram`` bin each matrix entry into its two neighbouring histogram nodes
   (the triangular kernel is non-zero there only): ``O(B·M)`` memory, where PML builds a
   ``(bins + 1) × B × B`` pulse tensor.
-- ``smooth_ap`` and ``pnp`` need ``Σ_k σ((s_ak − s_aj)/τ)`` for every pair ``(a, j)``; a sigmoid
-  has no prefix-sum form, so the ``M × M`` block of each anchor is computed in anchor chunks by a
-  custom autograd function whose backward recomputes the chunk: ``O(B·M²)`` time,
-  ``O(chunk·M²)`` memory (PML keeps several ``B × B × B`` tensors alive).
+- ``smooth_ap`` and ``pnp`` need ``Σ_k σ((s_ak − s_aj)/τ)`` for the pairs ``(a, j)`` they score
+  (``j`` a positive of ``a``, or ``a`` itself); a sigmoid has no prefix-sum form, so the
+  ``K × M`` block of each anchor is computed in anchor chunks by a custom autograd function
+  whose backward recomputes the chunk: ``O(B·K·M)`` time, ``O(chunk·K·M)`` memory, with ``K``
+  the listed positives per anchor on a CPU in eager mode (:func:`~pmlfunc._ops.sparse_rows`)
+  and ``K = M`` on the static path (PML keeps several ``B × B × B`` tensors alive).
 - ``dynamic_soft_margin`` never enumerates triplets: per anchor the negatives are sorted once and
   every (anchor, positive) pair finds, by binary search, the negatives that fall in each
   histogram bin of ``d_ap − d_an``; counts and prefix sums give the histogram and the loss:
@@ -56,75 +58,91 @@ _WHOLE_ROWS = "it ranks each anchor's row against the labels of the whole batch"
 
 
 class _SigmoidRanks(torch.autograd.Function):
-    r"""``R[q, a, j] = Σ_k W[q, a, k] · σ((s_ak − s_aj) / τ)`` for every ``(a, j)``.
+    r"""``R[q, a, l] = Σ_k W[q, a, k] · σ((s_ak − s_aj) / τ)`` with ``j = cols[a, l]``: for every
+    ``(a, j)`` when ``cols`` is ``None``, else for each anchor's listed columns only.
 
     ``clamp`` (or ``None``) bounds ``(s_ak − s_aj) / τ`` to ``[−clamp, clamp]`` before the
     sigmoid, with a zero derivative outside (PNP's temperature-controlled sigmoid). Anchors are
     processed in chunks of ``chunk`` rows, forward and (recomputing) backward, so only a
-    ``chunk × M × M`` block exists at a time. ``W`` holds constant 0/1 weights (no gradient);
-    ``tau`` may be a 0-d tensor and then gets its gradient.
+    ``chunk × K × M`` block exists at a time (``K``: ``M``, or the listed columns per anchor).
+    ``W`` holds constant 0/1 weights (no gradient); ``tau`` may be a 0-d tensor and then gets
+    its gradient.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(s: Tensor, w: Tensor, tau, clamp, chunk: int) -> Tensor:
+    def forward(s: Tensor, w: Tensor, tau, clamp, chunk: int, cols: Tensor | None) -> Tensor:
         out = []
         for r0 in range(0, s.shape[-2], chunk):
-            sig, _, _ = _SigmoidRanks._block(s, tau, clamp, r0, r0 + chunk)
-            out.append(einsum("ajk,qak->qaj", sig, w[:, r0 : r0 + chunk]))
+            z = _SigmoidRanks._scaled_differences(s, tau, cols, r0, r0 + chunk)
+            if clamp is not None:
+                z.clamp_(-clamp, clamp)
+            out.append(einsum("ajk,qak->qaj", z.sigmoid_(), w[:, r0 : r0 + chunk]))
         return torch.cat(out, dim=-2)
 
     @staticmethod
-    def _block(s: Tensor, tau, clamp, r0: int, r1: int):
+    def _scaled_differences(s: Tensor, tau, cols: Tensor | None, r0: int, r1: int) -> Tensor:
+        """``z[a, l, k] = (s_ak − s_aj) / τ``, ``j = cols[a, l]``, for the anchors ``r0:r1``."""
         rows = s[r0:r1]
-        x = rows.unsqueeze(-2) - rows.unsqueeze(-1)  # x[a, j, k] = s_ak − s_aj
-        z = x / tau
-        keep = None
-        if clamp is not None:
-            keep = (z >= -clamp) & (z <= clamp)
-            z = z.clamp(-clamp, clamp)
-        return torch.sigmoid(z), x, keep
+        targets = rows if cols is None else rows.gather(-1, cols[r0:r1])
+        return (rows.unsqueeze(-2) - targets.unsqueeze(-1)) / tau
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        s, w, tau, clamp, chunk = inputs
+        s, w, tau, clamp, chunk, cols = inputs
         ctx.clamp, ctx.chunk = clamp, chunk
         ctx.tau_is_tensor = isinstance(tau, Tensor)
         if ctx.tau_is_tensor:
-            ctx.save_for_backward(s, w, tau)
+            ctx.save_for_backward(s, w, cols, tau)
         else:
             ctx.tau = tau
-            ctx.save_for_backward(s, w)
+            ctx.save_for_backward(s, w, cols)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.tau_is_tensor:
-            s, w, tau = ctx.saved_tensors
+            s, w, cols, tau = ctx.saved_tensors
         else:
-            (s, w), tau = ctx.saved_tensors, ctx.tau
+            (s, w, cols), tau = ctx.saved_tensors, ctx.tau
+        want_tau = ctx.tau_is_tensor and ctx.needs_input_grad[2]
         grads, grad_tau = [], None
         for r0 in range(0, s.shape[-2], ctx.chunk):
             r1 = r0 + ctx.chunk
-            sig, x, keep = _SigmoidRanks._block(s, tau, ctx.clamp, r0, r1)
-            # dR[q,a,j]/dx[a,j,k] = W[q,a,k] σ'(x/τ)/τ;  x[a,j,k] = s_ak − s_aj.
-            h = einsum("qaj,qak->ajk", g[:, r0:r1], w[:, r0:r1]) * (sig * (1 - sig)) / tau
-            if keep is not None:
-                h = h * keep
-            grads.append(h.sum(-2) - h.sum(-1))
-            if ctx.tau_is_tensor:
-                part = -(h * x).sum() / tau
+            z = _SigmoidRanks._scaled_differences(s, tau, cols, r0, r1)
+            if ctx.clamp is None:
+                sig = z.sigmoid()
+                slope = sig * (1 - sig)  # σ'
+            else:  # σ' inside the clamp, 0 outside
+                zc = z.clamp(-ctx.clamp, ctx.clamp)
+                slope = torch.ops.aten.sigmoid_backward((zc == z).to(z.dtype), zc.sigmoid())
+            # R[q,a,l] = Σ_k w[q,a,k] σ(z[a,l,k]), z = (s_ak − s_aj)/τ: with g/τ on each (q,a,l),
+            # s_ak gets Σ_q w[q,a,k] Σ_l (g/τ)[q,a,l] σ'[a,l,k]; s_aj its (a,l) row's sum, negated.
+            gt = g[:, r0:r1] / tau
+            w_rows = w[:, r0:r1]
+            to_rows = (w_rows * einsum("qal,alk->qak", gt, slope)).sum(0)
+            to_targets = (gt * einsum("alk,qak->qal", slope, w_rows)).sum(0)
+            if cols is None:
+                grads.append(to_rows - to_targets)
+            else:
+                grads.append(to_rows.scatter_add(-1, cols[r0:r1], -to_targets))
+            if want_tau:  # ∂z/∂τ = −z/τ (the 1/τ is in gt)
+                part = -(gt * einsum("alk,qak->qal", slope * z, w_rows)).sum()
                 grad_tau = part if grad_tau is None else grad_tau + part
-        return torch.cat(grads, dim=-2), None, grad_tau, None, None
+        return torch.cat(grads, dim=-2), None, grad_tau, None, None, None
 
 
-def sigmoid_ranks(s: Tensor, w: Tensor, tau, clamp: float | None = None) -> Tensor:
-    r"""``R[q, a, j] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)`` in anchor chunks (see
-    :class:`_SigmoidRanks`): ``s`` is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, the result
-    ``(Q, B, M)``. Memory ``O(chunk·M²)`` in both directions."""
-    return apply(
-        _SigmoidRanks, s, w.detach(), scalar_like(tau, s), clamp, cube_chunk(s.shape[-1], s.device)
-    )
+def sigmoid_ranks(
+    s: Tensor, w: Tensor, tau, clamp: float | None = None, cols: Tensor | None = None
+) -> Tensor:
+    r"""``R[q, a, l] = Σ_k w[q, a, k] σ((s_ak − s_aj)/τ)``, ``j = cols[a, l]`` (every column
+    ``j = l`` when ``cols`` is ``None``), in anchor chunks (see :class:`_SigmoidRanks`): ``s``
+    is ``(B, M)``, ``w`` ``(Q, B, M)`` constant weights, ``cols`` a ``(B, K)`` index (each
+    anchor's listed columns, :func:`~pmlfunc._ops.sparse_rows`), the result ``(Q, B, M)`` or
+    ``(Q, B, K)``. Time ``O(B·K·M)``, memory ``O(chunk·K·M)`` in both directions."""
+    width = None if cols is None else cols.shape[-1]
+    chunk = cube_chunk(s.shape[-1], s.device, width)
+    return apply(_SigmoidRanks, s, w.detach(), scalar_like(tau, s), clamp, chunk, cols)
 
 
 def fast_ap(
@@ -322,9 +340,10 @@ def smooth_ap(
             \frac{1 + \sum_{k \in G_a, k \ne l} σ_τ(s_{ak} - s_{al})}
                  {1 + \sum_{k \ne l} σ_τ(s_{ak} - s_{al})}\Big)
 
-    ``w_a`` is the miner weight (PML's ``convert_to_weights``). The sums run over the ``M × M``
-    block of each anchor, in anchor chunks with a recomputing backward (``O(chunk·B²)`` memory;
-    PML keeps several ``B × B × B`` tensors).
+    ``w_a`` is the miner weight (PML's ``convert_to_weights``). The sums run over the
+    ``|G_a| × M`` block of each anchor (``M × M`` on the static path: accelerators, compile), in
+    anchor chunks with a recomputing backward (``O(chunk·|G_a|·M)`` memory; PML keeps several
+    ``B × B × B`` tensors).
 
     PML 2.9.0 requires every class to have the same number ``m`` of samples (it raises
     otherwise) and, beyond that, silently groups the batch into consecutive blocks of
@@ -367,10 +386,17 @@ def _smooth_ap_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     s = batch.similarity()
     pos, _ = batch.label_masks()
     group = pos + torch.eye(s.shape[0], dtype=s.dtype, device=s.device)  # G_a, self included
-    ranks = sigmoid_ranks(s, torch.stack([group, torch.ones_like(group)]), temperature)
+    weights = torch.stack([group, torch.ones_like(group)])
+    listed = sparse_rows(group)  # the ranks of G_a's members only (CPU eager, small classes)
+    if listed is None:
+        ranks, in_group = sigmoid_ranks(s, weights, temperature), group
+    else:
+        idx, valid = listed
+        ranks = sigmoid_ranks(s, weights, temperature, cols=idx)
+        in_group = valid.to(s.dtype)
     # The k = l term is σ(0) = 1/2 in both sums (l ∈ G_a): remove it.
     rank_pos, rank_all = ranks[0] + 0.5, ranks[1] + 0.5
-    ap = (group * rank_pos / rank_all).sum(-1) / group.sum(-1)
+    ap = (in_group * rank_pos / rank_all).sum(-1) / group.sum(-1)
     losses = 1 - ap
     mw = sample_weights(batch.indices_tuple, s.shape[0], s.dtype, s.device)
     if mw is not None:
@@ -404,7 +430,8 @@ def pnp(
     ``f`` by ``variant``: ``"O"`` ``r``; ``"Ds"`` ``log(1 + r)``; ``"Dq"`` ``1 − (1 + r)^{−α}``
     (the ``1 −`` applied per anchor: the same mean); ``"Iu"`` ``(1 + r) log(1 + r)``; ``"Ib"``
     ``(b r − log(1 + b r))/b²``. Anchors without another positive are left out. The sums run over
-    each anchor's ``M × M`` block in anchor chunks with a recomputing backward.
+    each anchor's ``P_a × M`` block (``M × M`` on the static path: accelerators, compile) in
+    anchor chunks with a recomputing backward.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -450,7 +477,14 @@ def _pnp_terms(batch: Batch, *, b, alpha, anneal, variant) -> dict[str, Terms]:
     pos, neg = batch.label_masks()
     has_pos = (pos.sum(-1) > 0).to(s.dtype)
     pos = pos + torch.diag(has_pos)  # PML: I_pos[a, a] = 1 for anchors with positives
-    rk = sigmoid_ranks(s, neg.unsqueeze(0), anneal, clamp=50.0)[0]
+    count = pos.sum(-1)
+    listed = sparse_rows(pos)  # the ranks of the positives only (CPU eager, small classes)
+    if listed is None:
+        rk = sigmoid_ranks(s, neg.unsqueeze(0), anneal, clamp=50.0)[0]
+    else:
+        idx, valid = listed
+        rk = sigmoid_ranks(s, neg.unsqueeze(0), anneal, clamp=50.0, cols=idx)[0]
+        pos = pos.gather(-1, idx) * valid
     if variant == "Ds":
         rk = torch.log1p(rk)
     elif variant == "Dq":
@@ -460,7 +494,7 @@ def _pnp_terms(batch: Batch, *, b, alpha, anneal, variant) -> dict[str, Terms]:
     elif variant == "Ib":
         bb = scalar_like(b, rk)
         rk = (bb * rk - torch.log1p(bb * rk)) / bb**2
-    losses = (rk * pos).sum(-1) / pos.sum(-1).clamp_min(1)
+    losses = (rk * pos).sum(-1) / count.clamp_min(1)
     if variant == "Dq":
         losses = 1 - losses
     return {"loss": DenseTerms(losses, has_pos, "element", s.shape[0])}
