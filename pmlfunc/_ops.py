@@ -297,21 +297,50 @@ def argsort_rows(keys: Tensor) -> Tensor:
     """``keys.argsort(stable=True, dim=-1)`` for integer ``keys``.
 
     PyTorch's CPU sort compares one pair at a time (6.5 ms for 512 rows of 512 ``int32``); NumPy
-    sorts ``int64`` with a vectorised quicksort (x86-simd-sort/Highway: 0.5 ms). Where the keys
-    can be read (:func:`readable`) and fit 32 bits, each is packed with its column index into
-    one ``int64`` (key high, index low: distinct, ordered by key then index) and NumPy sorts
-    those; the index bits are the stable order. Elsewhere (accelerators, compiled graphs,
-    transforms, 64-bit keys) it is ``torch.argsort``.
+    sorts ``int64`` with a vectorised quicksort (x86-simd-sort/Highway: 0.5 ms). For CPU keys
+    that fit 32 bits, each is packed with its column index into one ``int64`` (key high, index
+    low: distinct, ordered by key then index) and NumPy sorts those; the index bits are the
+    stable order. In eager mode that is a direct call; under ``torch.compile`` and inside
+    ``torch.func`` transforms the same sort is the custom operator ``pmlfunc::argsort_rows``
+    (static shapes, a batching rule: it traces into a full graph). Elsewhere (accelerators,
+    64-bit keys) it is ``torch.argsort``.
     """
     n = keys.shape[-1]
-    if readable(keys) and keys.dtype in _SMALL_INTS and n < 2**31:
-        packed = keys.numpy().astype(np.int64)  # one buffer, then everything in place
-        packed <<= 32
-        packed |= np.arange(n, dtype=np.int64)
-        packed.sort(axis=-1)
-        packed &= 0xFFFFFFFF
-        return torch.from_numpy(packed)
-    return keys.argsort(stable=True, dim=-1)
+    if keys.device.type != "cpu" or keys.dtype not in _SMALL_INTS or n >= 2**31:
+        return keys.argsort(stable=True, dim=-1)
+    if readable(keys):
+        return _packed_argsort(keys)
+    return _argsort_rows_op(keys)
+
+
+def _packed_argsort(keys: Tensor) -> Tensor:
+    """:func:`argsort_rows` of CPU keys of at most 32 bits, by NumPy (any leading dims)."""
+    n = keys.shape[-1]
+    packed = keys.detach().contiguous().numpy().astype(np.int64)  # one buffer, then in place
+    packed <<= 32
+    packed |= np.arange(n, dtype=np.int64)
+    packed.sort(axis=-1)
+    packed &= 0xFFFFFFFF
+    return torch.from_numpy(packed)
+
+
+@torch.library.custom_op("pmlfunc::argsort_rows", mutates_args=(), device_types="cpu")
+def _argsort_rows_op(keys: Tensor) -> Tensor:
+    return _packed_argsort(keys)
+
+
+@_argsort_rows_op.register_fake
+def _(keys: Tensor) -> Tensor:
+    return keys.new_empty(keys.shape, dtype=torch.long)
+
+
+def _argsort_rows_vmap(info: Any, in_dims: tuple[int | None], keys: Tensor) -> tuple[Tensor, int]:
+    # rows along the last dim whatever the leading dims: the batch dim in front, one call
+    (dim,) = in_dims
+    return _argsort_rows_op(keys if dim is None else keys.movedim(dim, 0)), 0
+
+
+_argsort_rows_op.register_vmap(_argsort_rows_vmap)
 
 
 _SMALL_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32)

@@ -49,5 +49,20 @@ def test_argsort_rows_is_a_stable_argsort(dtype):
     want = keys.argsort(stable=True, dim=-1)
     assert torch.equal(argsort_rows(keys), want)
     assert torch.equal(argsort_rows(keys[2]), want[2])  # one row
-    got = torch.func.vmap(argsort_rows)(keys)  # inside a transform: torch's sort
-    assert torch.equal(got, want)
+    # inside a transform (the custom operator's batching rule, any batch dim) and compiled
+    # (the custom operator in a full graph): the same order
+    assert torch.equal(torch.func.vmap(argsort_rows)(keys), want)
+    assert torch.equal(torch.func.vmap(argsort_rows, in_dims=1, out_dims=1)(keys.T), want.T)
+    nested = torch.func.vmap(torch.func.vmap(argsort_rows))(keys.view(5, 1, 300))
+    assert torch.equal(nested, want.view(5, 1, 300))
+
+
+@pytest.mark.compile
+def test_argsort_rows_compiles_into_a_full_graph_as_the_custom_operator():
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randint(-50, 50, (6, 40), generator=g, dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = torch.compile(argsort_rows, fullgraph=True)
+    assert torch.equal(compiled(keys), keys.argsort(stable=True, dim=-1))
+    graph = torch._dynamo.explain(argsort_rows)(keys).graphs[0]
+    assert "pmlfunc.argsort_rows" in graph.code
