@@ -23,12 +23,12 @@ most ``~2·√D·eps·(‖a‖² + ‖b‖²)``, so ``|d − d*| ≤ √D·eps·
 float16/bfloat16 inputs the float32 error is far below the output rounding (``2⁻¹¹``/``2⁻⁹``
 relative).
 
-On a CPU in eager mode, outside ``torch.func`` transforms, the per-row ``topk`` that finds
-those entries (half a matmul at B = 512) is replaced by a listing: the entries with ratio below
-``NEAR_RATIO`` (¼), when no row has more than ``exact_budget`` of them (else the ``topk``
-runs). Every other entry then has ``r ≥ ¼``, where the expansion's relative error,
-``≤ 4·√D·eps``, is of the order of the direct difference's; the recomputed entries are the
-same values the static path computes.
+On a CPU the recomputed entries are those with ratio below ``NEAR_RATIO`` (¼), at most
+``exact_budget`` a row (the smallest), and when no entry is below it no per-row ``topk`` runs
+(half a matmul at B = 512): eagerly, and under ``torch.compile`` and ``torch.func`` transforms
+as the custom operator ``pmlfunc::near_columns``. Every other entry then has ``r ≥ ¼``, where
+the expansion's relative error, ``≤ 4·√D·eps``, is of the order of the direct difference's;
+the recomputed entries are the same values an accelerator's per-row ``topk`` recomputes.
 """
 
 from __future__ import annotations
@@ -101,24 +101,57 @@ def _merge_ties_(mat: Tensor, rows: Tensor | None, cols: Tensor | None) -> Tenso
     return mat
 
 
-NEAR_RATIO = 0.25  # CPU eager: entries with a smaller d² / (‖a‖² + ‖b‖²) are recomputed
+NEAR_RATIO = 0.25  # CPU: entries with a smaller d² / (‖a‖² + ‖b‖²) are recomputed
 
 
-def _listed_near(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor] | None:
-    """The ``(rows, cols)`` of the entries of a 2-D ``key`` below ``threshold``, where the
-    values can be read (:func:`~pmlfunc._ops.readable`) and no row has more than ``budget`` of
-    them; else ``None`` and the caller takes the static per-row top-``budget`` (a ``topk``
-    over every row: at B = 512 it costs half a matmul; the listing, one pass)."""
-    if not _ops.readable(key) or key.ndim != 2:
-        return None
-    if bool(key.amin() >= threshold):  # the common case: nothing near anything
-        empty = key.new_empty(0, dtype=torch.long)
-        return empty, empty
-    near = key < threshold
-    if int(near.sum(-1).max()) > budget:
-        return None
-    rows, cols = near.nonzero(as_tuple=True)
-    return rows, cols
+def _near_columns(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor | None]:
+    """The columns of each row to recompute exactly: ``(index, valid)``, both ``(..., B, k)``.
+
+    On an accelerator, the ``budget`` smallest keys of each row (one ``topk``), all valid
+    (``None``). On a CPU, the ``budget`` smallest among the keys below ``threshold``: where no
+    key is below it (nothing near anything, the common case) no ``topk`` runs at all (at
+    B = 512 it costs half a matmul), and a slot whose key is not below it is not valid. In
+    eager mode a direct call; under ``torch.compile`` and ``torch.func`` transforms the same
+    function as the custom operator ``pmlfunc::near_columns``."""
+    if key.device.type != "cpu":
+        return key.topk(budget, dim=-1, largest=False, sorted=False).indices, None
+    if _ops.readable(key):
+        return _cpu_near_columns(key, budget, threshold)
+    return _near_columns_op(key, budget, threshold)
+
+
+def _cpu_near_columns(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor]:
+    if bool(key.amin() >= threshold):  # nothing near anything (a NaN key reads as near)
+        shape = (*key.shape[:-1], budget)
+        return key.new_zeros(shape, dtype=torch.long), key.new_zeros(shape, dtype=torch.bool)
+    values, index = key.topk(budget, dim=-1, largest=False, sorted=False)
+    return index, values < threshold
+
+
+@torch.library.custom_op("pmlfunc::near_columns", mutates_args=(), device_types="cpu")
+def _near_columns_op(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor]:
+    return _cpu_near_columns(key, budget, threshold)
+
+
+@_near_columns_op.register_fake
+def _(key: Tensor, budget: int, threshold: float) -> tuple[Tensor, Tensor]:
+    shape = (*key.shape[:-1], budget)
+    return key.new_empty(shape, dtype=torch.long), key.new_empty(shape, dtype=torch.bool)
+
+
+def _near_columns_vmap(info, in_dims, key: Tensor, budget: int, threshold: float):
+    # rows along the last dim whatever the leading dims: the batch dim in front, one call
+    dim = in_dims[0]
+    out = _near_columns_op(key if dim is None else key.movedim(dim, 0), budget, threshold)
+    return out, (0, 0)
+
+
+_near_columns_op.register_vmap(_near_columns_vmap)
+
+
+def _keep_invalid(exact: Tensor, valid: Tensor | None, buf: Tensor, index: Tensor) -> Tensor:
+    """``exact`` on the valid slots, ``buf``'s own entries at ``index`` on the others."""
+    return exact if valid is None else torch.where(valid, exact, buf.gather(-1, index))
 
 
 def _squared_differences(gathered: Tensor, x: Tensor) -> Tensor:
@@ -154,22 +187,17 @@ def _expansion(
         key = d2 if normalized else d2 / (sq_x + sq_y).clamp_min_(torch.finfo(d2.dtype).tiny)
         if self_mode:
             key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
-        near = _listed_near(key, k, 2.0 * NEAR_RATIO if normalized else NEAR_RATIO)
-        if near is not None:
-            rows, cols = near
-            if rows.numel():
-                exact = _squared_differences(y.index_select(-2, cols), x.index_select(-2, rows))
-                d2.index_put_((rows, cols), exact)
-                if self_mode:
-                    d2.index_put_((cols, rows), exact)
-        else:
-            idx = key.topk(k, dim=-1, largest=False, sorted=False).indices  # (B, k)
+        idx, valid = _near_columns(key, k, 2.0 * NEAR_RATIO if normalized else NEAR_RATIO)
+        if valid is None or not _ops.readable(valid) or bool(valid.any()):
             # (B, k, D) rows of y: the static per-row budget (index_select: far faster than y[idx])
             near_y = y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1])
             exact = _squared_differences(near_y, x.unsqueeze(-2))
-            d2 = _ops.scatter_(d2, idx, exact)
-            if self_mode:
-                d2 = _ops.scatter_(d2.transpose(-1, -2), idx, exact).transpose(-1, -2)
+            # a slot that is not valid writes back the value it holds
+            d2 = _ops.scatter_(d2, idx, _keep_invalid(exact, valid, d2, idx))
+            if self_mode:  # the same entries in the other half
+                d2t = d2.transpose(-1, -2)
+                d2 = _ops.scatter_(d2t, idx, _keep_invalid(exact, valid, d2t, idx))
+                d2 = d2.transpose(-1, -2)
     d2.clamp_min_(0.0)
     if self_mode:
         d2.diagonal(dim1=-2, dim2=-1).fill_(0.0)

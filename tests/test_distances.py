@@ -262,33 +262,41 @@ def test_near_entries_are_symmetric_bitwise():
     torch.testing.assert_close(m, m.T, rtol=1e-5, atol=1e-5)  # the rest: to rounding
 
 
+def _topk_columns(key, budget, threshold):
+    """The accelerator's choice of the entries to recompute: each row's ``budget`` smallest."""
+    return key.topk(budget, dim=-1, largest=False, sorted=False).indices, None
+
+
 @pytest.mark.parametrize("kind", ["random", "nearby", "duplicate", "mixed"])
 @pytest.mark.parametrize("self_mode", [True, False])
-@pytest.mark.parametrize("distance", [pf.distances.lp(), pf.distances.lp(normalize=False)], ids=repr)
-def test_listed_near_entries_equal_the_topk_path(monkeypatch, distance, kind, self_mode):
-    """CPU eager recomputes the entries with ratio below NEAR_RATIO from a listing; the static
-    path (accelerators, compile, transforms) recomputes each row's ``exact_budget`` smallest.
-    Those near entries are bitwise equal on both; the rest agree to rounding."""
+@pytest.mark.parametrize(
+    "distance", [pf.distances.lp(), pf.distances.lp(normalize=False)], ids=repr
+)
+def test_near_entries_on_cpu_equal_the_accelerator_path(monkeypatch, distance, kind, self_mode):
+    """A CPU recomputes the entries with ratio below NEAR_RATIO (at most ``exact_budget`` a
+    row); an accelerator each row's ``exact_budget`` smallest. The near entries are bitwise
+    equal on both; the rest agree to rounding."""
     from pmlfunc import distances as dist
 
     x = _case(kind, torch.float32)
     y = None if self_mode else x.flip(0).contiguous()
     yy = x if y is None else y
-    listed = distance.matrix(x, y)
+    cpu = distance.matrix(x, y)
     ratio = _direct(x, yy).pow(2) / (x.double().pow(2).sum(1)[:, None] + yy.double().pow(2).sum(1))
     near = ratio < dist.NEAR_RATIO
-    assert dist._listed_near(torch.zeros(1, 1) + 1.0, 8, 0.5) is not None  # the CPU eager path
-    monkeypatch.setattr(dist, "_listed_near", lambda key, budget, threshold: None)
-    static = distance.matrix(x, y)
+    monkeypatch.setattr(dist, "_near_columns", _topk_columns)
+    accelerator = distance.matrix(x, y)
     if kind in ("nearby", "duplicate"):
-        assert near.any(-1).all()  # every row has a near entry: the listing has work to do
-    assert torch.equal(listed[near], static[near])
-    torch.testing.assert_close(listed, static, rtol=2e-6, atol=1e-6)
+        assert near.any(-1).all()  # every row has a near entry: there is work to do
+    assert torch.equal(cpu[near], accelerator[near])
+    torch.testing.assert_close(cpu, accelerator, rtol=2e-6, atol=1e-6)
 
 
-def test_a_row_over_the_budget_of_near_entries_takes_the_topk():
-    """Four near copies of each row: three near entries a row. A budget of two cannot list
-    them all, so the per-row top-2 runs (as on the static path)."""
+def test_cpu_near_columns_take_the_smallest_keys_below_the_threshold():
+    """Four near copies of each row: three near entries a row. A budget of two takes the two
+    smallest of them (as the accelerator's top-2 does), a budget of five the three (the other
+    slots not valid); nothing near: no slot valid. The custom operator (compile, transforms)
+    is the same function."""
     from pmlfunc import distances as dist
 
     g = _gen(9)
@@ -296,9 +304,45 @@ def test_a_row_over_the_budget_of_near_entries_takes_the_topk():
     x = torch.cat([base] + [base + 1e-3 * torch.randn(base.shape, generator=g) for _ in range(3)])
     d2 = (x[:, None] - x[None]).pow(2).sum(-1)
     d2.fill_diagonal_(float("inf"))
-    assert dist._listed_near(d2, 2, 0.5) is None
-    rows, cols = dist._listed_near(d2, 3, 0.5)
-    assert rows.numel() == 3 * len(x)
+    smallest = d2.topk(2, largest=False).indices.sort(-1).values
+    index, valid = dist._cpu_near_columns(d2, 2, 0.5)
+    assert valid.all() and torch.equal(index.sort(-1).values, smallest)
+    index, valid = dist._cpu_near_columns(d2, 5, 0.5)
+    assert torch.equal(valid.sum(-1), torch.full((len(x),), 3))
+    assert torch.equal(
+        index[valid].view(-1, 3).sort(-1).values, d2.topk(3, largest=False).indices.sort(-1).values
+    )
+    far = d2 + 10.0
+    index, valid = dist._cpu_near_columns(far, 5, 0.5)
+    assert index.shape == valid.shape == (len(x), 5) and not valid.any()
+    for key in (d2, far):
+        want = dist._cpu_near_columns(key, 5, 0.5)
+        got = dist._near_columns_op(key, 5, 0.5)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        batched = torch.func.vmap(lambda k: dist._near_columns_op(k, 5, 0.5))(key[None])
+        assert all(torch.equal(a[0], b) for a, b in zip(batched, want, strict=True))
+
+
+@pytest.mark.compile
+def test_compiled_euclidean_recomputes_the_near_entries():
+    """Under compile the CPU's choice is the custom operator pmlfunc::near_columns: the near
+    entries are recomputed exactly as in eager (to inductor's rounding of the same differences,
+    where the plain expansion is off by percents)."""
+    from pmlfunc import distances as dist
+
+    x = _case("nearby", torch.float32)
+    eager = pf.distances.lp()(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(pf.distances.lp(), fullgraph=True)(x)
+    ratio = _direct(x, x).pow(2) / (x.double().pow(2).sum(1)[:, None] + x.double().pow(2).sum(1))
+    near = ratio < dist.NEAR_RATIO
+    near.fill_diagonal_(False)
+    assert near.sum() == len(x)  # each row's near copy
+    unit = torch.nn.functional.normalize(x)
+    expansion = (2 - 2 * unit @ unit.T).clamp_min(0).sqrt()
+    assert not torch.allclose(expansion[near], eager[near], rtol=1e-3)  # the test can fail
+    torch.testing.assert_close(compiled[near], eager[near], rtol=1e-5, atol=0)
+    torch.testing.assert_close(compiled, eager, rtol=2e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
