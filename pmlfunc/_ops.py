@@ -6,6 +6,8 @@
 | :func:`row_logsumexp` / :func:`row_softmax` | its forward and its gradient, as plain functions (tiles) |
 | :func:`masked` | ``x`` on kept entries, ``−finfo.max`` elsewhere |
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
+| :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well |
+| :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
 | :func:`matmul`, :func:`einsum` | in the operands' dtype, also under ``torch.autocast`` |
@@ -37,7 +39,9 @@ __all__ = [
     "einsum",
     "fresh",
     "index_copy_",
+    "indicator",
     "inside_transform",
+    "logaddexp",
     "masked",
     "masked_logsumexp",
     "matmul",
@@ -142,6 +146,31 @@ def masked_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> 
     every gradient finite (``logaddexp`` with it returns the other operand).
     """
     return apply(_MaskedLogSumExp, x, weights, keep)
+
+
+def indicator(x: Tensor, *, strict: bool = True) -> Tensor:
+    """``[x > 0]`` (``strict``) or ``[x ≥ 0]`` as a 0/1 tensor of ``x``'s float dtype, by
+    arithmetic on ``sign(x)`` (detached: an indicator carries no gradient); NaN where ``x`` is
+    NaN (a non-finite input is never read as "not selected").
+
+    No bool tensor is made. In eager mode a comparison costs a conversion before it can weight
+    anything; under ``torch.compile`` on a CPU, a boolean ``B × M`` mask that a training graph
+    saves for its backward is stored by inductor ~20× slower than a float one (a comparison's
+    mask at B = 512: ~3 ms against 0.15 ms for the float form)."""
+    s = x.detach().sign()
+    return s.clamp_min_(0.0) if strict else s.add_(1.0).clamp_max_(1.0)
+
+
+def logaddexp(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.logaddexp(a, b)``; under ``torch.compile`` as ``max(a, b) + log1p(e^{−|a − b|})``,
+    the same function to rounding, but for equal infinities (NaN instead of that infinity:
+    non-finite either way). Inductor's CPU code for ``logaddexp`` of a row vector against a
+    column vector in a training graph saves boolean masks for its backward (see
+    :func:`indicator`) and ran ~4x slower than this form (lifted structure at B = 512: 6.7 ->
+    2.1 ms for that part, forward and backward)."""
+    if not torch.compiler.is_compiling():
+        return torch.logaddexp(a, b)
+    return torch.maximum(a, b) + torch.log1p(torch.exp(-(a - b).abs()))
 
 
 def ratio(num: Tensor, den: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import matmul, ratio
+from ._ops import indicator, matmul, ratio
 
 __all__ = [
     "AlreadyReduced",
@@ -87,18 +87,15 @@ class Terms:
 
 
 def _window(values: Tensor, low: Bound, high: Bound) -> Tensor | None:
-    """The 0/1 float indicator of ``low < values < high`` (``None`` when unbounded).
-
-    Built as ``sign(·)`` clamped at 0 in a fresh float buffer: a bool comparison costs a
-    conversion before it can weight anything, ``heaviside`` is ~20× slower, and a ``where``
-    with a scattered mask is slow on CPU.
-    """
+    """The 0/1 float indicator of ``low < values < high`` (``None`` when unbounded), by
+    :func:`~pmlfunc._ops.indicator` (``heaviside`` is ~20× slower, and a ``where`` with a
+    scattered mask is slow on CPU)."""
     sel = None
     v = values.detach()
     if low is not None:
-        sel = (v.sign() if _is_zero(low) else v - low).sign_().clamp_min_(0.0)
+        sel = indicator(v if _is_zero(low) else v - low)
     if high is not None:
-        h = torch.rsub(v, high).sign_().clamp_min_(0.0)
+        h = indicator(torch.rsub(v, high))
         sel = h if sel is None else sel.mul_(h)
     return sel
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
 import torch
 
 F64, F32 = torch.float64, torch.float32
@@ -67,3 +71,52 @@ def assert_vmap_equals_a_loop(fn, x):
     """``vmap(fn)`` over two problems equals ``fn`` on each."""
     batched = torch.func.vmap(fn)(torch.stack([x, 2 * x + 1]))
     torch.testing.assert_close(batched, torch.stack([fn(x), fn(2 * x + 1)]))
+
+
+@contextlib.contextmanager
+def compiled_saved_tensors() -> Iterator[list[list[tuple[torch.Tensor, str]]]]:
+    """Record, for each training graph inductor compiles inside the block, the tensors its
+    forward saves for the backward (the outputs of AOT autograd's min-cut partition, as fake
+    tensors, each with the source line that made it). The graph caches are off, so that every
+    graph is partitioned here; a test that finds nothing recorded should fail rather than pass
+    vacuously (the private hook moved)."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch import partitioners
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+
+    recorded: list[list[tuple[torch.Tensor, str]]] = []
+    partition = partitioners.min_cut_rematerialization_partition
+
+    def hook(joint, *args, **kwargs):
+        fw, bw = partition(joint, *args, **kwargs)
+        out = next(n for n in fw.graph.nodes if n.op == "output")
+        graph = []
+        for node in out.args[0]:
+            value = getattr(node, "meta", {}).get("val")
+            if isinstance(value, torch.Tensor):
+                trace = (node.meta.get("stack_trace") or node.name).strip().splitlines()
+                graph.append((value, trace[-2].strip() if len(trace) > 1 else trace[-1]))
+        recorded.append(graph)
+        return fw, bw
+
+    with (
+        # where inductor's compile calls it (its own imported name), and where it is defined
+        mock.patch.object(compile_fx, "min_cut_rematerialization_partition", hook),
+        mock.patch.object(partitioners, "min_cut_rematerialization_partition", hook),
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        yield recorded
+
+
+def saved_bool_masks(recorded, rows: int) -> list[tuple[tuple[int, ...], str]]:
+    """The boolean tensors of at least ``rows × rows`` entries in :func:`compiled_saved_tensors`'
+    record: ``(shape, source line)``. Inductor's CPU code stores such a mask ~20× slower than a
+    float one (``pmlfunc._ops.indicator``), so no loss's compiled graph should save one."""
+    return [
+        (tuple(t.shape), where)
+        for graph in recorded
+        for t, where in graph
+        if t.dtype == torch.bool and t.ndim >= 2 and min(t.shape[-2:]) >= rows
+    ]

@@ -514,7 +514,9 @@ def test_sigmoid_ranks_chunks_equal_direct(gen, monkeypatch, listed):
     for clamp in (None, 1.5):
         want = value_and_grads(lambda s, t, c=clamp: (direct(s, t, c) * g).sum(), s, tau)
         for chunk in (1, 2, 7):
-            monkeypatch.setattr(ranking, "cube_chunk", lambda m, device=None, width=None, c=chunk: c)
+            monkeypatch.setattr(
+                ranking, "cube_chunk", lambda m, device=None, width=None, c=chunk: c
+            )
             got = value_and_grads(
                 lambda s, t, c=clamp: (
                     ranking.sigmoid_ranks(s, w, t, clamp=c, cols=cols) * g

@@ -24,6 +24,8 @@ from .. import _checks, _random
 from .. import params as _params
 from .._ops import (
     cross_entropy,
+    indicator,
+    logaddexp,
     masked_logsumexp,
     matmul,
     readable,
@@ -346,7 +348,7 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     listed = sparse_rows(pos)
     if listed is None:  # every entry by one matmul (the static path)
         w = matmul(a, b.transpose(-1, -2))
-        keep = has_neg & (pos > 0)
+        keep = has_neg.to(cd) * indicator(pos)
         losses = _angular_term(w, u_max, v_max.transpose(-1, -2), cos_ar, keep, t)
     else:  # each anchor's positive columns only: (rows, K) entries by a batched mat-vec
         idx, valid = listed
@@ -354,7 +356,7 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
         b_listed = b.index_select(0, idx.reshape(-1)).view(rows, k, -1)
         w = matmul(b_listed, a.unsqueeze(-1)).squeeze(-1)
         v_shift, cos_ap = v_max[idx, 0], cos_ar.gather(-1, idx)
-        term = _angular_term(w, u_max, v_shift, cos_ap, has_neg & valid, t)
+        term = _angular_term(w, u_max, v_shift, cos_ap, (has_neg & valid).to(cd), t)
         losses = scatter_rows(term, listed, cos_ar)
     weights = pos
     if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
@@ -366,11 +368,13 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
 def _angular_term(
     w: Tensor, u_shift: Tensor, v_shift: Tensor, cos_ap: Tensor, keep: Tensor, t: float | Tensor
 ) -> Tensor:
-    """``log(1 + e^f)`` with ``f = log w + shifts − 2(1 + t) x̂_a·x̂_p`` (0 where not ``keep``),
-    for whole matrices or listed pairs alike."""
+    """``log(1 + e^f)`` with ``f = log w + shifts − 2(1 + t) x̂_a·x̂_p``, times the 0/1 float
+    ``keep`` (not a ``where``: no bool mask for a compiled backward to save, see
+    :func:`~pmlfunc._ops.indicator`; ``f`` is finite off ``keep`` for finite inputs), for whole
+    matrices or listed pairs alike."""
     lse = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny)) + u_shift + v_shift
     f = lse - (2 * (1 + t)) * cos_ap
-    return torch.where(keep, torch.logaddexp(f, f.new_zeros(())), 0.0)
+    return logaddexp(f, f.new_zeros(())) * keep
 
 
 def instance(

@@ -27,7 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._ops import masked_logsumexp, rshift, scalar_like, scatter_rows, shift, sparse_rows
+from .._ops import (
+    indicator,
+    logaddexp,
+    masked_logsumexp,
+    rshift,
+    scalar_like,
+    scatter_rows,
+    shift,
+    sparse_rows,
+)
 from ..distances import cosine, lp
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean
 from ._batch import Batch, BatchInputs, batch_loss, spec
@@ -243,11 +252,13 @@ def _lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[str, Terms]:
         return x.unsqueeze(-2) if cols is None else x[cols]
 
     d_pos = d if cols is None else d.gather(-1, cols)
-    both = torch.logaddexp(row_lse.unsqueeze(-1), at_columns(other_lse))
+    both = logaddexp(row_lse.unsqueeze(-1), at_columns(other_lse))
     if batch.ref_emb is None:  # (a, a): one row, counted once (PML's `|`)
-        rows = torch.arange(d.shape[0], device=d.device).unsqueeze(-1)
-        own = rows == (torch.arange(d.shape[1], device=d.device) if cols is None else cols)
-        both = torch.where(own, row_lse.unsqueeze(-1), both)
+        if cols is None:  # the diagonal, without a (B, M) mask (see _ops.indicator)
+            both = torch.diagonal_scatter(both, row_lse)
+        else:
+            own = torch.arange(d.shape[0], device=d.device).unsqueeze(-1) == cols
+            both = torch.where(own, row_lse.unsqueeze(-1), both)
     has = row_has.unsqueeze(-1) | at_columns(other_has)
     neg_part = torch.where(has, both, 0.0)
     pos_part = shift(d_pos, pos_margin) if s > 0 else rshift(pos_margin, d_pos)  # margin(d, m_pos)
@@ -255,9 +266,7 @@ def _lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[str, Terms]:
     _, has_neg = batch.any_pairs()
     losses = losses * has_neg.to(losses.dtype)  # PML: no negative pair at all gives 0
     # 0 off the positive pairs on either path (their weight is 0 anyway)
-    losses = (
-        torch.where(pos > 0, losses, 0.0) if listed is None else scatter_rows(losses, listed, d)
-    )
+    losses = losses * indicator(pos) if listed is None else scatter_rows(losses, listed, d)
     return {"loss": DenseTerms(losses, pos, "pos_pair", batch.num_anchors)}
 
 

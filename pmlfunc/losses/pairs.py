@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._ops import matmul, rshift, scalar_like, shift
+from .._ops import indicator, matmul, rshift, scalar_like, shift
 from ..distances import cosine, lp, snr
 from ..reducers import DenseTerms, Terms, avg_nonzero, mean
 from ._batch import Batch, BatchInputs, batch_loss, spec
@@ -284,8 +284,8 @@ def _tcm_terms(
         )
     )
     pos, neg = batch.masks
-    w_pos = pos * (s <= mp).to(s.dtype)
-    w_neg = neg * (s >= mm).to(s.dtype)
+    w_pos = pos * indicator(mp - s, strict=False)  # s ≤ m⁺
+    w_neg = neg * indicator(s - mm, strict=False)  # s ≥ m⁻
     b = batch.num_anchors
     return {
         "pos_loss": DenseTerms(lp_ * (mp - s), w_pos, "pos_pair", b),

@@ -29,7 +29,17 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import apply, argsort_rows, bin_floor, einsum, matmul, ratio, scalar_like, sparse_rows
+from .._ops import (
+    apply,
+    argsort_rows,
+    bin_floor,
+    einsum,
+    indicator,
+    matmul,
+    ratio,
+    scalar_like,
+    sparse_rows,
+)
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..labels import PairMasks
 from ..reducers import AlreadyReduced, DenseTerms, Reducer, Terms, mean
@@ -298,14 +308,15 @@ def _histogram_terms(batch: Batch, *, n_bins, delta) -> dict[str, Terms]:
     if size < 2:
         raise ValueError(f"delta={delta} gives fewer than two histogram nodes")
     s = batch.mat
-    pos, neg = batch.masks
-    pos, neg = pos > 0, neg > 0
+    pos, neg = (indicator(m) for m in batch.masks)  # 0/1 floats (no bool masks to save)
     # convert_to_triplets: a listed pair is in a triplet when its anchor has a pair of the other
     # kind (true for label triplets and for mined pairs sharing an anchor).
-    pos, neg = pos & neg.any(-1, keepdim=True), neg & pos.any(-1, keepdim=True)
-    upper = torch.ones_like(pos).triu()
-    pos_u = ((pos | pos.t()) & upper).to(s.dtype)  # filter_pairs: sorted, unique pairs
-    neg_u = ((neg | neg.t()) & upper).to(s.dtype)
+    pos, neg = pos * neg.amax(-1, keepdim=True), neg * pos.amax(-1, keepdim=True)
+    b, m = pos.shape
+    rows, cols = torch.arange(b, device=s.device), torch.arange(m, device=s.device)
+    upper = indicator((cols - rows.unsqueeze(-1)).to(s.dtype), strict=False)  # j ≥ i
+    pos_u = torch.maximum(pos, pos.t()) * upper  # filter_pairs: sorted, unique pairs
+    neg_u = torch.maximum(neg, neg.t()) * upper
     t = (s + 1) / delta
     r = bin_floor(t, 0, size - 2)
     a = t - r  # weight of node r + 1
@@ -385,7 +396,7 @@ def _smooth_ap_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     s = batch.similarity()
     pos, _ = batch.label_masks()
-    group = pos + torch.eye(s.shape[0], dtype=s.dtype, device=s.device)  # G_a, self included
+    group = pos.diagonal_scatter(pos.diagonal() + 1.0)  # G_a, self included
     weights = torch.stack([group, torch.ones_like(group)])
     listed = sparse_rows(group)  # the ranks of G_a's members only (CPU eager, small classes)
     if listed is None:
@@ -476,7 +487,9 @@ def _pnp_terms(batch: Batch, *, b, alpha, anneal, variant) -> dict[str, Terms]:
     s = batch.similarity()
     pos, neg = batch.label_masks()
     has_pos = (pos.sum(-1) > 0).to(s.dtype)
-    pos = pos + torch.diag(has_pos)  # PML: I_pos[a, a] = 1 for anchors with positives
+    # PML: I_pos[a, a] = 1 for anchors with positives (diagonal_scatter: no (B, B) bool mask
+    # for a compiled backward to save, see _ops.indicator)
+    pos = pos.diagonal_scatter(pos.diagonal() + has_pos)
     count = pos.sum(-1)
     listed = sparse_rows(pos)  # the ranks of the positives only (CPU eager, small classes)
     if listed is None:
