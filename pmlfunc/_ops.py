@@ -8,6 +8,7 @@
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
+| :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
 | :func:`matmul`, :func:`einsum` | in the operands' dtype, also under ``torch.autocast`` |
@@ -56,6 +57,7 @@ __all__ = [
     "self_product_grad",
     "shift",
     "sparse_rows",
+    "unit_rows",
 ]
 
 
@@ -159,6 +161,43 @@ def indicator(x: Tensor, *, strict: bool = True) -> Tensor:
     mask at B = 512: ~3 ms against 0.15 ms for the float form)."""
     s = x.detach().sign()
     return s.clamp_min_(0.0) if strict else s.add_(1.0).clamp_max_(1.0)
+
+
+_NORMALIZE_EPS = 1e-12  # F.normalize's
+
+
+class _UnitRows(torch.autograd.Function):
+    """``x / max(‖x‖₂, ε)`` along the last dim (``F.normalize``'s value, bit for bit) with the
+    backward written out: ``(g − y·(y·g)·[‖x‖ ≥ ε]) / max(‖x‖, ε)`` (no projection where the
+    norm is below ``ε``, as autograd's). Autograd's composed backward of ``F.normalize`` runs
+    a dozen ops and nodes (~0.2 ms fwd+bwd at 128 × 128 on a CPU); this, six (~0.15 ms).
+    Written in differentiable ops on ``x``: higher derivatives work."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORMALIZE_EPS)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        along = (y * g).sum(-1, keepdim=True) * indicator(norm - _NORMALIZE_EPS, strict=False)
+        return torch.addcmul(g, y, along, value=-1.0) / norm.clamp_min(_NORMALIZE_EPS)
+
+
+def unit_rows(x: Tensor, p: float = 2) -> Tensor:
+    """``F.normalize(x, p=p, dim=-1)``; for ``p = 2`` by :class:`_UnitRows` (the same values,
+    a shorter backward)."""
+    if p != 2:
+        return F.normalize(x, p=p, dim=-1)
+    return apply(_UnitRows, x)
 
 
 def logaddexp(a: Tensor, b: Tensor) -> Tensor:

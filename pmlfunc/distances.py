@@ -39,7 +39,6 @@ from typing import ClassVar, overload
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, _ops
@@ -472,14 +471,14 @@ class _Normalizing(Distance):
     def _normalized(self, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if not self.normalize:
             return x, y
-        x = F.normalize(x, p=self.norm_p, dim=-1)
-        return x, None if y is None else F.normalize(y, p=self.norm_p, dim=-1)
+        x = _ops.unit_rows(x, self.norm_p)
+        return x, None if y is None else _ops.unit_rows(y, self.norm_p)
 
     def split_normalization(self) -> tuple[Callable[[Tensor], Tensor], Distance]:
         if not self.normalize:
             return (lambda x: x), self
         p = self.norm_p
-        return (lambda x: F.normalize(x, p=p, dim=-1)), replace(self, normalize=False)
+        return (lambda x: _ops.unit_rows(x, p)), replace(self, normalize=False)
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,28 @@ def test_argsort_rows_compiles_into_a_full_graph_as_the_custom_operator():
     assert torch.equal(compiled(keys), keys.argsort(stable=True, dim=-1))
     graph = torch._dynamo.explain(argsort_rows)(keys).graphs[0]
     assert "pmlfunc.argsort_rows" in graph.code
+
+
+def test_unit_rows_is_f_normalize_with_its_gradients():
+    """The same values as ``F.normalize`` bit for bit, the same first and second derivatives
+    (also for a zero row and one below the norm's ε, where no projection applies), under vmap
+    too; other p are F.normalize itself."""
+    import torch.nn.functional as F
+
+    from pmlfunc._ops import unit_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    x[2] = 0.0
+    x[4] *= 1e-14
+    x.requires_grad_(True)
+    w = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    assert torch.equal(unit_rows(x), F.normalize(x, dim=-1))
+    got = torch.autograd.grad((unit_rows(x) * w).sum(), x)[0]
+    want = torch.autograd.grad((F.normalize(x, dim=-1) * w).sum(), x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    smooth = x[[0, 1, 3, 5]].detach().requires_grad_(True)
+    assert torch.autograd.gradgradcheck(unit_rows, (smooth,))
+    batched = torch.func.vmap(unit_rows)(x.detach().view(2, 3, 5))
+    assert torch.equal(batched.view(6, 5), F.normalize(x.detach(), dim=-1))
+    assert torch.equal(unit_rows(x, 1), F.normalize(x, p=1, dim=-1))
