@@ -121,6 +121,29 @@ def test_tuplet_margin_cosine_of_one_is_not_nan():
     torch.testing.assert_close(value, pml_value, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("beta", [0.1, torch.tensor(0.3, dtype=F64)])
+def test_tuplet_margin_shifted_cosine_is_the_angle_form(beta):
+    """cos(arccos(s) − β) by the sine of the angle: the same values and derivatives as the
+    angle form on (−1, 1), ±cos β with a zero gradient at and beyond ±1 (rounding past ±1
+    happens for duplicate rows)."""
+    from pmlfunc.losses.pair_weighting import _cos_minus
+
+    s = torch.tensor([-1.2, -1.0, -0.999999, -0.5, 0.0, 0.3, 0.999, 1.0, 1.0 + 1e-7], dtype=F64)
+    s.requires_grad_(True)
+    got = _cos_minus(s, beta)
+    (grad,) = torch.autograd.grad(got.sum(), s)
+    b = torch.as_tensor(beta, dtype=F64)
+    inside = s.detach().abs() < 1
+    x = s.detach()[inside].clone().requires_grad_(True)
+    want = torch.cos(torch.acos(x) - b)
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(got[inside].detach(), want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad[inside], want_grad, rtol=1e-6, atol=1e-9)
+    edge = torch.cos(torch.acos(s.detach()[~inside].clamp(-1, 1)) - b)
+    torch.testing.assert_close(got[~inside].detach(), edge, rtol=1e-12, atol=1e-12)
+    assert torch.equal(grad[~inside], torch.zeros_like(grad[~inside]))
+
+
 @pytest.mark.parametrize(
     ("name", "wrong"),
     [("circle", pfd.lp()), ("circle", pfd.dot()), ("tuplet_margin", pfd.lp())],

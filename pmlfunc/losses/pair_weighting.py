@@ -362,8 +362,9 @@ def tuplet_margin(
     pairs of an ``indices_tuple`` count as often as they are listed (as PML).
 
     Where PML gives NaN: a cosine that rounds to ``|s| ≥ 1`` (duplicate embeddings). pmlfunc
-    takes ``arccos`` of the clamped value (PML's value wherever PML is finite) and gives such
-    entries a zero gradient (the cosine's own gradient is zero for aligned rows).
+    uses the clamped value (PML's value wherever PML is finite) and gives such entries a zero
+    gradient (the cosine's own gradient is zero for aligned rows). ``cos(θ − β)`` is computed
+    as ``s cos β + √(1 − s²) sin β``, without an ``arccos`` and a ``cos`` per entry.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -397,18 +398,26 @@ def _tuplet_margin_terms(batch: Batch, *, margin, scale) -> dict[str, Terms]:
     neg_lse = masked_logsumexp(scale * s, neg, batch.keep(neg)).unsqueeze(-1)  # −finfo.max: none
     listed = sparse_rows(pos)  # few positives (CPU eager): the terms on their columns only
     s_pos = s if listed is None else s.gather(-1, listed[0])
-    shifted = torch.cos(_safe_acos(s_pos) - beta)
+    shifted = _cos_minus(s_pos, beta)
     # log(1 + e^x) exactly (F.softplus switches to x above its threshold)
-    losses = torch.logaddexp(neg_lse - scale * shifted, s.new_zeros(()))
+    losses = logaddexp(neg_lse - scale * shifted, s.new_zeros(()))
     # 0 off the positive pairs on either path (their weight is 0 anyway)
-    losses = (
-        torch.where(pos > 0, losses, 0.0) if listed is None else scatter_rows(losses, listed, s)
-    )
+    losses = losses * indicator(pos) if listed is None else scatter_rows(losses, listed, s)
     return {"loss": DenseTerms(losses, pos, "pos_pair", batch.num_anchors)}
 
 
-def _safe_acos(s: Tensor) -> Tensor:
-    """``arccos(clamp(s, −1, 1))`` with a zero (not infinite or NaN) gradient where ``|s| ≥ 1``."""
-    inside = s.abs() < 1.0
-    angle = torch.acos(torch.where(inside, s, 0.0))
-    return torch.where(inside, angle, torch.acos(s.detach().clamp(-1.0, 1.0)))
+def _cos_minus(s: Tensor, beta: float | Tensor) -> Tensor:
+    """``cos(arccos(clamp(s, −1, 1)) − β)`` as ``s·cos β + √(1 − s²)·sin β`` (the angle's sine
+    is ``≥ 0`` on ``[0, π]``): no ``arccos`` and ``cos`` per entry (the whole ``B × M`` matrix
+    on the static path). Where ``|s| ≥ 1`` it is ``±cos β`` with a zero (not infinite or NaN)
+    gradient, as the clamped ``arccos`` with its gradient set to zero there; no bool mask
+    (:func:`~pmlfunc._ops.indicator`)."""
+    inside = indicator(1.0 - s.abs())  # |s| < 1
+    # (1 − s)(1 + s): no cancellation in 1 − s² near |s| = 1; tiny: a finite √ slope at 0
+    sine = ((1.0 - s) * (1.0 + s)).clamp_min(torch.finfo(s.dtype).tiny).sqrt()
+    if isinstance(beta, Tensor):
+        cos_b, sin_b = torch.cos(beta), torch.sin(beta)
+    else:
+        cos_b, sin_b = math.cos(beta), math.sin(beta)
+    inner = s * cos_b + sine * sin_b
+    return inner * inside + (1.0 - inside) * s.detach().sign() * cos_b
