@@ -415,6 +415,8 @@ def _cos_minus(s: Tensor, beta: float | Tensor) -> Tensor:
     inside = indicator(1.0 - s.abs())  # |s| < 1
     # (1 − s)(1 + s): no cancellation in 1 − s² near |s| = 1; tiny: a finite √ slope at 0
     sine = ((1.0 - s) * (1.0 + s)).clamp_min(torch.finfo(s.dtype).tiny).sqrt()
+    cos_b: float | Tensor
+    sin_b: float | Tensor
     if isinstance(beta, Tensor):
         cos_b, sin_b = torch.cos(beta), torch.sin(beta)
     else:
