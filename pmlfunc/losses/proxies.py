@@ -27,12 +27,11 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like
+from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, unit_rows
 from ..distances import Distance, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
@@ -351,12 +350,19 @@ def normalized_softmax(
     x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight")
     # PML always normalises the weights (``distance.normalize``, with the distance's p), whatever
     # the distance's own normalisation; e.g. ``dot()`` scores raw embeddings against unit weights.
-    weight = F.normalize(weight, p=getattr(distance, "p", 2.0), dim=-1)
-    mat = distance.matrix(x, weight, ties=False)  # (B, C); smooth in it: no exact ties
-    logits = (mat if distance.is_similarity else -mat) / scalar_like(temperature, mat)
+    # The distance's own normalisation of them (PML's second one) is then the identity to
+    # rounding: only the embeddings get it. 1/temperature (signed for a distance) goes into the
+    # matrix's computation (into the rows before a matmul similarity's product).
+    cd = _checks.compute_dtype(x.dtype)
+    normalize, plain = distance.split_normalization()
+    weight = unit_rows(weight.to(cd), getattr(distance, "p", 2.0))
+    inverse = 1.0 / scalar_like(temperature, weight)
+    scale = inverse if distance.is_similarity else -inverse
+    # (B, C); smooth in it: no exact ties
+    logits = plain.matrix(normalize(x.to(cd)), weight, ties=False, scale=scale)
     losses = _weighted(
         cross_entropy(logits, labels),
-        sample_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device),
+        sample_weights(indices_tuple, labels.shape[0], logits.dtype, labels.device),
     )
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
