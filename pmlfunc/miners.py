@@ -477,7 +477,7 @@ def _easy_hard(
         fill = -torch.inf if xtype_max else torch.inf
         masked = torch.where(ok, m, fill)
         vals, idx = masked.max(-1) if xtype_max else masked.min(-1)
-        return vals, idx, ok.any(-1)
+        return vals, idx, ok.amax(-1)  # any(-1): a bool any along rows is ~7x slower on a CPU
 
     pos_far = pos_strategy in ("hard", "semihard")  # hardest positive = farthest
     neg_far = neg_strategy == "easy"  # easiest negative = farthest

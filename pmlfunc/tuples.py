@@ -463,7 +463,7 @@ def _window_search(e, pos, neg, low, high, margin=None) -> WindowSearch:
     keys = ordered_keys(torch.where(is_neg, e, torch.inf))
     order = _ops.argsort_rows(keys)
     sorted_keys = keys.gather(-1, order)
-    n_neg = is_neg.sum(-1, keepdim=True)
+    n_neg = _ops.count_true(is_neg, -1, keepdim=True).long()
 
     def count_below(bound, right: bool) -> Tensor:  # per column: # negatives (≤ or <) e + bound
         return torch.searchsorted(sorted_keys, ordered_keys(e + bound), right=right)

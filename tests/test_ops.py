@@ -91,3 +91,13 @@ def test_unit_rows_is_f_normalize_with_its_gradients():
     batched = torch.func.vmap(unit_rows)(x.detach().view(2, 3, 5))
     assert torch.equal(batched.view(6, 5), F.normalize(x.detach(), dim=-1))
     assert torch.equal(unit_rows(x, 1), F.normalize(x, p=1, dim=-1))
+
+
+def test_count_true_counts_like_a_bool_sum():
+    from pmlfunc._ops import count_true
+
+    mask = torch.rand(7, 9, generator=torch.Generator().manual_seed(6)) > 0.4
+    assert count_true(mask) == mask.sum() and count_true(mask).dtype == torch.int32
+    assert torch.equal(count_true(mask, -1), mask.sum(-1).int())
+    assert torch.equal(count_true(mask, 0, keepdim=True), mask.sum(0, keepdim=True).int())
+    assert count_true(torch.zeros(0, 3, dtype=torch.bool)) == 0

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import apply, fresh, matmul, ratio
+from .._ops import apply, count_true, fresh, matmul, ratio
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -195,7 +195,7 @@ def block_forward(
         pos, neg = _masks(rows, cols, r0, r1, m, x.device, diag, exclude)
         if kind == "siglip":  # Σ softplus(−z·S), z = ±1
             total = total + F.softplus(s.mul_(torch.where(pos, -1.0, 1.0))).sum()
-            count = count + pos.sum() + neg.sum()
+            count = count + count_true(pos) + count_true(neg)
             continue
         if kind == "ntxent":  # −log(σ(S − lse_neg) + ε) on the positives
             tile_lse = lse[r0:r1] if lse is not None else _row_lse_(s.clone() if final else s, neg)
@@ -203,21 +203,21 @@ def block_forward(
                 parts["row_lse"].append(tile_lse)
                 continue
             t, q = _ntxent_terms_(s, tile_lse, pos)
-            total, count = total + t, count + pos.sum()
+            total, count = total + t, count + count_true(pos)
             parts["row_lse"].append(tile_lse)
             parts["row_q"].append(q)
             continue
         if kind == "supcon":
             parts["row_lse"].append(_row_lse_(s.clone(), pos | neg))
-            count = count + neg.sum()
+            count = count + count_true(neg)
         else:  # clip: every entry is a candidate, along rows and along columns (online)
             new_max = torch.maximum(col_max, s.amax(0))
             part = _exp_(s - new_max, 0.0).sum(0)
             col_sum = col_sum * (col_max - new_max).clamp_min(-80.0).exp() + part
             col_max = new_max
             parts["row_lse"].append(torch.logsumexp(s, -1))
-            col_pos = col_pos + pos.sum(0)
-        parts["row_pos"].append(pos.sum(-1).to(x.dtype))
+            col_pos = col_pos + count_true(pos, 0)
+        parts["row_pos"].append(count_true(pos, -1).to(x.dtype))
         s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
         parts["row_pos_sum"].append(s.sum(-1))
         if kind == "clip":
