@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from benchmarks import capacity, memory_report, report, run
+from benchmarks import capacity, memory_report, ratios, report, run
 
 TINY = ["--batch-size", "16", "--dimensions", "8", "--repeats", "2", "--warmup", "1", "--quiet"]
 
@@ -320,3 +320,70 @@ def test_a_slow_pml_member_is_skipped_in_timed_runs_with_the_reason(monkeypatch)
     common._skip_slow_pml(request("pml"), 30.0)
     with pytest.raises(pytest.skip.Exception, match="> 60 s"):
         common._skip_slow_pml(request("pml-anchor-batched"), 61.0)
+
+
+def _run_json(path, batch, entries):
+    """A benchmarks.run file: ``entries`` are (case, impl, mode, median ms)."""
+    results = [
+        {"case": c, "impl": i, "mode": m, "status": "ok", "stats": {"median": ms}}
+        for c, i, m, ms in entries
+    ]
+    path.write_text(json.dumps({"config": {"batch_size": batch}, "results": results}))
+    return path
+
+
+def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
+    """Floor targets at batch 512 per mode (the compiled floor for compiled entries), PML's
+    speed-up for eager entries at any batch; a pytest-benchmark file reads the same."""
+    b512 = _run_json(
+        tmp_path / "b512.json",
+        512,
+        [
+            ("contrastive", "pml", "eager", 9.0),
+            ("contrastive", "pmlfunc", "eager", 5.0),  # 2.5x the floor: ok
+            ("contrastive", "floor", "eager", 2.0),
+            ("contrastive", "pmlfunc", "compile", 3.2),  # 1.6x the compiled floor: miss
+            ("contrastive", "floor", "compile", 2.0),
+            ("all-triplet", "pml", "eager", 100.0),
+            ("all-triplet", "pmlfunc", "eager", 11.0),  # 5.5x, 9.1x PML (< 10x): miss
+            ("all-triplet", "floor", "eager", 2.0),
+        ],
+    )
+    b128 = _run_json(
+        tmp_path / "b128.json",
+        128,
+        [
+            ("contrastive", "pml", "eager", 0.7),
+            ("contrastive", "pmlfunc", "eager", 0.8),  # slower than PML: miss
+            ("contrastive", "floor", "eager", 0.1),  # 8x: no floor target at 128
+        ],
+    )
+    assert ratios.main([str(b512), str(b128)]) == 0
+    assert ratios.main([str(b512), str(b128), "--check"]) == 1
+    out = capsys.readouterr().out
+    table = {
+        (int(line.split()[0]), line.split()[1], line.split()[2]): line.split()[-1]
+        for line in out.splitlines()
+        if line[:5].strip().isdigit()
+    }
+    assert table[(512, "eager", "contrastive")] == "ok"
+    assert table[(512, "compile", "contrastive")] == "MISS"
+    assert table[(512, "eager", "all-triplet")] == "MISS"
+    assert table[(128, "eager", "contrastive")] == "MISS"
+    bench = tmp_path / "pytest.json"
+    extra = {"shape": [512, 128]}
+    bench.write_text(
+        json.dumps(
+            {
+                "benchmarks": [
+                    {"extra_info": {**extra, "case": "supcon", "impl": i}, "stats": {"median": t}}
+                    for i, t in [("pml", 9e-3), ("pmlfunc", 4e-3), ("floor", 2e-3),
+                                 ("pmlfunc-compile", 2.4e-3), ("floor-compile", 2e-3)]
+                ]
+            }
+        )
+    )  # fmt: skip
+    medians = ratios.load_medians(bench)
+    assert medians[(512, "supcon", "compile")] == {"pmlfunc": 2.4e-3, "floor": 2e-3}
+    verdicts = {(r["mode"], r["label"]): r["verdict"] for r in ratios.rows(medians)}
+    assert verdicts == {("eager", "supcon"): "ok", ("compile", "supcon"): "ok"}
