@@ -284,21 +284,28 @@ def measure(
     step,
     device: torch.device | None = None,
     cost_step: Callable[[], Any] | None = None,
+    *,
+    first: Callable[[Any], None] | None = None,
+    costs: bool = True,
 ):
     """Run ``step`` under pytest-benchmark and return its result.
 
     Untimed (``--benchmark-disable``): one call. Timed: untimed calls size the run (and warm up
     caches and the allocator; the first call is often slower, so a fast step is sized from a
-    second one), then ``benchmark.pedantic`` with one iteration per round, then two more calls
-    record ``extra_info["flops"]`` and ``extra_info["peak_added_mib"]`` (:func:`step_flops`,
-    :func:`step_peak_mib`) of ``cost_step`` (default ``step``; a compiled step passes its eager
-    twin, since counting modes do not trace).
+    second one), then ``benchmark.pedantic`` with one iteration per round, then (``costs``) two
+    more calls record ``extra_info["flops"]`` and ``extra_info["peak_added_mib"]``
+    (:func:`step_flops`, :func:`step_peak_mib`) of ``cost_step`` (default ``step``; a compiled
+    step passes its eager twin, since counting modes do not trace); a body that measures its
+    memory itself passes ``costs=False``. ``first`` receives the first call's result, also when
+    the member is then skipped for its step time (a parity check can still use its value).
     """
     if benchmark.disabled:
         return benchmark(step)
     start = time.perf_counter()
-    step()
+    out = step()
     step_s = time.perf_counter() - start
+    if first is not None:
+        first(out)
     _skip_slow_pml(request, step_s)
     if step_s < SLOW_STEP_S:
         start = time.perf_counter()
@@ -310,6 +317,8 @@ def measure(
         int(request.config.getoption("benchmark_min_rounds")),
     )
     out = benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    if not costs:
+        return out
     # Timed runs only (two more calls): what one step costs besides its time.
     device = device or torch.device("cpu")
     cost_step = cost_step or step

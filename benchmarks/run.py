@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from . import common as C
-from .cases import Case, library, registry
+from .cases import Case, library, pml_pair_matrix_gib, registry
 
 MODES = ("eager", "compile", "cudagraph")
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,16 +68,6 @@ def git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def pml_pair_matrix_gib(case: str, batch: int, spc: int) -> float:
-    """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
-    pos, neg = batch * (spc - 1), batch * (batch - spc)
-    if registry()[case].pml_pair_matrix:
-        return pos * neg * 4 / 2**30  # float32 logits
-    if case == "mined-triplet":
-        return pos * neg / 2**30  # a bool comparison of anchors
-    return 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -212,7 +202,7 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
         "reason": None,
         "extra": dict(case.extra),
     }
-    gib = pml_pair_matrix_gib(case.name, args.batch_size, args.samples_per_class)
+    gib = pml_pair_matrix_gib(case, args.batch_size, args.samples_per_class)
     if lib == "pml" and gib > args.pml_memory_limit_gib:
         return {
             **record,

@@ -64,10 +64,13 @@ def test_compile_mode_reports_the_first_step_apart(tmp_path):
 
 
 def test_pml_pair_matrix_guard(tmp_path):
-    assert run.pml_pair_matrix_gib("ntxent", 512, 4) == pytest.approx(
+    from benchmarks.cases import pml_pair_matrix_gib, registry
+
+    cases = registry()
+    assert pml_pair_matrix_gib(cases["ntxent"], 512, 4) == pytest.approx(
         512 * 3 * 512 * 508 * 4 / 2**30
     )
-    assert run.pml_pair_matrix_gib("contrastive", 512, 4) == 0.0
+    assert pml_pair_matrix_gib(cases["contrastive"], 512, 4) == 0.0
     out = tmp_path / "guard.json"
     run.main([*TINY, "--case", "ntxent", "--pml-memory-limit-gib", "0", "--output", str(out)])
     results = {r["impl"]: r for r in json.loads(out.read_text())["results"]}

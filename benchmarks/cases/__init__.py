@@ -30,6 +30,7 @@ member builders, the measured step and the pytest parameters of a group.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,39 @@ class Case:
 def library(impl: str) -> str:
     """``pmlfunc``, ``pml`` or ``floor``: the part of a member name before any variant."""
     return impl.split("-")[0]
+
+
+def pml_pair_matrix_gib(case: Case, batch: int, spc: int) -> float:
+    """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
+    pos, neg = batch * (spc - 1), batch * (batch - spc)
+    if case.pml_pair_matrix:
+        return pos * neg * 4 / 2**30  # float32 logits
+    if case.name == "mined-triplet":
+        return pos * neg / 2**30  # a bool comparison of anchors
+    return 0.0
+
+
+# Timed runs: a PML member whose pair matrix would exceed this many GiB is skipped before it
+# runs (at batch 512 with 4 per class: 1.5 GiB, 15-50 s a step on one thread; finding that out
+# by running one step took ~2.5 of the suite's 10 minutes). A PML member skipped this way or
+# for its step time (benchmarks.common.PML_MAX_STEP_SECONDS) still has pmlfunc's parity checked
+# at the smoke batch (SMOKE_PAIR_MATRIX_BATCH).
+PML_MAX_PAIR_MATRIX_GIB_VAR = "PMLFUNC_BENCH_PML_MAX_PAIR_MATRIX_GIB"
+PML_MAX_PAIR_MATRIX_GIB = 1.0
+
+
+def pml_over_budget(case: Case, batch: int) -> str | None:
+    """Why a timed run skips ``case``'s PML member at ``batch`` before running it (its pair
+    matrix is over :data:`PML_MAX_PAIR_MATRIX_GIB`), or ``None``."""
+    raw = os.environ.get(PML_MAX_PAIR_MATRIX_GIB_VAR, "").strip()
+    budget = float(raw) if raw else PML_MAX_PAIR_MATRIX_GIB
+    gib = pml_pair_matrix_gib(case, batch, SAMPLES_PER_CLASS)
+    if gib <= budget:
+        return None
+    return (
+        f"PML 2.9.0 would build a {gib:,.1f} GiB positive x negative pair matrix (> {budget:g} "
+        f"GiB, {PML_MAX_PAIR_MATRIX_GIB_VAR}; set it higher to time this member)"
+    )
 
 
 def registry() -> dict[str, Case]:
