@@ -96,18 +96,30 @@ def row_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> Ten
     return lse.squeeze(-1)
 
 
-def row_softmax(x: Tensor, weights: Tensor, lse: Tensor, keep: Tensor | None = None) -> Tensor:
-    """``w · e^{x − lse}`` on kept entries: the gradient of :func:`row_logsumexp` with respect to
-    ``x`` (0 on rows with nothing kept)."""
-    return _exp_shifted_(masked(x, weights if keep is None else keep), lse.unsqueeze(-1), weights)
+def row_softmax(x: Tensor, weights: Tensor, lse: Tensor) -> Tensor:
+    """``w · e^{x − lse}`` on kept entries (``w > 0``): the gradient of :func:`row_logsumexp`
+    with respect to ``x`` (0 on rows with nothing kept). Four passes: a kept entry has
+    ``x ≤ lse``, so clamping the exponent to ``[−80, 80]`` changes no kept value and keeps
+    ``e^{x − lse}`` finite where ``w = 0`` (no :func:`masked` buffer)."""
+    e = (x - lse.unsqueeze(-1)).clamp_(-80.0, 80.0).exp_()
+    return _mul_fresh_(e, weights)
+
+
+def _mul_fresh_(fresh_buf: Tensor, other: Tensor) -> Tensor:
+    """``fresh_buf * other``, in place on the fresh buffer except inside ``torch.func``
+    transforms (where ``other`` may be batched and the buffer not)."""
+    if torch.compiler.is_compiling() or not inside_transform():
+        return fresh_buf.mul_(other)
+    return fresh_buf * other
 
 
 class _MaskedLogSumExp(torch.autograd.Function):
     """:func:`row_logsumexp` as one autograd node.
 
     The forward keeps only the per-row result (plus the inputs); the backward recomputes the
-    softmax weights. Two ``B × M`` buffers in each direction instead of the half-dozen
-    temporaries of the composed ops (each a fresh allocation, page faults included).
+    softmax weights (:func:`row_softmax`, one buffer). Two ``B × M`` buffers forward, one
+    backward, instead of the half-dozen temporaries of the composed ops (each a fresh
+    allocation, page faults included).
     """
 
     generate_vmap_rule = True
@@ -119,13 +131,13 @@ class _MaskedLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weights, keep = inputs
-        ctx.save_for_backward(x, weights, keep, output)
+        x, weights, _ = inputs
+        ctx.save_for_backward(x, weights, output)
 
     @staticmethod
     def backward(ctx, g):
-        x, weights, keep, lse = ctx.saved_tensors
-        return row_softmax(x, weights, lse, keep) * g.unsqueeze(-1), None, None
+        x, weights, lse = ctx.saved_tensors
+        return _mul_fresh_(row_softmax(x, weights, lse), g.unsqueeze(-1)), None, None
 
 
 def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:

@@ -160,14 +160,15 @@ def _circle_terms(batch: Batch, *, m, gamma) -> dict[str, Terms]:
     gamma = _checks.hyper(gamma, "gamma", positive=True)
     s = batch.mat
     m, gamma = scalar_like(m, s), scalar_like(gamma, s)
-    sd = s.detach()
-    alpha_p = F.relu(rshift(1.0 + m, sd))  # op − s, op = 1 + m
-    alpha_n = F.relu(sd + m)  # s − on, on = −m
-    logit_p = (-gamma * alpha_p) * (s - (1.0 - m))
-    logit_n = (gamma * alpha_n) * (s - m)
     pos, neg = batch.binary_masks()
-    valid = (pos.sum(-1) > 0) & (neg.sum(-1) > 0)
-    z = masked_logsumexp(logit_p, pos) + masked_logsumexp(logit_n, neg)
+    listed = sparse_rows(pos)  # few positives (CPU eager): their term on their columns only
+    s_p, w_p = (s, pos) if listed is None else (s.gather(-1, listed[0]), listed[1].to(s.dtype))
+    alpha_p = F.relu(rshift(1.0 + m, s_p.detach()))  # op − s, op = 1 + m
+    alpha_n = F.relu(s.detach() + m)  # s − on, on = −m
+    logit_p = (-gamma * alpha_p) * (s_p - (1.0 - m))
+    logit_n = (gamma * alpha_n) * (s - m)
+    valid = (w_p.sum(-1) > 0) & (neg.sum(-1) > 0)
+    z = masked_logsumexp(logit_p, w_p) + masked_logsumexp(logit_n, neg)
     losses = torch.where(valid, F.softplus(torch.where(valid, z, 0.0)), 0.0)
     return {"loss": elements(losses)}
 
