@@ -32,9 +32,9 @@ tensor storage one step adds, ``pmlfunc.memory``; CUDA: allocated memory above t
 baseline), FLOPs of one step (``torch.utils.flop_counter``), and the case's settings.
 
 Some PML 2.9.0 steps cannot run at large batches: its NT-Xent, lifted-structure, tuplet-margin
-and mined-pairs-to-triplets paths build a (positive pairs) × (negative pairs) matrix. Entries
-whose estimate exceeds ``--pml-memory-limit-gib`` (8) are skipped with the estimate as the
-reason, and any entry whose first (checking) step takes more than ``--max-step-seconds`` (60)
+and mined-pairs-to-triplets paths build a (positive pairs) × (negative pairs) matrix, its PNP a
+``B × B × B`` one. Entries whose estimate exceeds ``--pml-memory-limit-gib`` (8) are skipped
+with the estimate as the reason, and any entry whose first (checking) step takes more than ``--max-step-seconds`` (60)
 is skipped with its time.
 """
 
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from . import common as C
-from .cases import Case, library, pml_pair_matrix_gib, registry
+from .cases import Case, library, pml_matrix_name, pml_pair_matrix_gib, registry
 
 MODES = ("eager", "compile", "cudagraph")
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
         return {
             **record,
             "status": "skipped",
-            "reason": f"PML 2.9.0 would build a {gib:,.0f} GiB positive×negative pair matrix",
+            "reason": f"PML 2.9.0 would build a {gib:,.0f} GiB {pml_matrix_name(case)}",
         }
     if mode != "eager" and lib == "pml":
         return {**record, "status": "skipped", "reason": f"PML is measured eager only ({mode})"}

@@ -70,6 +70,7 @@ def test_pml_pair_matrix_guard(tmp_path):
     assert pml_pair_matrix_gib(cases["ntxent"], 512, 4) == pytest.approx(
         512 * 3 * 512 * 508 * 4 / 2**30
     )
+    assert pml_pair_matrix_gib(cases["pnp"], 2048, 4) == 32.0  # 2048³ float32 ranks
     assert pml_pair_matrix_gib(cases["contrastive"], 512, 4) == 0.0
     out = tmp_path / "guard.json"
     run.main([*TINY, "--case", "ntxent", "--pml-memory-limit-gib", "0", "--output", str(out)])

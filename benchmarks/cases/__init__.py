@@ -86,13 +86,21 @@ def library(impl: str) -> str:
 
 
 def pml_pair_matrix_gib(case: Case, batch: int, spc: int) -> float:
-    """Estimated size of PML 2.9.0's positive-pairs × negative-pairs matrix for ``case``."""
+    """Estimated size of the largest matrix PML 2.9.0 builds for ``case``: the positive-pairs ×
+    negative-pairs matrix (:func:`pml_matrix_name`), or PNPLoss's ``B × B × B`` ranks."""
     pos, neg = batch * (spc - 1), batch * (batch - spc)
     if case.pml_pair_matrix:
         return pos * neg * 4 / 2**30  # float32 logits
     if case.name == "mined-triplet":
         return pos * neg / 2**30  # a bool comparison of anchors
+    if case.name == "pnp":
+        return batch**3 * 4 / 2**30  # every anchor's (B, B) pairwise rank differences
     return 0.0
+
+
+def pml_matrix_name(case: Case) -> str:
+    """What :func:`pml_pair_matrix_gib` measures for ``case``, for the skip reasons."""
+    return "B x B x B rank matrix" if case.name == "pnp" else "positive x negative pair matrix"
 
 
 # Timed runs: a PML member whose pair matrix would exceed this many GiB is skipped before it
@@ -113,7 +121,7 @@ def pml_over_budget(case: Case, batch: int) -> str | None:
     if gib <= budget:
         return None
     return (
-        f"PML 2.9.0 would build a {gib:,.1f} GiB positive x negative pair matrix (> {budget:g} "
+        f"PML 2.9.0 would build a {gib:,.1f} GiB {pml_matrix_name(case)} (> {budget:g} "
         f"GiB, {PML_MAX_PAIR_MATRIX_GIB_VAR}; set it higher to time this member)"
     )
 
