@@ -338,7 +338,8 @@ def _run_json(path, batch, entries):
 
 def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
     """Floor targets at batch 512 per mode (the compiled floor for compiled entries), PML's
-    speed-up for eager entries at any batch; a pytest-benchmark file reads the same."""
+    speed-up for eager entries at any batch (the higher ones at 512 only); a pytest-benchmark
+    file reads the same."""
     b512 = _run_json(
         tmp_path / "b512.json",
         512,
@@ -360,6 +361,9 @@ def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
             ("contrastive", "pml", "eager", 0.7),
             ("contrastive", "pmlfunc", "eager", 0.8),  # slower than PML: miss
             ("contrastive", "floor", "eager", 0.1),  # 8x: no floor target at 128
+            ("all-triplet", "pml", "eager", 5.0),
+            ("all-triplet", "pmlfunc", "eager", 1.0),  # 5x PML: the 10x is stated at 512
+            ("all-triplet", "floor", "eager", 0.1),
         ],
     )
     assert ratios.main([str(b512), str(b128)]) == 0
@@ -374,6 +378,7 @@ def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
     assert table[(512, "compile", "contrastive")] == "MISS"
     assert table[(512, "eager", "all-triplet")] == "MISS"
     assert table[(128, "eager", "contrastive")] == "MISS"
+    assert table[(128, "eager", "all-triplet")] == "ok"
     bench = tmp_path / "pytest.json"
     extra = {"shape": [512, 128]}
     bench.write_text(
