@@ -24,7 +24,9 @@ under ``torchrun --standalone --nproc_per_node=2 -m benchmarks.run --case distri
 
 Every measured step builds a fresh graph; ``forward_ms`` covers the call, ``backward_ms`` the
 gradient (``None`` for mining and anchor-batched entries, which do all their work in the
-forward). CUDA synchronises around both intervals. Before timing, each entry is checked once:
+forward). CUDA synchronises around both intervals. A case's members are timed in rounds, one
+step of each per round (``--warmup`` rounds, then ``--repeats``), so that a drift of the
+machine's speed falls on PML, pmlfunc and the floor alike. Before timing, each entry is checked once:
 a finite loss and gradient, or a valid miner result. The JSON keeps the raw samples, medians,
 quartiles, the configuration, versions and the git revision; ``python -m benchmarks.report``
 turns runs into tables and charts. ``extra`` per entry: peak memory (CPU: the peak of live
@@ -48,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +190,19 @@ def _graphed(step: _Step, device: torch.device):
     return graph.replay, (out, grads)
 
 
+Timer = Callable[[], tuple[float, float]]  # one timed step: (forward ms, backward ms)
+
+
 def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
     """Time one member of ``case`` in one mode; the record written to the JSON."""
+    record, timer = prepare(case, impl, args, mode)
+    return time_rounds([(record, timer)], args)[0]
+
+
+def prepare(case: Case, impl: str, args, mode: str) -> tuple[dict[str, Any], Timer | None]:
+    """Everything before the timed steps of one member of ``case`` in one mode: its record
+    (skipped, failed, or with the loss, FLOPs, peak memory and the compiled step's check) and,
+    when it is to be timed, the timer of one step."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     member, lib = case.members[impl], library(impl)
@@ -204,21 +218,15 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
     }
     gib = pml_pair_matrix_gib(case, args.batch_size, args.samples_per_class)
     if lib == "pml" and gib > args.pml_memory_limit_gib:
-        return {
-            **record,
-            "status": "skipped",
-            "reason": f"PML 2.9.0 would build a {gib:,.0f} GiB {pml_matrix_name(case)}",
-        }
+        return _skipped(record, f"PML 2.9.0 would build a {gib:,.0f} GiB {pml_matrix_name(case)}")
     if mode != "eager" and lib == "pml":
-        return {**record, "status": "skipped", "reason": f"PML is measured eager only ({mode})"}
+        return _skipped(record, f"PML is measured eager only ({mode})")
     if mode == "cudagraph" and device.type != "cuda":
-        return {**record, "status": "skipped", "reason": "CUDA-graph capture needs CUDA"}
+        return _skipped(record, "CUDA-graph capture needs CUDA")
     if mode == "cudagraph" and member.kind == "value_and_grad":
-        return {
-            **record,
-            "status": "skipped",
-            "reason": "anchor-batched steps run Python loops over chunks; capture the loss instead",
-        }
+        return _skipped(
+            record, "anchor-batched steps run Python loops over chunks; capture the loss instead"
+        )
     emb, labels = C.make_inputs(
         args.batch_size, args.dimensions, args.samples_per_class, dtype=dtype, device=device
     )
@@ -235,12 +243,11 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
             first = time.perf_counter() - t0
             reference = None if member.kind == "mine" else (_detached(out), _detached(grads))
             if first > args.max_step_seconds:
-                return {
-                    **record,
-                    "status": "skipped",
-                    "reason": f"one step took {first:,.1f} s (> --max-step-seconds "
+                return _skipped(
+                    record,
+                    f"one step took {first:,.1f} s (> --max-step-seconds "
                     f"{args.max_step_seconds:g})",
-                }
+                )
             record["flops"] = C.step_flops(_one_step(step))
             record["peak_memory_mib"] = C.step_peak_mib(_one_step(step), device)
             # A compiled or replayed step is compared with eager when eager repeats itself (a
@@ -266,39 +273,83 @@ def measure(case: Case, impl: str, args, mode: str) -> dict[str, Any]:
             if comparable:
                 bad = mismatch(member.kind, reference, got, dtype)
                 if bad is not None:
-                    return {**record, "status": "error", "reason": f"{mode}: {bad}"}
+                    return {**record, "status": "error", "reason": f"{mode}: {bad}"}, None
                 record["checked_against_eager"] = True
-            fwd, bwd, total = [], [], []
-            for i in range(args.warmup + args.repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                if replay is not None:
-                    replay()
-                    out = None
-                else:
-                    out = step.forward()
-                _sync(device)
-                t1 = time.perf_counter()
-                if replay is None and member.kind == "loss":
-                    step.backward(out)
-                    _sync(device)
-                t2 = time.perf_counter()
-                if i >= args.warmup:
-                    fwd.append((t1 - t0) * 1e3)
-                    bwd.append((t2 - t1) * 1e3)
-                    total.append((t2 - t0) * 1e3)
+            return record, _timer(step, replay, device)
     except Exception as err:  # recorded, never silent: the report shows it
-        return {**record, "status": "error", "reason": f"{type(err).__name__}: {err}"[:500]}
-    no_backward = member.kind != "loss" or mode == "cudagraph"
-    record.update(
-        forward_ms=fwd,
-        backward_ms=None if no_backward else bwd,
-        total_ms=total,
-        stats=_stats(total),
-        forward_stats=_stats(fwd),
-        backward_stats=None if no_backward else _stats(bwd),
-    )
-    return record
+        return _failed(record, err), None
+
+
+def _skipped(record: dict[str, Any], reason: str) -> tuple[dict[str, Any], None]:
+    return {**record, "status": "skipped", "reason": reason}, None
+
+
+def _failed(record: dict[str, Any], err: Exception) -> dict[str, Any]:
+    return {**record, "status": "error", "reason": f"{type(err).__name__}: {err}"[:500]}
+
+
+def _timer(step: _Step, replay: Callable[[], Any] | None, device: torch.device) -> Timer:
+    def one() -> tuple[float, float]:
+        _sync(device)
+        t0 = time.perf_counter()
+        if replay is not None:
+            replay()
+            out = None
+        else:
+            out = step.forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        if replay is None and step.member.kind == "loss":
+            step.backward(out)
+            _sync(device)
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    return one
+
+
+def time_rounds(prepared: list[tuple[dict[str, Any], Timer | None]], args) -> list[dict[str, Any]]:
+    """Time the prepared members of one case in rounds, one step of each member per round
+    (``args.warmup`` rounds untimed, then ``args.repeats``): a slow drift of the machine's speed
+    falls on every member alike instead of on whichever ran last, so their ratios hold. Returns
+    the finished records, in order."""
+    samples: dict[int, list[tuple[float, float]]] = {i: [] for i, (_, t) in enumerate(prepared)
+                                                     if t is not None}  # fmt: skip
+    failed: dict[int, dict[str, Any]] = {}
+    with C.set_threads(args.threads):
+        for round_ in range(args.warmup + args.repeats):
+            for i in list(samples):
+                timer = prepared[i][1]
+                assert timer is not None
+                try:
+                    fwd_bwd = timer()
+                except Exception as err:  # recorded, never silent: the report shows it
+                    failed[i] = _failed(prepared[i][0], err)
+                    del samples[i]
+                    continue
+                if round_ >= args.warmup:
+                    samples[i].append(fwd_bwd)
+    records = []
+    for i, (record, _) in enumerate(prepared):
+        if i in failed or i not in samples:
+            records.append(failed.get(i, record))
+            continue
+        kind = record["kind"]
+        fwd = [f for f, _ in samples[i]]
+        bwd = [b for _, b in samples[i]]
+        total = [f + b for f, b in samples[i]]
+        no_backward = kind != "loss" or record["mode"] == "cudagraph"
+        records.append(
+            record
+            | dict(
+                forward_ms=fwd,
+                backward_ms=None if no_backward else bwd,
+                total_ms=total,
+                stats=_stats(total),
+                forward_stats=_stats(fwd),
+                backward_stats=None if no_backward else _stats(bwd),
+            )
+        )
+    return records
 
 
 def select(cases_arg: str | None) -> list[tuple[Case, str]]:
@@ -415,12 +466,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if tqdm and not args.quiet
         else contextlib.nullcontext(jobs)
     )
-    results = []
+    results: list[dict[str, Any]] = []
     with bar as progress:
-        for case, impl, mode in progress:
+        prepared: list[tuple[dict[str, Any], Timer | None]] = []
+        for n, (case, impl, mode) in enumerate(progress):
             if hasattr(progress, "set_postfix_str"):
                 progress.set_postfix_str(f"{case.name}/{impl}/{mode}")
-            results.append(measure(case, impl, args, mode))
+            prepared.append(prepare(case, impl, args, mode))
+            following = jobs[n + 1] if n + 1 < len(jobs) else None
+            if following is None or (following[0], following[2]) != (case, mode):
+                results += time_rounds(prepared, args)  # a case's members, side by side
+                prepared = []
     run = run_document(args, results)
     for r in results:
         median = r["stats"]["median"] if r.get("stats") else None
