@@ -11,6 +11,8 @@ the command-line tools alike.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import math
 import os
 import platform
@@ -120,6 +122,39 @@ def make_inputs(
     emb = make_embeddings(batch, dim, dtype=dtype, device=device, seed=seed).requires_grad_()
     labels = make_labels(batch, samples_per_class).to(device)
     return emb, labels
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest (64-bit): what a process reaches after freeing one
+
+
+def settle_allocator() -> bool:
+    """Put the process's allocator in a training process's steady state, before anything is
+    measured; ``True`` where glibc's parameters were set.
+
+    A fresh glibc process serves every allocation over 128 KiB (each 512 × 512 matrix) with
+    ``mmap`` and returns it on free, so every step pays its page faults again; a process that
+    has freed a large block has raised that threshold (up to 32 MiB) and reuses such buffers
+    from its heap. glibc also trims the heap's free top back to the OS past twice the threshold:
+    after a PML step that allocated hundreds of MiB, the next member's step (timed in the same
+    round, ``benchmarks.run``) re-faults its pages, 2-6x slower at batch 128. So: the mmap
+    threshold at 32 MiB, and no trimming. Buffers over 32 MiB (PML's pair matrices) are still
+    mapped and unmapped by every step, as in training. Elsewhere (no glibc), one 16 MiB buffer
+    is allocated and freed, which raises the thresholds where the allocator adapts them."""
+    buf = torch.empty(16 * 2**20 // 4).fill_(0.0)
+    del buf
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = None if libc is None else libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    )
 
 
 @contextlib.contextmanager

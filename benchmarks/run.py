@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from .cases import bench_anchor_batched
 
     bench_anchor_batched.ANCHOR_BATCH = args.anchor_batch_size  # read when a member is made
+    C.settle_allocator()
     chosen = select(args.case)
     if args.impl:
         keep = set(args.impl.split(","))

@@ -63,6 +63,14 @@ def test_compile_mode_reports_the_first_step_apart(tmp_path):
     assert results["pmlfunc"]["first_step_ms"] > results["pmlfunc"]["stats"]["median"]
 
 
+def test_settle_allocator_sets_glibcs_parameters():
+    import platform
+
+    from benchmarks import common as C
+
+    assert C.settle_allocator() is (platform.libc_ver()[0] == "glibc")
+
+
 def test_pml_pair_matrix_guard(tmp_path):
     from benchmarks.cases import pml_pair_matrix_gib, registry
 
