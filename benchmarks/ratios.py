@@ -19,6 +19,8 @@ exits with status 1 when a target is missed.
 
 The targets (issue 17; measured on one CPU thread, 128 dimensions, 4 samples per class):
 
+- in float32 (other dtypes are shown, as mode ``eager-bfloat16`` etc., without targets: the
+  losses compute in float32 where PML's matmuls run in the low precision);
 - at every batch size, every eager pmlfunc implementation is at least as fast as PML; at batch
   512 the higher speed-ups of :data:`SPEEDUPS` where PML is pathological (its cost there grows
   faster than the batch: at 128 they are smaller, at 2,048 PML cannot run them);
@@ -74,7 +76,7 @@ def load_medians(path: Path) -> Medians:
         batch = int(data["config"]["batch_size"])
         for r in data["results"]:
             if r.get("status") == "ok":
-                key = (batch, r["case"], r["mode"])
+                key = (batch, r["case"], _mode(r["mode"], data["config"].get("dtype")))
                 medians.setdefault(key, {})[r["impl"]] = r["stats"]["median"] / 1e3
         return medians
     for bench in data["benchmarks"]:  # pytest-benchmark
@@ -87,8 +89,16 @@ def load_medians(path: Path) -> Medians:
             if impl.endswith(f"-{suffix}"):
                 impl, mode = impl.removesuffix(f"-{suffix}"), suffix
         batch = int(info["shape"][0]) if "shape" in info else TARGET_BATCH
-        medians.setdefault((batch, case, mode), {})[impl] = bench["stats"]["median"]
+        key = (batch, case, _mode(mode, info.get("dtype")))
+        medians.setdefault(key, {})[impl] = bench["stats"]["median"]
     return medians
+
+
+def _mode(mode: str, dtype: str | None) -> str:
+    """The mode column: ``eager`` / ``compile`` in float32 (the targets' dtype), else with the
+    dtype (``eager-bfloat16``), which no target applies to."""
+    dtype = (dtype or "float32").removeprefix("torch.")
+    return mode if dtype == "float32" else f"{mode}-{dtype}"
 
 
 def _ours(row: dict[str, float]) -> list[str]:
@@ -100,7 +110,8 @@ def rows(medians: Medians) -> Iterator[dict]:
     """One row per (batch, case, mode, pmlfunc implementation), with its ratios, targets and
     verdict (``ok``, ``MISS`` or ``-`` without a target)."""
     for (batch, case, mode), row in medians.items():
-        pml = medians.get((batch, case, "eager"), {}).get("pml")
+        _, dash, dtype = mode.partition("-")
+        pml = medians.get((batch, case, "eager" + dash + dtype), {}).get("pml")
         floor = row.get("floor")
         for impl in _ours(row):
             ours = row[impl]
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     table = list(rows(medians))
     width = max([17, *(len(r["label"]) for r in table)])
     header = (
-        f"{'batch':>5} {'mode':<8} {'case':<{width}} {'pmlfunc ms':>11} {'pml ms':>11} "
+        f"{'batch':>5} {'mode':<14} {'case':<{width}} {'pmlfunc ms':>11} {'pml ms':>11} "
         f"{'floor ms':>9} {'pml/pmlfunc':>12} {'target':>7} {'pmlfunc/floor':>14} "
         f"{'target':>7}  verdict"
     )
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for r in table:
         print(
-            f"{r['batch']:>5} {r['mode']:<8} {r['label']:<{width}} {_ms(r['ours'], 11)} "
+            f"{r['batch']:>5} {r['mode']:<14} {r['label']:<{width}} {_ms(r['ours'], 11)} "
             f"{_ms(r['pml'], 11)} {_ms(r['floor'], 9)} {_ratio(r['speedup'], 12)} "
             f"{_bound('>=', r['min_speedup']):>7} {_ratio(r['vs_floor'], 14)} "
             f"{_bound('<=', r['max_floor']):>7}  {r['verdict']}"

@@ -334,13 +334,14 @@ def test_a_slow_pml_member_is_skipped_in_timed_runs_with_the_reason(monkeypatch)
         common._skip_slow_pml(request("pml-anchor-batched"), 61.0)
 
 
-def _run_json(path, batch, entries):
+def _run_json(path, batch, entries, dtype="float32"):
     """A benchmarks.run file: ``entries`` are (case, impl, mode, median ms)."""
     results = [
         {"case": c, "impl": i, "mode": m, "status": "ok", "stats": {"median": ms}}
         for c, i, m, ms in entries
     ]
-    path.write_text(json.dumps({"config": {"batch_size": batch}, "results": results}))
+    config = {"batch_size": batch, "dtype": dtype}
+    path.write_text(json.dumps({"config": config, "results": results}))
     return path
 
 
@@ -387,6 +388,21 @@ def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
     assert table[(512, "eager", "all-triplet")] == "MISS"
     assert table[(128, "eager", "contrastive")] == "MISS"
     assert table[(128, "eager", "all-triplet")] == "ok"
+    bf16 = _run_json(
+        tmp_path / "bf16.json",
+        512,
+        [
+            ("contrastive", "pml", "eager", 4.0),
+            ("contrastive", "pmlfunc", "eager", 8.0),  # float32 compute: no target in bfloat16
+            ("contrastive", "floor", "eager", 1.0),
+        ],
+        dtype="bfloat16",
+    )
+    medians = {**ratios.load_medians(b512), **ratios.load_medians(bf16)}
+    by_mode = {r["mode"]: r for r in ratios.rows(medians) if r["label"] == "contrastive"}
+    assert by_mode["eager-bfloat16"]["speedup"] == 0.5  # against PML in bfloat16, not float32
+    assert by_mode["eager-bfloat16"]["verdict"] == "-"
+    assert by_mode["eager"]["verdict"] == "ok"
     bench = tmp_path / "pytest.json"
     extra = {"shape": [512, 128]}
     bench.write_text(
