@@ -144,17 +144,12 @@ def settle_allocator() -> bool:
     is allocated and freed, which raises the thresholds where the allocator adapts them."""
     buf = torch.empty(16 * 2**20 // 4).fill_(0.0)
     del buf
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = None if libc is None else libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
         return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    )
+    set_mmap = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    return bool(set_mmap and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 @contextlib.contextmanager

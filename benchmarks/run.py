@@ -312,8 +312,8 @@ def time_rounds(prepared: list[tuple[dict[str, Any], Timer | None]], args) -> li
     (``args.warmup`` rounds untimed, then ``args.repeats``): a slow drift of the machine's speed
     falls on every member alike instead of on whichever ran last, so their ratios hold. Returns
     the finished records, in order."""
-    samples: dict[int, list[tuple[float, float]]] = {i: [] for i, (_, t) in enumerate(prepared)
-                                                     if t is not None}  # fmt: skip
+    timed = [i for i, (_, timer) in enumerate(prepared) if timer is not None]
+    samples: dict[int, list[tuple[float, float]]] = {i: [] for i in timed}
     failed: dict[int, dict[str, Any]] = {}
     with C.set_threads(args.threads):
         for round_ in range(args.warmup + args.repeats):
