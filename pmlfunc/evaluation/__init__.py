@@ -1,0 +1,76 @@
+"""Retrieval evaluation: exact k-nearest neighbours, PML's retrieval metrics, the IR metrics
+papers report (NDCG, MRR, MAP@k, recall@k, precision@k, hit rate@k), a shard merge and a
+verification threshold.
+
+:func:`knn` finds the exact ``k`` nearest reference rows of every query, one block of
+``chunk_size`` queries at a time, so memory is ``O(chunk_size · R)``, never ``Q × R``.
+:func:`retrieval_metrics` turns those neighbours into pytorch-metric-learning 2.9.0's
+``AccuracyCalculator`` metrics (``precision_at_1``, ``r_precision``,
+``mean_average_precision_at_r``) plus ``recall_at_k``.
+
+:func:`retrieval_scores` computes any set of ``"name@k"`` metrics (``ndcg``, ``mrr``, ``map``,
+``recall``, ``precision``, ``hit_rate``) in one call, with relevance from labels, from a
+``(Q, R)`` relevance matrix (binary or graded) or from padded lists of relevant reference ids;
+:func:`cross_modal_scores` does both directions of image↔text retrieval. The layers underneath
+are public: :func:`neighbor_relevance` gathers the relevance of given neighbours (static
+shapes, no ``Q × R`` matrix for labels or id lists), :func:`neighbor_scores` averages the
+metrics of given neighbours, and :func:`ndcg`, :func:`mrr`, :func:`map_at_k`,
+:func:`recall_at_k`, :func:`precision_at_k` and :func:`hit_rate_at_k` are the per-query
+arithmetic. :func:`merge_neighbors` merges per-shard top-k lists into the global top-k, and
+:func:`select_threshold` picks the distance threshold that best separates matching pairs.
+
+All are evaluation tools, not losses: they run under ``torch.no_grad()``, have static shapes
+(shapes depend on ``Q``, ``R`` and ``k`` only) and synchronise with the host only when
+``retrieval_metrics`` must choose ``k`` itself (``k=None``; see there) and, in eager mode on
+CPU, to check index ranges.
+
+Differences from PML 2.9.0 (on purpose):
+
+- PML's default k-NN is ``FaissKNN`` (Euclidean ``IndexFlatL2``), and ``AccuracyCalculator()``
+  fails without faiss; its torch alternative is ``CustomKNN(distance)``, a ``torch.topk`` whose
+  order among tied values is unspecified. Here the default distance is :func:`cosine` (the
+  same ranking as Euclidean on normalised embeddings) and ties are broken by reference index.
+- PML removes a same-set query from its own neighbour list by searching ``k + 1`` neighbours and
+  dropping the query's own index (or the last neighbour, when the query is not among them);
+  here the query's own row is excluded by index before the search. Both give the same
+  neighbours except for the order of exact ties.
+
+Where the code lives: ``_knn.py`` (the search, its tie rule, the shard merge), ``_relevance.py``
+(relevance from labels, a grade matrix or id lists), ``_metrics.py`` (the per-query metrics and
+their reduction), ``_retrieval.py`` (the entry points that search and score in one call) and
+``_threshold.py`` (the verification threshold). Every public name is re-exported here.
+
+Example:
+    >>> emb = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    >>> labels = torch.tensor([0, 0, 1, 1])
+    >>> pf.evaluation.knn(emb, k=1)[0].flatten()
+    tensor([1, 0, 3, 2])
+    >>> s = pf.evaluation.retrieval_scores(emb, metrics=("mrr@1",), query_labels=labels)
+    >>> s["mrr@1"].item()
+    1.0
+"""
+
+from ._knn import knn, merge_neighbors
+from ._metrics import hit_rate_at_k, map_at_k, mrr, ndcg, precision_at_k, recall_at_k
+from ._relevance import Relevance, neighbor_relevance
+from ._retrieval import cross_modal_scores, neighbor_scores, retrieval_metrics, retrieval_scores
+from ._threshold import ThresholdResult, select_threshold
+
+__all__ = [
+    "Relevance",
+    "ThresholdResult",
+    "cross_modal_scores",
+    "hit_rate_at_k",
+    "knn",
+    "map_at_k",
+    "merge_neighbors",
+    "mrr",
+    "ndcg",
+    "neighbor_relevance",
+    "neighbor_scores",
+    "precision_at_k",
+    "recall_at_k",
+    "retrieval_metrics",
+    "retrieval_scores",
+    "select_threshold",
+]
