@@ -8,7 +8,9 @@ tie-breaking, self exclusion by index).
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from pytorch_metric_learning import distances as pml_distances
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pytorch_metric_learning.utils.inference import CustomKNN
 
+import pmlfunc as pf
 import pmlfunc.distances as pfd
 from pmlfunc.evaluation import knn, retrieval_metrics
 
@@ -370,3 +373,32 @@ RY = torch.tensor([0, 1, 1, 2, 2])
 def test_errors_name_the_argument(call, error, name):
     with pytest.raises(error, match=name):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# code health
+# ----------------------------------------------------------------------------------------------
+def _code_lines(func: ast.FunctionDef, lines: list[str]) -> int:
+    """Non-blank, non-comment source lines of a function's body, its docstring left out."""
+    body = func.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    spanned = {n for stmt in body for n in range(stmt.lineno, stmt.end_lineno + 1)}
+    return sum(
+        1 for n in spanned if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#")
+    )
+
+
+def test_no_evaluation_function_is_over_60_code_lines():
+    package = Path(pf.evaluation.__file__).parent
+    lengths = {}
+    for path in sorted(package.glob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lengths[f"{path.name}:{node.name}"] = _code_lines(node, lines)
+    assert len(lengths) > 30  # the walk saw the package's functions
+    sample = 'def f(x):\n    """Doc\n    string."""\n    # a comment\n\n    y = (x +\n         1)\n    return y\n'
+    assert _code_lines(ast.parse(sample).body[0], sample.splitlines()) == 3  # the count itself
+    assert {name: n for name, n in lengths.items() if n > 60} == {}
