@@ -166,16 +166,24 @@ def _ntxent_terms_(s: Tensor, lse: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]
     """A tile's NT-Xent terms summed, and per row ``Σ_P q`` with ``q = −∂term/∂S`` (what the
     backward spreads over the row's negatives), destroying ``s``."""
     r = s.sub_(lse.unsqueeze(-1)).sigmoid_()
-    q = _ntxent_q(r, pos)
-    terms = r.add_(torch.finfo(s.dtype).tiny).log_().neg_().masked_fill_(pos.logical_not(), 0.0)
+    q = _ntxent_q_(r, pos)  # r is now σ + ε
+    terms = r.log_().neg_().masked_fill_(pos.logical_not(), 0.0)
     return terms.sum(), q.sum(-1)
 
 
-def _ntxent_q(r: Tensor, pos: Tensor) -> Tensor:
+def _ntxent_q_(r: Tensor, pos: Tensor) -> Tensor:
     """``q = −∂term/∂z`` on the positives (0 elsewhere) from ``r = σ(z)``: ``d/dz −log(σ(z) + ε)
-    = −σ(z)(1 − σ(z)) / (σ(z) + ε)``, the dense loss's autograd chain."""
-    q = r.add(torch.finfo(r.dtype).tiny).reciprocal_().mul_(r)
-    return q.addcmul_(q, r, value=-1.0).masked_fill_(pos.logical_not(), 0.0)
+    = −σ(z)(1 − σ(z)) / (σ(z) + ε)``, the dense loss's autograd chain. One new tile; ``r`` is
+    left holding ``σ(z) + ε`` (whose log is the term).
+
+    No ``Tensor.addcmul_(..., value=)`` (nor ``addcdiv_(value=)``, ``add_(alpha=tensor)``):
+    dynamo rewrites those into ``torch._inductor.inductor_prims.fma``, a prim without a
+    functorch rule, so ``torch.compile(torch.func.grad(...))`` of the loss failed with "Cannot
+    access data pointer of Tensor that doesn't have storage" (PyTorch 2.13; the rewrite came
+    with pytorch/pytorch#176869, the prim's autograd formula with #184629, which covers plain
+    autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in eager mode too)."""
+    q = torch.rsub(r, 1.0).mul_(r)  # σ(1 − σ)
+    return q.div_(r.add_(torch.finfo(r.dtype).tiny)).masked_fill_(pos.logical_not(), 0.0)
 
 
 def block_forward(
@@ -317,7 +325,7 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col) -> Tensor:
         lse, q_sum, coef = row[0][r0:r1], row[1][r0:r1], row[2]
         z = s.sub_(lse.unsqueeze(-1))
         # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q, spread by softmax
-        q = _ntxent_q(torch.sigmoid(z), pos)
+        q = _ntxent_q_(torch.sigmoid(z), pos)
         soft = _exp_(z, 0.0).masked_fill_(neg.logical_not(), 0.0)
         return soft.mul_(q_sum.unsqueeze(-1)).sub_(q).mul_(coef)
     if kind == "supcon":
