@@ -179,9 +179,10 @@ def _ntxent_q_(r: Tensor, pos: Tensor) -> Tensor:
     No ``Tensor.addcmul_(..., value=)`` (nor ``addcdiv_(value=)``, ``add_(alpha=tensor)``):
     dynamo rewrites those into ``torch._inductor.inductor_prims.fma``, a prim without a
     functorch rule, so ``torch.compile(torch.func.grad(...))`` of the loss failed with "Cannot
-    access data pointer of Tensor that doesn't have storage" (PyTorch 2.13; the rewrite came
-    with pytorch/pytorch#176869, the prim's autograd formula with #184629, which covers plain
-    autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in eager mode too)."""
+    access data pointer of Tensor that doesn't have storage" (PyTorch 2.13; the rewrite of a
+    scalar ``value`` came with pytorch/pytorch#176871, the prim's autograd formula with #184629,
+    which covers plain autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in
+    eager mode too)."""
     q = torch.rsub(r, 1.0).mul_(r)  # σ(1 − σ)
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)).masked_fill_(pos.logical_not(), 0.0)
 
