@@ -144,6 +144,8 @@ def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
     """Row-wise log-sum-exp over the kept entries (``None``: all), destroying ``s``: rows with
     nothing kept give ``−finfo.max``, NaN propagates (as :func:`pmlfunc._ops.row_logsumexp`)."""
     low = -torch.finfo(s.dtype).max
+    if s.shape[-1] == 0:  # a block without columns (an empty rank's, on the ring)
+        return s.new_full(s.shape[:-1], low)
     if keep is not None:
         s = s.masked_fill_(keep.logical_not(), low)
     shift = s.amax(-1, keepdim=True)
@@ -231,9 +233,14 @@ def block_forward(
         parts["row_pos_sum"].append(s.sum(-1))
         if kind == "clip":
             col_pos_sum = col_pos_sum + s.sum(0)
-    out = {k: torch.cat(v) for k, v in parts.items() if v}
-    if kind == "ntxent" and lse is not None:
-        del out["row_lse"]  # given, not a partial
+    if kind == "siglip":
+        keys: tuple[str, ...] = ()
+    elif kind == "ntxent":  # a given lse is not a partial: not returned
+        keys = ("row_q",) if lse is not None else ("row_lse", "row_q") if final else ("row_lse",)
+    else:
+        keys = ("row_lse", "row_pos", "row_pos_sum")
+    # every key, also without a tile (an empty rank's rows, on the ring)
+    out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
     if kind != "clip":
         out.update(total=total, count=count.to(x.dtype))
     else:
@@ -376,7 +383,16 @@ def block_backward(
                 gy[r0:r1] += part
             elif need_rows:
                 row_parts.append(part)
+    # what was asked for also without a tile (an empty rank's rows, on the ring): zeros
     gx = torch.cat(row_parts, dim=-2) if row_parts else None
+    if gx is None and need_rows and into is None:
+        gx = torch.zeros_like(x)
+    if gy is None and need_cols:
+        gy = torch.zeros_like(y)
+    if x_dot is None and need_scale:
+        x_dot = x.new_zeros(())
+    if sum_ds is None and need_bias:
+        sum_ds = x.new_zeros(())
     return gx, gy, x_dot, sum_ds
 
 
