@@ -333,6 +333,83 @@ def test_no_grad_and_inputs_unchanged(same_set):
 
 
 # ----------------------------------------------------------------------------------------------
+# non-finite embeddings: NaN for every query they could rank, never a finite number
+# ----------------------------------------------------------------------------------------------
+NON_FINITE = [math.nan, math.inf, -math.inf]
+KNN_DISTANCES = {"cosine": None, "lp": pfd.lp(), "dot": pfd.dot()}
+
+
+def with_bad_entry(x, row, value):
+    x = x.clone()
+    x[row, 1] = value
+    return x
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("distance", sorted(KNN_DISTANCES))
+def test_knn_gives_a_non_finite_query_row_nan_values_and_leaves_the_other_rows_exact(
+    separate_sets, bad, distance
+):
+    q, _, r, _ = separate_sets
+    d = KNN_DISTANCES[distance]
+    clean_idx, clean_val = knn(q, r, k=5, distance=d, chunk_size=7)
+    assert clean_val.isfinite().all()
+    idx, val = knn(with_bad_entry(q, 3, bad), r, k=5, distance=d, chunk_size=7)
+    assert val[3].isnan().all()
+    others = torch.arange(q.shape[0]) != 3
+    assert torch.equal(idx[others], clean_idx[others])
+    assert torch.equal(val[others], clean_val[others])
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("distance", sorted(KNN_DISTANCES))
+def test_knn_gives_every_query_nan_values_when_a_reference_row_is_non_finite(
+    separate_sets, same_set, bad, distance
+):
+    q, _, r, _ = separate_sets
+    d = KNN_DISTANCES[distance]
+    idx, val = knn(q, with_bad_entry(r, 5, bad), k=5, distance=d)
+    assert idx.shape == (q.shape[0], 5) and val.isnan().all()
+    emb, _ = same_set  # same set: a row is a query and every other query's reference
+    _, val = knn(with_bad_entry(emb, 0, bad), k=3, distance=d)
+    assert val.isnan().all()
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("where", ["query", "lone query", "reference", "same set"])
+def test_retrieval_metrics_are_nan_when_an_embedding_is_non_finite(
+    separate_sets, same_set, bad, where
+):
+    q, ql, r, rl = separate_sets
+    lone = int(torch.nonzero(ql < 2)[0])  # classes 0 and 1 have no reference row
+    if where == "same set":
+        emb, labels = same_set
+        args, broken = (emb, labels), (with_bad_entry(emb, 7, bad), labels)
+    else:
+        args = (q, ql, r, rl)
+        if where == "reference":
+            broken = (q, ql, with_bad_entry(r, 4, bad), rl)
+        else:
+            broken = (with_bad_entry(q, lone if where == "lone query" else 5, bad), ql, r, rl)
+    for k in (None, 6):  # k=None reads the label counts; a given k is static
+        clean = retrieval_metrics(*args, k=k, recall_ks=(1, 3))
+        assert all(torch.isfinite(v) for v in clean.values())
+        got = retrieval_metrics(*broken, k=k, recall_ks=(1, 3))
+        assert list(got) == list(clean)
+        assert all(torch.isnan(v) for v in got.values()), got
+
+
+def test_retrieval_metrics_of_finite_embeddings_are_unchanged_by_the_nan_rule(separate_sets):
+    # The queries other than a non-finite one: the same metrics as PML's (and the loop's) on
+    # exactly those queries; the NaN rule only adds NaN, it never moves a finite value.
+    q, ql, r, rl = separate_sets
+    keep = torch.arange(q.shape[0]) != 5
+    ours = retrieval_metrics(q[keep], ql[keep], r, rl, k=6, recall_ks=(1, 3))
+    assert_metrics(ours, loop_metrics(q[keep], ql[keep], r, rl, 6, "cosine", False, (1, 3)))
+    assert_metrics(ours, pml_metrics(q[keep], ql[keep], r, rl, k=6))
+
+
+# ----------------------------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------------------------
 X = torch.randn(6, 4)

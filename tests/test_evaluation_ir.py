@@ -42,6 +42,7 @@ ALL = tuple(
     for k in (1, 3, 10)
 )
 DISTANCES = {"dot": (pfd.dot(), True), "euclidean": (pfd.lp(normalize=False), False)}
+NON_FINITE = [math.nan, math.inf, -math.inf]
 
 
 def assert_scores(ours, expected, rtol=1e-9):
@@ -382,13 +383,154 @@ def test_shard_merge_with_exclusion_equals_same_set_knn(seed):
     assert all(torch.equal(merged[m], direct[m]) for m in metrics)
 
 
-def test_shard_merge_puts_nan_last_like_knn():
-    ref_rows = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [0.0, 1.0], [0.5, 0.5]])
-    q = torch.tensor([[1.0, 0.1]])
-    d = pfd.lp(normalize=False)
-    parts = [knn(q, ref_rows[:2], k=2, distance=d), knn(q, ref_rows[2:], k=2, distance=d)]
-    idx, _ = merge_neighbors(parts, k=4, distance=d, offsets=[0, 2])
-    assert idx.tolist() == knn(q, ref_rows, k=4, distance=d)[0].tolist() == [[0, 3, 2, 1]]
+def test_shard_merge_ranks_a_nan_value_farthest_and_makes_its_query_row_nan():
+    # Values from another search (faiss, say): query 0 has a NaN in shard 0, query 1 has none.
+    shard0 = (torch.tensor([[0, 1], [0, 1]]), torch.tensor([[0.1, math.nan], [0.1, 0.4]]))
+    shard1 = (torch.tensor([[2, 3], [2, 3]]), torch.tensor([[0.2, 0.3], [0.2, 0.3]]))
+    idx, val = merge_neighbors([shard0, shard1], k=4, distance=pfd.lp())
+    assert idx.tolist() == [[0, 2, 3, 1], [0, 2, 3, 1]]
+    assert val[0].isnan().all()
+    assert val[1].tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("where", ["query", "reference"])
+def test_shard_merge_of_non_finite_embeddings_carries_knns_nan_rows(gen, bad, where):
+    x, labels = labelled(gen, 30, 4)
+    r, r_labels = labelled(gen, 24, 4)
+    if where == "query":
+        x[4, 2] = bad
+    else:
+        r[17, 0] = bad  # in the second shard
+    parts = [knn(x, r[:10], k=6), knn(x, r[10:], k=6)]
+    idx, val = merge_neighbors(parts, k=6, offsets=[0, 10])
+    base_idx, base_val = knn(x, r, k=6)
+    marked = base_val.isnan().any(1)
+    assert marked.sum().item() == (1 if where == "query" else 30)
+    assert torch.equal(val.isnan(), base_val.isnan())  # the same queries, whole rows
+    assert torch.equal(idx[~marked], base_idx[~marked])
+    assert torch.equal(val[~marked], base_val[~marked])
+    # The merged neighbours with their values score as the unsharded search, NaN included.
+    kw = {"query_labels": labels, "reference_labels": r_labels, "reduction": "none"}
+    merged = neighbor_scores(idx, values=val, metrics=("ndcg@6", "mrr@3"), **kw)
+    direct = retrieval_scores(x, r, metrics=("ndcg@6", "mrr@3"), **kw)
+    for m, v in merged.items():
+        assert v[marked].isnan().all()
+        torch.testing.assert_close(v, direct[m], rtol=0, atol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# non-finite embeddings: NaN for every query they could rank, never a finite number
+# ----------------------------------------------------------------------------------------------
+def relevance_kwargs(gen, source, n_q, r):
+    """Separate-set keyword arguments of each relevance source (every query has relevance)."""
+    rel = graded(gen, n_q, r.shape[0])
+    rel[:, 0] = 1
+    if source == "labels":
+        return {
+            "query_labels": torch.randint(0, 3, (n_q,), generator=gen),
+            "reference_labels": torch.arange(r.shape[0]) % 3,
+        }
+    if source == "matrix":
+        return {"relevance": rel}
+    ids, grades = to_ids(rel)
+    return {"relevant_ids": ids, "relevant_grades": grades}
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("source", ["labels", "matrix", "ids"])
+def test_retrieval_scores_are_nan_for_a_non_finite_query_and_exact_for_the_others(gen, bad, source):
+    q, r = torch.randn(20, 6, generator=gen), torch.randn(30, 6, generator=gen)
+    kw = relevance_kwargs(gen, source, 20, r)
+    clean = retrieval_scores(q, r, metrics=ALL, reduction="none", **kw)
+    broken_q = q.clone()
+    broken_q[7, 3] = bad
+    got = retrieval_scores(broken_q, r, metrics=ALL, reduction="none", **kw)
+    others = torch.arange(20) != 7
+    for m in ALL:
+        assert got[m][7].isnan(), m
+        assert torch.equal(got[m][others], clean[m][others]), m
+    mean = retrieval_scores(broken_q, r, metrics=ALL, **kw)
+    assert all(torch.isnan(v) for v in mean.values())
+    assert all(torch.isfinite(v) for v in retrieval_scores(q, r, metrics=ALL, **kw).values())
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("source", ["labels", "matrix", "ids"])
+def test_retrieval_scores_are_nan_for_every_query_when_a_reference_row_is_non_finite(
+    gen, bad, source
+):
+    q, r = torch.randn(20, 6, generator=gen), torch.randn(30, 6, generator=gen)
+    kw = relevance_kwargs(gen, source, 20, r)
+    broken_r = r.clone()
+    broken_r[11, 0] = bad
+    for reduction in ("none", "mean"):
+        got = retrieval_scores(q, broken_r, metrics=ALL, reduction=reduction, **kw)
+        assert all(v.isnan().all() for v in got.values())
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+def test_retrieval_scores_same_set_and_a_query_without_relevance_are_nan_too(gen, bad):
+    emb, labels = labelled(gen, 25, 4)
+    broken = emb.clone()
+    broken[2, 1] = bad
+    got = retrieval_scores(broken, metrics=ALL, query_labels=labels, reduction="none")
+    assert all(v.isnan().all() for v in got.values())  # row 2 is every query's reference
+    # A query with no relevant item is left out of the means, but not when it is non-finite.
+    q, r = torch.randn(8, 4, generator=gen), torch.randn(12, 4, generator=gen)
+    rel = graded(gen, 8, 12)
+    rel[:, 0], rel[3] = 1, 0
+    clean = retrieval_scores(q, r, metrics=ALL, relevance=rel)
+    assert all(torch.isfinite(v) for v in clean.values())
+    q[3, 0] = bad
+    assert all(torch.isnan(v) for v in retrieval_scores(q, r, metrics=ALL, relevance=rel).values())
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+def test_neighbor_scores_given_knns_values_are_nan_for_the_marked_queries(gen, bad):
+    q, ql = labelled(gen, 20, 3)
+    r, rl = labelled(gen, 25, 3)
+    kw = {"query_labels": ql, "reference_labels": rl}
+    q[6, 0] = bad
+    idx, val = knn(q, r, k=10)
+    per = neighbor_scores(idx, values=val, metrics=ALL, reduction="none", **kw)
+    unmarked = neighbor_scores(idx, metrics=ALL, reduction="none", **kw)  # indices alone
+    others = torch.arange(20) != 6
+    for m in ALL:
+        assert per[m][6].isnan() and not unmarked[m][6].isnan(), m
+        torch.testing.assert_close(
+            per[m][others], unmarked[m][others], rtol=0, atol=0, equal_nan=True
+        )
+    assert all(torch.isnan(v) for v in neighbor_scores(idx, values=val, metrics=ALL, **kw).values())
+    r[0, 1] = bad  # a non-finite reference: every query
+    idx, val = knn(q, r, k=10)
+    per = neighbor_scores(idx, values=val, metrics=ALL, reduction="none", **kw)
+    assert all(v.isnan().all() for v in per.values())
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=str)
+@pytest.mark.parametrize("side", ["image", "text"])
+def test_cross_modal_scores_are_nan_where_a_non_finite_row_could_rank(gen, bad, side):
+    image = torch.randn(10, 6, generator=gen)
+    t2i = torch.arange(10).repeat(3)
+    text = image[t2i] + 0.8 * torch.randn(30, 6, generator=gen)
+    metrics = ("hit_rate@1", "hit_rate@5", "ndcg@5")
+    clean = cross_modal_scores(image, text, t2i, metrics=metrics, reduction="none")
+    if side == "image":
+        image = image.clone()
+        image[4, 2] = bad
+        own, other, row = "image_to_text", "text_to_image", 4
+    else:
+        text = text.clone()
+        text[13, 2] = bad
+        own, other, row = "text_to_image", "image_to_text", 13
+    got = cross_modal_scores(image, text, t2i, metrics=metrics, reduction="none")
+    keep = torch.arange(got[own][metrics[0]].shape[0]) != row
+    for m in metrics:
+        assert got[own][m][row].isnan() and got[other][m].isnan().all(), m
+        assert torch.equal(got[own][m][keep], clean[own][m][keep]), m
+    means = cross_modal_scores(image, text, t2i, metrics=metrics)
+    assert all(torch.isnan(v) for d in means.values() for v in d.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,6 +579,36 @@ def test_metric_arithmetic_under_compile_fullgraph_equals_eager(gen, source):
     compiled = torch.compile(scores, fullgraph=True)(idx)
     for m in COMPILE_METRICS:
         torch.testing.assert_close(compiled[m], eager[m], rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_neighbor_scores_nan_rule_under_compile_fullgraph_equals_eager(gen):
+    torch._dynamo.reset()
+    q, ql = labelled(gen, 30, 4)
+    r, rl = labelled(gen, 25, 4)
+    q[3, 0] = math.nan
+    idx, val = knn(q, r, k=10)  # query 3 marked, the others not
+
+    def scores(idx, val, reduction):
+        return neighbor_scores(
+            idx,
+            values=val,
+            metrics=COMPILE_METRICS,
+            query_labels=ql,
+            reference_labels=rl,
+            reduction=reduction,
+        )
+
+    compiled = torch.compile(scores, fullgraph=True)
+    for reduction in ("none", "mean"):
+        eager, got = scores(idx, val, reduction), compiled(idx, val, reduction)
+        for m in COMPILE_METRICS:
+            if reduction == "none":  # query 3 NaN, the others finite
+                assert eager[m][3].isnan() and eager[m].isfinite().sum() == 29, m
+            else:
+                assert eager[m].isnan(), m
+            torch.testing.assert_close(got[m], eager[m], rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
 def test_runs_on_meta_device(gen):
@@ -654,6 +826,21 @@ IDS = torch.tensor([[0, -1]] * 6)
         (lambda: merge_neighbors([(IDX, REL[:, :2])], k=1, offsets=[0, 1]), ValueError, "offsets"),
         (lambda: merge_neighbors([(IDX, REL[:, :2])], k=1, offsets=[-1]), ValueError, "offsets"),
         (lambda: merge_neighbors([(IDX, REL[:, :2])], k=0), ValueError, "k"),
+        (
+            lambda: neighbor_scores(IDX, values=[[0.0]], query_labels=QL, metrics=("mrr@1",)),  # type: ignore[arg-type]
+            TypeError,
+            "values",
+        ),
+        (
+            lambda: neighbor_scores(IDX, values=IDX, query_labels=QL, metrics=("mrr@1",)),
+            TypeError,
+            "values",
+        ),
+        (
+            lambda: neighbor_scores(IDX, values=REL[:, :3], query_labels=QL, metrics=("mrr@1",)),
+            ValueError,
+            "values",
+        ),
     ],
 )
 def test_errors_name_the_argument(call, error, match):

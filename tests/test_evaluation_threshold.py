@@ -57,11 +57,25 @@ def test_similarities_and_any_shape(metric, seed):
 
 
 @pytest.mark.parametrize("metric", METRICS)
-def test_nan_distances_never_match(metric):
-    d = torch.tensor([0.2, float("nan"), 0.5, 0.1, float("nan"), 0.9, 0.5])
+@pytest.mark.parametrize("similarity", [False, True])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_distance_gives_nan_threshold_and_score(metric, similarity, bad):
+    d = torch.tensor([0.2, 0.7, 0.5, 0.1, 0.3, 0.9, 0.5])
     is_match = torch.tensor([1, 1, 0, 1, 0, 0, 1])
-    got = check(d, is_match, metric)
-    assert not math.isnan(got.threshold.item())
+    check(d, is_match, metric, similarity)  # all finite: the brute-force best, not NaN
+    d[4] = bad
+    got = select_threshold(d, is_match, metric=metric, is_similarity=similarity)
+    assert math.isnan(got.threshold.item()) and math.isnan(got.score.item())
+    assert got.threshold.dtype == d.dtype and got.score.dtype == torch.float64
+
+
+@pytest.mark.compile
+def test_a_non_finite_distance_gives_nan_under_compile():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda d, m: select_threshold(d, m, metric="f1"), fullgraph=True)
+    d = torch.tensor([0.2, 0.7, math.nan, 0.1])
+    got = fn(d, torch.tensor([True, False, True, False]))
+    assert math.isnan(got.threshold.item()) and math.isnan(got.score.item())
 
 
 @pytest.mark.parametrize("metric", METRICS)

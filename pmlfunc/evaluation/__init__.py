@@ -22,7 +22,10 @@ arithmetic. :func:`merge_neighbors` merges per-shard top-k lists into the global
 All are evaluation tools, not losses: they run under ``torch.no_grad()``, have static shapes
 (shapes depend on ``Q``, ``R`` and ``k`` only) and synchronise with the host only when
 ``retrieval_metrics`` must choose ``k`` itself (``k=None``; see there) and, in eager mode on
-CPU, to check index ranges.
+CPU, to check index ranges. No metric is finite when it comes from a broken ranking: a query
+whose embedding has a NaN or ±inf entry has NaN metrics, every query does when a reference row
+has one, and a mean that includes such a query is NaN (:func:`knn` marks these queries with a
+NaN row of values; :func:`select_threshold` is NaN for non-finite distances).
 
 Differences from PML 2.9.0 (on purpose):
 

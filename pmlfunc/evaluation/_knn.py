@@ -3,6 +3,7 @@ the merge of per-shard neighbour lists (:func:`merge_neighbors`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,18 @@ def _resolve_sets(
             f"{query.shape[0]} rows (one per query), got {reference.shape[0]}"
         )
     return reference, exclude
+
+
+def _unranked(query: Tensor, reference: Tensor) -> Tensor:
+    """``(Q,)`` bool: query ``i``'s ranking is unreliable, because its own row or any reference row
+    has a non-finite entry (a non-finite reference can land anywhere in every query's ranking).
+    Static shapes, no host sync."""
+    return ~query.isfinite().all(1) | ~reference.isfinite().all()
+
+
+def _nan_rows(values: Tensor) -> Tensor:
+    """``(Q,)`` bool: the queries whose neighbour values hold a NaN (the mark :func:`knn` sets)."""
+    return values.isnan().any(1)
 
 
 def _knn_chunk(
@@ -97,6 +110,12 @@ def knn(
     rule; PML's ``CustomKNN`` uses ``torch.topk``, whose tie order is unspecified). NaN entries
     rank as the farthest.
 
+    Non-finite embeddings: a query whose row has a NaN or ±inf entry gets NaN ``values`` (its
+    whole row), and so does every query when any reference row has one, since a non-finite
+    reference can land anywhere in a ranking. The indices are still returned, ranked as above.
+    This NaN row is the mark every metric of :mod:`pmlfunc.evaluation` reads: such a query's
+    metrics are NaN.
+
     Memory: queries are processed in blocks of ``chunk_size``; only a ``chunk_size × R`` block of
     the distance matrix (plus a few masks of that size) lives at once. The neighbours do not
     depend on ``chunk_size`` (barring distances within float32 rounding of each other); the
@@ -117,7 +136,7 @@ def knn(
     Returns:
         ``(indices, values)``: ``(Q, k)`` int64 reference indices and the ``(Q, k)`` distances
         (similarities) to them, nearest first, in the distance's compute dtype (float32 for
-        float16/bfloat16 inputs).
+        float16/bfloat16 inputs); a NaN row for a query ranked among non-finite embeddings.
 
     Example:
         >>> x = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
@@ -144,7 +163,8 @@ def knn(
             idx, val = _knn_chunk(mat, start, k, dist.is_similarity, exclude)
             indices.append(idx)
             values.append(val)
-    return torch.cat(indices), torch.cat(values)
+        unranked = _unranked(query, reference).unsqueeze(1)
+        return torch.cat(indices), torch.cat(values).masked_fill(unranked, math.nan)
 
 
 def _shard_parts(
@@ -210,6 +230,12 @@ def merge_neighbors(
     returned its ``min(k, R_s)`` nearest rows (``min(k + 1, R_s)`` with ``exclude``), with
     ``knn``'s tie rule, in the distance given here.
 
+    NaN propagates: a query with a NaN among its values in any shard gets NaN values throughout
+    its merged row (its indices are still merged, NaN ranked farthest). :func:`knn` marks a query
+    ranked among non-finite embeddings with a NaN row, so a non-finite row in any shard gives the
+    merged result :func:`knn`'s mark over the whole reference, and :func:`neighbor_scores` (given
+    ``values``) NaN metrics.
+
     Args:
         shards: ``[(indices, values), ...]`` as :func:`knn` returns them: ``(Q, k_s)`` int64
             indices and ``(Q, k_s)`` distances (similarities), all on one device and dtype.
@@ -222,7 +248,8 @@ def merge_neighbors(
             search: the query's own row, e.g. ``torch.arange(Q)``).
 
     Returns:
-        ``(indices, values)``: ``(Q, k)`` global int64 indices and their values, nearest first.
+        ``(indices, values)``: ``(Q, k)`` global int64 indices and their values, nearest first;
+        a NaN row for a query with a NaN value in any shard.
 
     Example:
         >>> ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.8, 0.6], [0.6, 0.8]])
@@ -266,4 +293,5 @@ def merge_neighbors(
             perm = drop.gather(1, order).to(torch.uint8).sort(dim=1, stable=True).indices
             order = order.gather(1, perm)
         order = order[:, :k]
-        return idx.gather(1, order), val.gather(1, order)
+        merged = val.gather(1, order).masked_fill(_nan_rows(val).unsqueeze(1), math.nan)
+        return idx.gather(1, order), merged

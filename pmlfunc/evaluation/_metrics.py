@@ -249,16 +249,27 @@ def _reduction(reduction: object) -> str:
     return str(reduction)
 
 
+def _over_queries(value: Tensor, counted: Tensor, unranked: Tensor, reduction: str) -> Tensor:
+    """A ``(Q,)`` metric per query (``"none"``) or its mean (``"mean"``).
+
+    ``counted``: the queries with a relevant item; the others are left out of the mean (NaN per
+    query). ``unranked``: the queries ranked among non-finite embeddings (:func:`knn`'s mark):
+    NaN per query, lone or not, and always in the mean, which is then NaN.
+    """
+    value = value.masked_fill(unranked, math.nan)
+    if reduction == "none":
+        return value.masked_fill(~counted, math.nan)
+    included = counted | unranked
+    return torch.where(included, value, 0.0).sum() / included.sum()
+
+
 def _scores(
-    rel: Relevance, parsed: list[tuple[str, str, int]], reduction: str
+    rel: Relevance, parsed: list[tuple[str, str, int]], reduction: str, unranked: Tensor
 ) -> dict[str, Tensor]:
-    """Every requested metric; queries without a relevant item left out (NaN per query)."""
+    """Every requested metric; queries without a relevant item left out (NaN per query), queries
+    in ``unranked`` NaN (see :func:`_over_queries`)."""
     valid = rel.num_relevant > 0
-    out = {}
-    for key, name, k in parsed:
-        value = _metric_value(name, rel, k)
-        if reduction == "none":
-            out[key] = value.masked_fill(~valid, math.nan)
-        else:
-            out[key] = torch.where(valid, value, 0.0).sum() / valid.sum()
-    return out
+    return {
+        key: _over_queries(_metric_value(name, rel, k), valid, unranked, reduction)
+        for key, name, k in parsed
+    }

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .. import _checks
 from ..distances import Distance, cosine, resolve
-from ._knn import _resolve_sets, knn
-from ._metrics import _parse_metrics, _reduction, _scores
+from ._knn import _nan_rows, _resolve_sets, knn
+from ._metrics import _over_queries, _parse_metrics, _reduction, _scores
 from ._relevance import (
     _check_indices,
     _gather_relevance,
@@ -20,6 +20,46 @@ from ._relevance import (
     _source,
     neighbor_relevance,
 )
+
+
+def _label_pair(
+    query: Tensor,
+    query_labels: object,
+    reference: Tensor,
+    reference_labels: object,
+    separate: bool,
+) -> tuple[Tensor, Tensor]:
+    """Checked ``(query_labels, reference_labels)``; the query's labels in same-set mode."""
+    device = query.device
+    query_labels = _checks.labels(query_labels, query.shape[0], device, "query_labels", "query")
+    if not separate:
+        if reference_labels is not None:
+            raise ValueError("reference_labels was given without reference")
+        return query_labels, query_labels
+    if reference_labels is None:
+        raise ValueError("reference_labels is required when reference is given")
+    return query_labels, _checks.labels(
+        reference_labels, reference.shape[0], device, "reference_labels", "reference"
+    )
+
+
+def _pml_per_query(rel: Tensor, r: Tensor, k: int, recall_ks: tuple[int, ...]) -> dict[str, Tensor]:
+    """Each query's PML metrics from ``rel`` ``(Q, k)`` (neighbour has the query's label) and ``R_i``."""
+    ranks = torch.arange(1, k + 1, device=rel.device)
+    relevant = ranks.unsqueeze(0) <= r.unsqueeze(1)  # first min(R_i, k) positions
+    hits = rel & relevant
+    n_hits = hits.sum(1).double()
+    r64 = r.double()
+    cum = hits.cumsum(1).double()
+    ap = (cum * hits / ranks.double()).sum(1) / r64.clamp_min(1)
+    per_query = {
+        "precision_at_1": rel[:, 0].double(),
+        "r_precision": n_hits / r64.clamp(min=1, max=k),
+        "mean_average_precision_at_r": ap,
+    }
+    for kk in recall_ks:
+        per_query[f"recall_at_{kk}"] = rel[:, :kk].any(1).double()
+    return per_query
 
 
 def retrieval_metrics(
@@ -51,6 +91,11 @@ def retrieval_metrics(
     exact; a smaller ``k`` truncates them exactly as PML does (it warns; this does not).
     ``recall_at_1`` equals ``precision_at_1``.
 
+    Non-finite embeddings: a query whose embedding has a NaN or ±inf entry has NaN metrics, and
+    so does every query when any reference row has one (a non-finite reference can land anywhere
+    in a ranking; :func:`knn` marks these queries). Such a query counts in every mean, lone or
+    not, so each metric is then NaN, never a finite number computed from a broken ranking.
+
     Host synchronisation: ``k=None`` uses ``k = max(max_i R_i, max(recall_ks), 1)``, capped at
     the rows available to a query (PML's
     ``k="max_bin_count"``, which gives the same metrics as its default ``k=None``, all references),
@@ -71,7 +116,7 @@ def retrieval_metrics(
 
     Returns:
         ``{"precision_at_1", "r_precision", "mean_average_precision_at_r", "recall_at_K"...}``,
-        float64 0-d tensors on the embeddings' device.
+        float64 0-d tensors on the embeddings' device (NaN with a non-finite embedding).
 
     Example:
         >>> emb = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
@@ -84,18 +129,9 @@ def retrieval_metrics(
     """
     separate = reference is not None
     reference, exclude = _resolve_sets(query, reference, exclude_self)
-    device = query.device
-    query_labels = _checks.labels(query_labels, query.shape[0], device, "query_labels", "query")
-    if not separate:
-        if reference_labels is not None:
-            raise ValueError("reference_labels was given without reference")
-        reference_labels = query_labels
-    elif reference_labels is None:
-        raise ValueError("reference_labels is required when reference is given")
-    else:
-        reference_labels = _checks.labels(
-            reference_labels, reference.shape[0], device, "reference_labels", "reference"
-        )
+    query_labels, reference_labels = _label_pair(
+        query, query_labels, reference, reference_labels, separate
+    )
     if isinstance(recall_ks, (str, bytes)) or not isinstance(recall_ks, Sequence):
         raise TypeError(f"recall_ks must be a sequence of positive ints, got {recall_ks!r}")
     recall_ks = tuple(_checks.integer(kk, "recall_ks") for kk in recall_ks)
@@ -117,32 +153,39 @@ def retrieval_metrics(
             raise ValueError(
                 f"k={k} exceeds the {available} reference rows available to each query"
             )
-        idx, _ = knn(
+        idx, val = knn(
             query, reference, k=k, distance=dist, chunk_size=chunk_size, exclude_self=exclude
         )
         rel = reference_labels[idx] == query_labels.unsqueeze(1)  # (Q, k)
-        ranks = torch.arange(1, k + 1, device=device)
-        relevant = ranks.unsqueeze(0) <= r.unsqueeze(1)  # first min(R_i, k) positions
-        hits = rel & relevant
-        n_hits = hits.sum(1).double()
-        r64 = r.double()
-        cum = hits.cumsum(1).double()
-        ap = (cum * hits / ranks.double()).sum(1) / r64.clamp_min(1)
-        per_query = {
-            "precision_at_1": rel[:, 0].double(),
-            "r_precision": n_hits / r64.clamp(min=1, max=k),
-            "mean_average_precision_at_r": ap,
-        }
-        for kk in recall_ks:
-            per_query[f"recall_at_{kk}"] = rel[:, :kk].any(1).double()
-        valid = (r > 0).double()
-        n_valid = valid.sum()  # 0 when every query is lone: 0 / 0 = NaN, as in PML
-        return {name: (v * valid).sum() / n_valid for name, v in per_query.items()}
+        per_query = _pml_per_query(rel, r, k, recall_ks)
+        unranked = _nan_rows(val)
+        # Lone queries (R_i = 0) are left out; every query lone: 0 / 0 = NaN, as in PML.
+        return {name: _over_queries(v, r > 0, unranked, "mean") for name, v in per_query.items()}
+
+
+def _unranked_from(values: object, indices: Tensor) -> Tensor:
+    """``(Q,)`` bool: the queries with a NaN among their given neighbour ``values`` (none if
+    ``values`` is ``None``)."""
+    if values is None:
+        return torch.zeros(indices.shape[0], dtype=torch.bool, device=indices.device)
+    if not isinstance(values, Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if not values.dtype.is_floating_point:
+        raise TypeError(f"values must be a floating-point tensor, got {values.dtype}")
+    if values.shape != indices.shape:
+        raise ValueError(
+            f"values must have indices' shape {tuple(indices.shape)} (one distance per "
+            f"neighbour), got {tuple(values.shape)}"
+        )
+    if values.device != indices.device:
+        raise ValueError(f"values is on {values.device} but indices is on {indices.device}")
+    return _nan_rows(values)
 
 
 def neighbor_scores(
     indices: Tensor,
     *,
+    values: Tensor | None = None,
     metrics: Sequence[str] = ("ndcg@10", "mrr@10", "map@10", "recall@10", "precision@10"),
     query_labels: Tensor | None = None,
     reference_labels: Tensor | None = None,
@@ -160,15 +203,23 @@ def neighbor_scores(
     index, or a compiled search. The relevance arguments are :func:`neighbor_relevance`'s; the
     metrics and the treatment of queries without a relevant item are :func:`retrieval_scores`'.
 
+    Pass the neighbours' ``values`` (as :func:`knn` and :func:`merge_neighbors` return them) to
+    get NaN metrics for the queries ranked among non-finite embeddings: :func:`knn` gives such a
+    query a NaN row (its embedding or any reference row has a NaN or ±inf entry), and any query
+    with a NaN among its ``values`` is NaN here and counts in every mean, which is then NaN, as in
+    :func:`retrieval_scores`. Indices alone cannot show it.
+
     Args:
         indices: ``(Q, K)`` ranked reference indices, nearest first; ``K >= max k``.
+        values: ``(Q, K)`` distances (similarities) of ``indices``, or ``None`` (no query is
+            marked).
         metrics: ``"name@k"`` strings, name in ``ndcg``, ``mrr``, ``map``, ``recall``,
             ``precision``, ``hit_rate``.
         query_labels, reference_labels, relevance: see :func:`neighbor_relevance`.
         relevant_ids, relevant_grades, num_references: see :func:`neighbor_relevance`.
         exclude_self, chunk_size: see :func:`neighbor_relevance`.
         reduction: ``"mean"`` (0-d tensors) or ``"none"`` (``(Q,)`` per-query values, NaN for
-            queries without a relevant item).
+            queries without a relevant item or with a NaN among their ``values``).
 
     Returns:
         ``{metric: value}`` in the order of ``metrics``, float64 on ``indices``' device.
@@ -181,7 +232,9 @@ def neighbor_scores(
     """
     parsed = _parse_metrics(metrics)
     reduction = _reduction(reduction)
-    width = _check_indices(indices).shape[1]
+    idx = _check_indices(indices)
+    unranked = _unranked_from(values, idx)
+    width = idx.shape[1]
     k_max = max(k for _, _, k in parsed)
     if k_max > width:
         raise ValueError(f"metrics need k={k_max} neighbours but indices has {width} per query")
@@ -197,7 +250,7 @@ def neighbor_scores(
         chunk_size=chunk_size,
     )
     with torch.no_grad():
-        return _scores(rel, parsed, reduction)
+        return _scores(rel, parsed, reduction, unranked)
 
 
 def retrieval_scores(
@@ -237,6 +290,11 @@ def retrieval_scores(
     scores such queries 0 and averages them in: ``reduction="none"`` then ``nan_to_num(0).mean()``
     reproduces it.)
 
+    Non-finite embeddings: a query whose embedding has a NaN or ±inf entry has NaN metrics, and
+    so does every query when any reference row has one (it could land anywhere in a ranking;
+    :func:`knn` marks these queries). Such a query counts in every mean, relevant items or not,
+    so the mean is then NaN; with ``reduction="none"`` the other queries keep their values.
+
     Relevance (exactly one source; see :func:`neighbor_relevance`): ``query_labels`` with
     ``reference_labels`` (or alone when ``reference is None``), a ``(Q, R)`` ``relevance``
     matrix, or ``relevant_ids`` ``(Q, M)`` (``-1`` padded) with optional ``relevant_grades``.
@@ -253,7 +311,7 @@ def retrieval_scores(
         exclude_self: query ``i`` is reference row ``i``: excluded from its neighbours and not
             relevant to itself (PML's ``ref_includes_query``). Default: ``reference is None``.
         reduction: ``"mean"`` (0-d tensors) or ``"none"`` (``(Q,)`` per query, NaN for queries
-            without a relevant item).
+            without a relevant item or with a non-finite embedding in their ranking).
 
     Returns:
         ``{metric: value}`` in the order of ``metrics``, float64 on the embeddings' device.
@@ -298,10 +356,10 @@ def retrieval_scores(
             "to each query" + (" (its own row excluded)" if exclude else "")
         )
     with torch.no_grad():
-        idx, _ = knn(
+        idx, val = knn(
             query, ref, k=k, distance=distance, chunk_size=chunk_size, exclude_self=exclude
         )
-        return _scores(_gather_relevance(idx, src, chunk_size), parsed, reduction)
+        return _scores(_gather_relevance(idx, src, chunk_size), parsed, reduction, _nan_rows(val))
 
 
 def cross_modal_scores(
@@ -326,6 +384,10 @@ def cross_modal_scores(
     the first ``K`` texts; for text→image (one relevant image) it equals ``recall@K``. The
     other metrics (``ndcg``, ``mrr``, ``map``, ``recall``, ``precision``) are also accepted. An
     image without a caption has no relevant text and is left out of the image→text averages.
+
+    Non-finite embeddings (:func:`retrieval_scores`' rule, in each direction): a NaN or ±inf
+    entry in image ``i`` makes image ``i``'s image→text metrics and every text→image metric
+    NaN; one in text ``t`` makes text ``t``'s text→image metrics and every image→text metric NaN.
 
     Args:
         image: ``(N_img, D)`` image embeddings.

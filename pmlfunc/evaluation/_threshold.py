@@ -14,9 +14,9 @@ class ThresholdResult(NamedTuple):
 
     threshold: Tensor
     """0-d, in ``distances``' dtype; ``-inf`` (``+inf`` for similarities) when predicting no
-    match at all is best."""
+    match at all is best; NaN when ``distances`` has a non-finite entry."""
     score: Tensor
-    """0-d float64: the metric at ``threshold``."""
+    """0-d float64: the metric at ``threshold``; NaN when ``distances`` has a non-finite entry."""
 
 
 _THRESHOLD_METRICS = ("accuracy", "balanced_accuracy", "f1")
@@ -32,7 +32,7 @@ def select_threshold(
     """The distance threshold that best separates matching from non-matching pairs.
 
     A pair is predicted a match when ``distance <= threshold`` (``similarity >= threshold``
-    with ``is_similarity=True``; a NaN never matches). Over every candidate threshold (each
+    with ``is_similarity=True``). Over every candidate threshold (each
     distinct value in ``distances``, plus "no match at all"), with ``TP, FP, TN, FN`` the
     confusion counts and ``P = TP + FN``, ``N = FP + TN``:
 
@@ -44,6 +44,10 @@ def select_threshold(
     largest similarity) among equal values. One sort and cumulative counts, ``O(N log N)``; no
     loop over candidates, no host synchronisation (static shapes).
 
+    Non-finite distances: a NaN or ±inf entry (the trace of a non-finite embedding) makes both
+    ``threshold`` and ``score`` NaN: no threshold is chosen from a broken pair, and it is not
+    counted as a (mis)classified pair either. Drop such pairs first to score the others.
+
     Args:
         distances: pair distances (similarities with ``is_similarity``), any shape, at least
             one element, floating point.
@@ -52,7 +56,7 @@ def select_threshold(
         is_similarity: ``distances`` holds similarities (larger = more alike).
 
     Returns:
-        :class:`ThresholdResult` ``(threshold, score)``.
+        :class:`ThresholdResult` ``(threshold, score)``, both NaN for non-finite ``distances``.
 
     Example:
         >>> d = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.9])
@@ -85,7 +89,7 @@ def select_threshold(
         key = distances.detach().flatten()
         if is_similarity:
             key = -key
-        key, order = key.sort(stable=True)  # NaN last
+        key, order = key.sort(stable=True)
         match = is_match.flatten().gather(0, order) != 0
         n = key.shape[0]
         tp = match.to(torch.int64).cumsum(0)
@@ -106,11 +110,15 @@ def select_threshold(
         else:
             score = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
         # A threshold at key[i] predicts all of key[:i+1]: only the last of equal values counts.
-        last = torch.cat([key[1:] != key[:-1], key.new_ones(1, dtype=torch.bool)]) & ~key.isnan()
+        last = torch.cat([key[1:] != key[:-1], key.new_ones(1, dtype=torch.bool)])
         valid = torch.cat([last.new_ones(1), last])
         best = score.masked_fill(~valid, -math.inf).argmax()
         inf = key.new_full((1,), -math.inf)
         threshold = torch.cat([inf, key]).gather(0, best.reshape(1)).squeeze(0)
         if is_similarity:
             threshold = -threshold
-        return ThresholdResult(threshold, score.gather(0, best.reshape(1)).squeeze(0))
+        broken = ~key.isfinite().all()  # 0-d: no host sync
+        best_score = score.gather(0, best.reshape(1)).squeeze(0)
+        return ThresholdResult(
+            threshold.masked_fill(broken, math.nan), best_score.masked_fill(broken, math.nan)
+        )
