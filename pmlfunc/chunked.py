@@ -1,12 +1,14 @@
 """Anchor-chunked value and gradient: full-batch results with O(chunk × M) memory.
 
 A loss that is a sum of per-anchor terms, normalised by a count over the whole batch, can be
-evaluated one block of anchors at a time. :func:`value_and_grad` does it in two passes:
-
-1. without gradients, each chunk's share of the reducer's normaliser (the number of non-zero
-   terms for ``avg_nonzero()``, of all terms for ``mean()``, ...), summed over the chunks;
-2. for each chunk, the chunk's share of the loss given that normaliser, and its gradient by
-   ``torch.func.grad_and_value``; the gradients are summed.
+evaluated one block of anchors at a time. :func:`value_and_grad` does it in one pass over the
+chunks: each chunk gives its share of the loss *before* the division by the normaliser (the sum
+of its selected terms), that share's gradient, and its part of the normaliser (the number of
+non-zero terms for ``avg_nonzero()``, of all terms for ``mean()``, ...). After the last chunk
+the summed shares and gradients are divided by the summed normaliser: a reducer's value is
+linear in its share (:meth:`pmlfunc.reducers.Reducer.divide`), and the normaliser, a count, has
+no gradient. In eager mode each chunk is differentiated by plain autograd, inside ``torch.func``
+transforms and under ``torch.compile`` by ``torch.func.vjp``.
 
 The result equals the full-batch loss and gradient to rounding, and no autograd graph larger than
 one ``chunk × M`` block of the distance matrix is alive at once. Feed the gradient into an encoder
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -34,15 +37,11 @@ from . import _checks
 from ._ops import inside_transform
 from .losses._batch import LossCall, spec_of
 from .losses._regularize import regularize
+from .reducers import Reducer
 
 __all__ = ["chunkable", "value_and_grad"]
 
 _WRT = ("embeddings", "ref_emb")
-
-
-# torch.func.vjp without has_aux: (value, vjp_fn). torch annotates its result as a pair or a
-# triple (has_aux=True), so the pair is cast to this.
-_VjpPair: TypeAlias = "tuple[Tensor, Callable[[Tensor], tuple[Tensor]]]"
 
 
 @functools.cache
@@ -169,10 +168,66 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or inside_transform()
 
 
+# ``pullback(i, cotangent)``: the gradient of output ``i`` with respect to every primal.
+_Pullback: TypeAlias = "Callable[[int, Tensor], tuple[Tensor, ...]]"
+_VjpAux: TypeAlias = "tuple[Any, Callable[..., tuple[Tensor, ...]], Any]"
+
+
+def _vjp(fn: Callable[..., Any], primals: tuple[Tensor, ...]) -> tuple[Any, Any, _Pullback]:
+    """``(out, aux, pullback)`` for ``out, aux = fn(*primals)``, ``out`` a tuple of tensors;
+    ``pullback(i, cotangent)`` is the gradient of ``out[i]`` with respect to each primal (zeros
+    where it does not depend on one), called at most once per ``i``, in order.
+
+    Traced (``torch.compile``, inside a ``torch.func`` transform): ``torch.func.vjp``. Eager:
+    autograd on detached leaves (the results carry no graph). That skips a transform's cost per
+    call (chunked NT-Xent at B = 512, chunk 128, on one CPU thread: 11 ms a step through
+    ``torch.func``, 6.8 ms through autograd) and lets eager ops take their shortcuts that read
+    values on the host.
+    """
+    if _traced():
+        # torch annotates the result as a pair or (has_aux=True) a triple
+        out, vjp_fn, aux = cast(_VjpAux, torch.func.vjp(fn, *primals, has_aux=True))
+
+        def traced(i: int, cotangent: Tensor) -> tuple[Tensor, ...]:
+            # torch.func.vjp takes a cotangent for every output: zeros for the others
+            return vjp_fn(
+                tuple(cotangent if j == i else torch.zeros_like(o) for j, o in enumerate(out))
+            )
+
+        return out, aux, traced
+    leaves = tuple(p.detach().requires_grad_(True) for p in primals)
+    with torch.enable_grad():
+        out, aux = fn(*leaves)
+
+    def eager(i: int, cotangent: Tensor) -> tuple[Tensor, ...]:
+        if not out[i].requires_grad:  # an output that depends on no primal
+            return tuple(torch.zeros_like(x) for x in leaves)
+        grads = torch.autograd.grad(
+            out[i], leaves, cotangent, retain_graph=i < len(out) - 1, allow_unused=True
+        )
+        return tuple(
+            torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves, strict=True)
+        )
+
+    return tuple(o.detach() for o in out), aux, eager
+
+
+def _pieces(
+    batch_size: int, chunk_size: int, anchor_rows: tuple[int, int] | None
+) -> list[tuple[int, int, bool]]:
+    """The anchor row blocks ``(r0, r1, mine)`` in order: chunks of at most ``chunk_size`` rows,
+    also cut at the bounds of ``anchor_rows``; ``mine``: inside ``anchor_rows`` (its share and
+    gradient are wanted; every block's part of the normaliser is)."""
+    a0, a1 = (0, batch_size) if anchor_rows is None else anchor_rows
+    cuts = sorted({*range(0, batch_size, chunk_size), a0, a1, batch_size})
+    return [(r0, r1, a0 <= r0 and r1 <= a1) for r0, r1 in itertools.pairwise(cuts)]
+
+
 def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
     """One chunk holds every anchor: the whole loss and its gradient by plain autograd (eager
-    mode), without the normaliser pass and the ``torch.func`` transforms of the chunked path
-    (the same value and gradient; at batch 128, ~2.5x faster)."""
+    mode), through the loss's own whole-batch path (the same value and gradient; at batch 128
+    and 512 on one CPU thread, ~1.2-1.3x faster than one chunk of the chunked path: the
+    self-similarity's backward takes both sides from one product)."""
     x = call.embeddings.detach().requires_grad_(True)
     ref = None if call.ref_emb is None else call.ref_emb.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -183,83 +238,126 @@ def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
     return loss.detach(), (out[0] if len(names) == 1 else out)
 
 
+@dataclasses.dataclass
+class _Sums:
+    """Per sub-loss, summed over the chunks: the undivided shares, the normalisers and the
+    shares' gradients with respect to the normalised embeddings (``g_x``) and reference set
+    (``g_ref``); a list stays empty when nothing is summed into it."""
+
+    shares: list[Tensor] = dataclasses.field(default_factory=list)
+    norms: list[Tensor] = dataclasses.field(default_factory=list)
+    g_x: list[Tensor] = dataclasses.field(default_factory=list)
+    g_ref: list[Tensor] = dataclasses.field(default_factory=list)
+
+    def add_norms(self, parts: Sequence[Tensor]) -> None:
+        self.norms = (
+            [*parts] if not self.norms else [a + b for a, b in zip(self.norms, parts, strict=True)]
+        )
+
+    def divided(self, reducer: Reducer, zero: Tensor) -> Tensor:
+        """The loss: ``Σ_k divide(shares[k], norms[k])`` (``zero`` when nothing was summed)."""
+        for s, n in zip(self.shares, self.norms, strict=False):
+            zero = zero + reducer.divide(s, n)
+        return zero
+
+    def gradient(self, reducer: Reducer, grads: list[Tensor], like: Tensor) -> Tensor:
+        """``Σ_k grads[k] · divide(1, norms[k])``: the loss's gradient (zeros when empty)."""
+        out = torch.zeros_like(like)
+        for g, n in zip(grads, self.norms, strict=False):
+            out = out + g * reducer.divide(torch.ones_like(n), n).to(g.dtype)
+        return out
+
+
 def _chunked(
     call: LossCall, chunk_size: int, names: tuple[str, ...], anchor_rows: tuple[int, int] | None
 ) -> tuple[Tensor, Any]:
-    """The two passes of :func:`value_and_grad` over one checked call."""
+    """:func:`value_and_grad` of one checked call, in one pass over the chunks (the module
+    docstring says how). A chunk outside ``anchor_rows`` gives its part of the normaliser only,
+    without gradients."""
     embeddings, ref_emb, reducer = call.embeddings, call.ref_emb, call.reducer
     assert reducer is not None  # split_call refuses a call without one (unchunkable)
     _checks.embeddings(embeddings)
     batch_size = embeddings.shape[0]
-    chunks = [(r, min(r + chunk_size, batch_size)) for r in range(0, batch_size, chunk_size)]
-    if anchor_rows is None and len(chunks) == 1 and not _traced():
+    if anchor_rows is None and batch_size <= chunk_size and not _traced():
         return _whole(call, names)
-    a0, a1 = (0, batch_size) if anchor_rows is None else anchor_rows
-    mine = [(max(r0, a0), min(r1, a1)) for r0, r1 in chunks if max(r0, a0) < min(r1, a1)]
+    want_x, want_ref = "embeddings" in names, "ref_emb" in names
     # Normalise once, outside the chunks; its backward runs once at the end.
     normalize, rest = call.distance.split_normalization()
     cd = _checks.compute_dtype(embeddings.dtype)
+    one = torch.ones((), dtype=cd, device=embeddings.device)
 
-    def prep(x: Tensor) -> Tensor:
-        return normalize(x.to(cd))
+    def prep(x: Tensor) -> tuple[tuple[Tensor], tuple[()]]:
+        return (normalize(x.to(cd)),), ()
 
-    x_hat, x_vjp = cast(_VjpPair, torch.func.vjp(prep, embeddings))
-    ref_hat, ref_vjp = (
-        (None, None) if ref_emb is None else cast(_VjpPair, torch.func.vjp(prep, ref_emb))
-    )
-    self_mode = ref_emb is None
+    (x_hat,), _, x_back = _vjp(prep, (embeddings,))
+    ref_hat, ref_back = None, None
+    if ref_emb is not None:
+        (ref_hat,), _, ref_back = _vjp(prep, (ref_emb,))
 
-    def terms_of(anchors: Tensor, x: Tensor, ref: Tensor | None, rows: tuple[int, int]):
+    def shares(rows: tuple[int, int], anchors: Tensor, x: Tensor, ref: Tensor | None):
+        """Each sub-loss's undivided share, and (no graph) its part of the normaliser."""
         batch = call.batch(rows, embeddings=x, ref_emb=ref, anchors=anchors, distance=rest)
-        return batch, call.terms(batch)
+        pairs = [reducer.share_and_normalizer(t, batch.labels) for t in call.terms(batch).values()]
+        return tuple(s for s, _ in pairs), tuple(n.detach() for _, n in pairs)
 
-    # Pass 1: the normalisers of every sub-loss, summed over the chunks (no graph).
-    norms: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for r0, r1 in chunks:
-            batch, terms = terms_of(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
-            for name, t in terms.items():
-                n = reducer.normalizer(t, batch.labels)
-                norms[name] = n if name not in norms else norms[name] + n
+    # A chunk differentiates its anchor rows (a tensor of their own) and the whole batch (as
+    # references) in self mode, else the reference set when its gradient is wanted.
+    chunk: Callable[..., Any]
+    if ref_hat is None:
+        refs: tuple[Tensor, ...] = (x_hat,)
+        chunk = lambda rows, a, x: shares(rows, a, x, None)  # noqa: E731
+    elif want_ref:
+        refs = (ref_hat,)
+        chunk = lambda rows, a, ref: shares(rows, a, x_hat, ref)  # noqa: E731
+    else:
+        refs = ()
+        chunk = lambda rows, a: shares(rows, a, x_hat, ref_hat)  # noqa: E731
+    sums = _Sums()
+    for r0, r1, mine in _pieces(batch_size, chunk_size, anchor_rows):
+        if not mine:  # anchors of another rank: their part of the normaliser only
+            with torch.no_grad():
+                sums.add_norms(shares((r0, r1), x_hat[r0:r1], x_hat, ref_hat)[1])
+            continue
+        out, parts, pullback = _vjp(functools.partial(chunk, (r0, r1)), (x_hat[r0:r1], *refs))
+        sums.add_norms(parts)
+        if not sums.shares:  # the first chunk of mine: one buffer per sub-loss
+            sums.shares = [torch.zeros_like(o) for o in out]
+            sums.g_x = [torch.zeros_like(x_hat) for _ in out] if want_x else []
+            sums.g_ref = [torch.zeros_like(r) for _ in out for r in refs] if want_ref else []
+        for k, o in enumerate(out):
+            sums.shares[k] = sums.shares[k] + o
+            grads = pullback(k, one)
+            if want_x:
+                sums.g_x[k][r0:r1] += grads[0]
+                if ref_hat is None:
+                    sums.g_x[k] += grads[1]
+            if want_ref:
+                sums.g_ref[k] += grads[1]
+    total = sums.divided(reducer, torch.zeros((), dtype=cd, device=embeddings.device))
+    grad_x = x_back(0, sums.gradient(reducer, sums.g_x, x_hat))[0] if want_x else None
+    total, grad_x = _regularized(call, total, grad_x)
+    grad_ref = None
+    if want_ref and ref_back is not None and ref_hat is not None:
+        grad_ref = ref_back(0, sums.gradient(reducer, sums.g_ref, ref_hat))[0]
+    results = [grad_x if n == "embeddings" else grad_ref for n in names]
+    out_value = total.to(cd)  # the loss's dtype: float32 for float16/bfloat16 embeddings
+    return out_value, (results[0] if len(names) == 1 else tuple(results))
 
-    # Pass 2: each chunk's share of the value and its gradient, with respect to its own
-    # anchor rows, the whole batch (as references, in self mode) and the reference set.
-    def chunk_value(anchors, x, ref, rows):
-        batch, terms = terms_of(anchors, x, ref, rows)
-        parts = [reducer.partial(t, batch.labels, norms[name]) for name, t in terms.items()]
-        return torch.stack(parts).sum()
 
-    want_x, want_ref = "embeddings" in names, "ref_emb" in names
-    argnums = (0, 1) if self_mode else ((0, 2) if want_ref else (0,))
-    grad_and_value = torch.func.grad_and_value(chunk_value, argnums=argnums)
-    g_x = torch.zeros_like(x_hat) if want_x else None
-    # (want_ref implies a ref_emb: value_and_grad checks it)
-    g_ref = torch.zeros_like(ref_hat) if want_ref and ref_hat is not None else None
-    total = x_hat.new_zeros(()) if not mine else None
-    for r0, r1 in mine:
-        grads, v = grad_and_value(x_hat[r0:r1], x_hat, ref_hat, (r0, r1))
-        total = v if total is None else total + v
-        if g_x is not None:
-            g_x[r0:r1] += grads[0]
-            if self_mode:
-                g_x += grads[1]
-        if g_ref is not None:
-            g_ref += grads[1]
-    assert total is not None  # mine is not empty when total starts as None
-    results = []
-    if g_x is not None:
-        results.append(x_vjp(g_x)[0])
-    if call.embedding_regularizer is not None:  # on the raw embeddings, once: its own gradient
-        reg_grad, reg = torch.func.grad_and_value(
-            lambda x: regularize(
-                x.new_zeros(()), x, call.embedding_regularizer, call.embedding_reg_weight
-            )
-        )(embeddings)
-        total = total + reg.to(total.dtype)
-        if want_x:
-            results[0] = results[0] + reg_grad
-    if g_ref is not None and ref_vjp is not None:
-        results.append(ref_vjp(g_ref)[0])
-    results = [results[0 if n == "embeddings" or not want_x else 1] for n in names]
-    out = total.to(cd)  # the loss's dtype: float32 for float16/bfloat16 embeddings
-    return out, (results[0] if len(names) == 1 else tuple(results))
+def _regularized(
+    call: LossCall, total: Tensor, grad_x: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The loss and embedding gradient with the call's embedding regularizer added: a term of
+    the raw embeddings, taken once with its own gradient."""
+    if call.embedding_regularizer is None:
+        return total, grad_x
+
+    def reg_fn(x: Tensor) -> tuple[tuple[Tensor], tuple[()]]:
+        zero = x.new_zeros(())
+        return (regularize(zero, x, call.embedding_regularizer, call.embedding_reg_weight),), ()
+
+    (reg,), _, reg_back = _vjp(reg_fn, (call.embeddings,))
+    total = total + reg.to(total.dtype)
+    if grad_x is not None:
+        grad_x = grad_x + reg_back(0, torch.ones_like(reg))[0]
+    return total, grad_x

@@ -193,8 +193,9 @@ class Reducer:
 
     Every reducer but :func:`none` and :func:`divisor` splits over anchor chunks: its value is
     ``Σ_chunks partial(chunk, N)`` where the normaliser ``N = Σ_chunks normalizer(chunk)`` is a
-    sum over the chunks too (a first pass). :mod:`pmlfunc.chunked` relies on this; the plain
-    call is the one-chunk case, so both paths share the same code.
+    sum over the chunks too; equivalently ``divide(Σ_chunks partial(chunk, 1), N)``, which
+    needs no first pass for ``N`` (:mod:`pmlfunc.chunked` relies on it). The plain call is the
+    one-chunk case, so both paths share the same code.
     """
 
     chunkable: bool = True
@@ -206,6 +207,22 @@ class Reducer:
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         """This chunk's share of the value, given the whole batch's normaliser."""
         raise NotImplementedError
+
+    def share_and_normalizer(
+        self, terms: Terms, labels: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(partial(terms, labels, 1), normalizer(terms, labels))``: this chunk's share
+        before the division (see :meth:`divide`) and its part of the normaliser, from one pass
+        over the terms where the reducer allows."""
+        one = torch.ones((), device=terms.device)
+        return self.partial(terms, labels, one), self.normalizer(terms, labels)
+
+    def divide(self, share: Tensor, normalizer: Tensor) -> Tensor:
+        """``partial(terms, labels, normalizer)`` from ``share = partial(terms, labels, 1)``:
+        a share is its selected terms' (weighted) sum over the normaliser, ``0`` where that is
+        0 (:func:`~pmlfunc._ops.ratio`), so a chunk's share and gradient can be taken before the
+        whole batch's normaliser is known (:mod:`pmlfunc.chunked`: one pass, not two)."""
+        return ratio(share, normalizer)
 
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         return self.partial(terms, labels, self.normalizer(terms, labels))
@@ -228,6 +245,11 @@ class _Window(Reducer):
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         return ratio(terms.totals(self.low, self.high)[0], normalizer)
+
+    def share_and_normalizer(
+        self, terms: Terms, labels: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return terms.totals(self.low, self.high)  # ratio(s, 1) is s
 
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
         if (
@@ -252,6 +274,9 @@ class _Sum(Reducer):
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         return terms.totals()[0]
+
+    def divide(self, share: Tensor, normalizer: Tensor) -> Tensor:
+        return share  # a sum is not divided
 
 
 @dataclass(frozen=True)
@@ -296,6 +321,14 @@ class _PerAnchor(Reducer):
 
     def partial(self, terms: Terms, labels: Tensor | None, normalizer: Tensor) -> Tensor:
         return self.inner.partial(self._per_anchor(terms), labels, normalizer)
+
+    def share_and_normalizer(
+        self, terms: Terms, labels: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return self.inner.share_and_normalizer(self._per_anchor(terms), labels)
+
+    def divide(self, share: Tensor, normalizer: Tensor) -> Tensor:
+        return self.inner.divide(share, normalizer)
 
     @property
     def chunkable(self) -> bool:  # type: ignore[override]
