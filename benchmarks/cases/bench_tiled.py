@@ -3,8 +3,10 @@
 Groups ``tiled-ntxent-b{B}`` (``temperature=0.07``), ``tiled-clip-b{B}`` and
 ``tiled-siglip-b{B}``, three members each: ``pmlfunc-full`` (the dense loss and backward),
 ``pmlfunc-tiled`` (the same call with ``chunk_size``, ``PMLFUNC_BENCH_TILE``, 256: the tiled
-engine, a plain backward) and ``floor``. PML has neither CLIP nor SigLIP, and its NT-Xent is
-timed in ``bench_core_losses``.
+engine, a plain backward) and ``floor``; ``tiled-ntxent`` has a fourth, ``pmlfunc-chunked``
+(``pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=PMLFUNC_BENCH_TILE)``), so that the
+two bounded-memory paths are timed beside the dense step in the same rounds. PML has neither
+CLIP nor SigLIP, and its NT-Xent is timed in ``bench_core_losses``.
 
 ``clip`` and ``siglip`` take the suite's embeddings as their first set and a second seeded set
 of the same shape as the paired set, with their ``*_init()`` parameters; the backward
@@ -15,6 +17,12 @@ The issue-14 target is tiled time <= 1.3x dense at 4,096 rows::
 
     PMLFUNC_BENCH_BATCH=4096 pytest benchmarks/cases/bench_tiled.py --benchmark-only \
         --benchmark-group-by=group --benchmark-columns=min,median,rounds
+
+Issue 29's is chunked time <= 1.5x dense (eager) at 512 and 2,048 rows, chunk 128; members
+timed in interleaved rounds (``benchmarks.run``), one batch a command::
+
+    PMLFUNC_BENCH_TILE=128 python -m benchmarks.run --case tiled-ntxent --batch-size 512 \
+        --repeats 30 --warmup 5 --output /tmp/chunked-512.json
 
 (memory: ``python -m benchmarks.memory_report --losses ntxent,clip,siglip``).
 """
@@ -29,7 +37,7 @@ import torch
 import pmlfunc as pf
 
 from .. import common as C
-from . import FLOOR, Case, Member, by_name, call, params
+from . import FLOOR, Case, Member, anchor_batched, by_name, call, params
 from ._bodies import members_agree
 
 TILE = C.env_int("PMLFUNC_BENCH_TILE", 256)
@@ -47,10 +55,10 @@ def paired(loss_fn: Callable[..., torch.Tensor], init: Callable[[], dict], **kw)
     return Member(make)
 
 
-def _case(name: str, full: Member, tiled: Member) -> Case:
+def _case(name: str, full: Member, tiled: Member, **more: Member) -> Case:
     return Case(
         name,
-        {"pmlfunc-full": full, "pmlfunc-tiled": tiled, "floor": FLOOR},
+        {"pmlfunc-full": full, "pmlfunc-tiled": tiled, **more, "floor": FLOOR},
         extra={"chunk_size": TILE},
     )
 
@@ -60,6 +68,11 @@ CASES = by_name(
         "tiled-ntxent",
         call(pf.losses.ntxent, temperature=C.NTXENT_TEMPERATURE),
         call(pf.losses.ntxent, temperature=C.NTXENT_TEMPERATURE, chunk_size=TILE),
+        **{
+            "pmlfunc-chunked": anchor_batched(
+                pf.losses.ntxent, lambda: TILE, temperature=C.NTXENT_TEMPERATURE
+            )
+        },
     ),
     *(
         _case(f"tiled-{name}", paired(fn, init), paired(fn, init, chunk_size=TILE))
