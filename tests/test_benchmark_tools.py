@@ -297,7 +297,9 @@ def test_memory_report_measures_every_loss_and_path_and_writes_markdown(tmp_path
 )
 def test_pytest_benchmark_options_work_as_typed(flags, timed):
     """``pytest --benchmark-only`` times the bodies (no "Can't have both ... --benchmark-disable"
-    error); a plain ``pytest`` runs each body once, untimed (the root conftest.py)."""
+    error) and prints a line per finished benchmark as it goes, before pytest-benchmark's tables
+    (benchmarks/conftest.py); a plain ``pytest`` runs each body once, untimed (the root
+    conftest.py), with pytest's usual dots."""
     import subprocess
     import sys
     from pathlib import Path
@@ -309,6 +311,13 @@ def test_pytest_benchmark_options_work_as_typed(flags, timed):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "3 passed" in out.stdout
     assert ("benchmark 'proxy-b" in out.stdout) is timed, out.stdout[-3000:]
+    progress = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    if not timed:
+        assert progress == [], progress
+        return
+    assert [line.split()[0] for line in progress] == ["[1/3", "[2/3", "[3/3"], out.stdout[-3000:]
+    assert all(" median " in line and " rounds" in line for line in progress), progress
+    assert out.stdout.index(progress[-1]) < out.stdout.index("benchmark 'proxy-b")
 
 
 def test_a_slow_pml_member_is_skipped_in_timed_runs_with_the_reason(monkeypatch):
