@@ -220,8 +220,8 @@ class Reducer:
     def divide(self, share: Tensor, normalizer: Tensor) -> Tensor:
         """``partial(terms, labels, normalizer)`` from ``share = partial(terms, labels, 1)``:
         a share is its selected terms' (weighted) sum over the normaliser, ``0`` where that is
-        0 (:func:`~pmlfunc._ops.ratio`), so a chunk's share and gradient can be taken before the
-        whole batch's normaliser is known (:mod:`pmlfunc.chunked`: one pass, not two)."""
+        0, so a chunk's share and gradient can be taken before the whole batch's normaliser is
+        known (:mod:`pmlfunc.chunked`: one pass, not two)."""
         return ratio(share, normalizer)
 
     def __call__(self, terms: Terms, labels: Tensor | None = None) -> Tensor:
