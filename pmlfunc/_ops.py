@@ -333,21 +333,18 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 try:  # private (apply's shortcut): without them, apply is plain fn.apply
     from torch._C import _are_functorch_transforms_active as _transforms_active
     from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
-except ImportError:  # pragma: no cover - a torch without them
+except ImportError:  # pragma: no cover - a torch without them: always take the safe path
     _unwrap_dead_wrappers = None  # type: ignore[assignment]
 
-try:  # private, but stable since functorch moved into torch (2.0)
-    from torch._C._functorch import maybe_current_level as _functorch_level
-except ImportError:  # pragma: no cover - a torch without it: always take the safe path
-
-    def _functorch_level() -> int | None:
-        return 0
+    def _transforms_active() -> bool:
+        return True
 
 
 def inside_transform() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is running: its tensors
-    cannot be read on the host, and some ops lack batching rules."""
-    return _functorch_level() is not None
+    cannot be read on the host, and some ops lack batching rules. (Dynamo traces this query
+    inside a compiled transform; ``torch._C._functorch.maybe_current_level`` breaks the graph.)"""
+    return _transforms_active()
 
 
 def readable(t: Tensor) -> bool:
