@@ -151,6 +151,13 @@ class Batch:
     _mat: Tensor | None = None
     _masks: PairMasks | None = None
     _unit: tuple[Tensor, Tensor] | None = None  # the rows as the distance normalises them
+    # Added to what is gathered from _unit: 0 when every normalised row is finite, else NaN, a
+    # constant (no gradient). A non-finite row that no gathered pair reads still gets a NaN
+    # gradient through the normalisation of every row (its zero cotangent times NaN), so the
+    # loss reports it instead of a finite value over NaN gradients (unit rows are bounded:
+    # their sum overflows for no finite input). Rows gathered as they are need none: an unread
+    # row's gradient is exactly 0.
+    _guard: Tensor | float = 0.0
 
     @property
     def mat(self) -> Tensor:
@@ -199,7 +206,7 @@ class Batch:
         if self._mat is not None or self.given_mat or self.rows is not None or not few:
             return self.mat[i, j]
         x, ref, plain = self._unit_rows()
-        return plain.pairs(x[i], ref[j])
+        return plain.pairs(x[i], ref[j]) + self._guard
 
     def _unit_rows(self) -> tuple[Tensor, Tensor, Distance]:
         """The rows and reference rows as the distance normalises them (each row once, in the
@@ -210,6 +217,9 @@ class Batch:
             x = normalize(self.embeddings.to(self.dtype))
             y = x if self.ref_emb is None else normalize(self.ref_emb.to(self.dtype))
             self._unit = (x, y)
+            if plain is not self.distance:  # the rows were normalised: see _guard
+                guard = x.detach().sum() * 0.0
+                self._guard = guard if y is x else guard + y.detach().sum() * 0.0
         return *self._unit, plain
 
     def block(self, i: Tensor, j: Tensor) -> Tensor:
@@ -219,7 +229,8 @@ class Batch:
         if self._mat is not None or self.given_mat or self.rows is not None:
             return self.mat.index_select(0, i).index_select(1, j)
         x, ref, plain = self._unit_rows()
-        return plain.matrix(x.index_select(0, i), ref.index_select(0, j), ties=False)
+        block = plain.matrix(x.index_select(0, i), ref.index_select(0, j), ties=False)
+        return block + self._guard
 
     def keep(self, w: Tensor) -> Tensor | None:
         """The 0/1 indicator of ``w > 0`` when the masks hold pair counts (``None`` for 0/1
