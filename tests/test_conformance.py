@@ -10,15 +10,19 @@ embeddings, a reference set, the params leaves). Every entry is run through:
 * ``torch.autograd.gradcheck`` in float64 (losses);
 * ``torch.func.grad`` equal to autograd's gradient (losses);
 * ``torch.compile(fullgraph=True)`` equal to eager: values and gradients of a loss, the
-  fixed-shape result of a miner;
+  fixed-shape result of a miner; and the transformed function compiled, the gradient taken
+  inside the graph: ``torch.compile(torch.func.grad_and_value(loss))`` equal to eager
+  ``torch.func.grad_and_value`` (the tiled NT-Xent failed there only);
 * a run on ``device="meta"`` (shapes only: the rule that makes compile and CUDA graphs work);
 * an example in the function's docstring (the examples themselves run in test_docstrings.py);
 * never a silent wrong number (issue 16): a NaN or inf in any differentiated tensor makes a
   loss non-finite (before, ``supcon``, ``multi_similarity``, ``circle``,
   ``generalized_lifted_structure``, ``nca`` and ``proxy_anchor`` returned 0 over NaN gradients
   and ``fast_ap`` crashed), a miner still returns its usual result; no input is changed in
-  place and a second call gives the same bits; duplicate rows and singleton classes give finite
-  values and gradients; hypothesis checks that permuting the batch, renaming the classes and
+  place and a second call gives the same bits; with one NaN, +inf or −inf entry in any row of
+  a differentiated tensor, a finite loss has finite gradients (npairs returned a finite loss
+  over NaN gradients); duplicate rows and singleton classes give finite values and
+  gradients; hypothesis checks that permuting the batch, renaming the classes and
   (with a normalising distance) rescaling a row leave every plain batch loss unchanged, with
   the exceptions listed and why (a wide sweep is marked ``slow``);
 * the autocast matrix: under ``torch.autocast("cpu", dtype=torch.bfloat16)`` and with bfloat16
@@ -28,9 +32,11 @@ embeddings, a reference set, the params leaves). Every entry is run through:
 A function may have several entries, one per path worth checking: a batch loss that takes a
 reference set is registered against the batch itself and against a separate reference set
 (``name[ref]``); the losses compiled on mined tuples before are also registered on one
-(``name[mined]``); ``margin[params]`` (learnable betas), ``manifold[meta_classes]`` (given
-meta-classes) and the bounded miners (``name[tuples_per_anchor]``) are paths of their own. What is
-specific to one family (references, PML parity, deviations, variant-specific compile tests) is in
+(``name[mined]``), the triplet losses on listed triplets (``name[listed]``), the losses with a
+``chunk_size=`` path on the tiled engine (``name[tiled]``, ``name[tiled,ref]``; CLIP's and
+SigLIP's ``name[tiled]``, ``name[tiled,labels]``); ``margin[params]`` (learnable betas),
+``manifold[meta_classes]`` (given meta-classes) and the bounded miners
+(``name[tuples_per_anchor]``) are paths of their own. What is specific to one family (references, PML parity, deviations, variant-specific compile tests) is in
 that family's test file.
 """
 
@@ -58,6 +64,8 @@ B, M, D, C = 8, 6, 4, 5  # batch rows, reference rows, embedding size, classes
 LABELS = [0, 0, 1, 1, 1, 2, 3, 3]  # uneven classes and a singleton
 REF_LABELS = [0, 1, 1, 4, 3, 2]  # shares some classes, has one the batch lacks
 SEED = 17  # the counter-based generator of the stochastic miners and of manifold
+# (anchor, positive, negative) triplets of LABELS that leave row 5 (the singleton) out
+LISTED = [(0, 1, 2), (2, 3, 6), (4, 2, 0), (6, 7, 1)]
 
 # Public names that are not losses or miners, and why.
 EXCLUDED = {
@@ -186,6 +194,8 @@ def batch(
     *,
     labels: Callable[[Draw, int], torch.Tensor] | None = None,
     mined: bool = False,
+    listed: str | None = None,
+    tiled: bool = False,
     backend: str = "inductor",
     gradcheck: Mapping[str, float] | None = None,
     constant: tuple[tuple[str, ...], str] | None = None,
@@ -195,23 +205,35 @@ def batch(
     """The entries of a batch loss ``fn(embeddings, labels, **hp)``: on a batch of ``B`` rows;
     against a separate reference set of ``M`` rows (``name[ref]``, both differentiated) when
     the loss takes one; on an ``indices_tuple`` mined from the drawn rows (``name[mined]``)
-    when ``mined``. ``labels(draw, rows)`` draws other labels than :data:`LABELS`; ``drawn``
-    holds tensor hyper-parameters made on the draw's device."""
+    when ``mined``; on the triplets of :data:`LISTED` (``name[listed]``: the distances of the
+    listed pairs alone, one row left out) when ``listed`` names its compile backend; on the
+    tiled engine (``chunk_size=3``: ``name[tiled]`` and, with a
+    reference set, ``name[tiled,ref]``) when ``tiled``. ``labels(draw, rows)`` draws other
+    labels than :data:`LABELS`; ``drawn`` holds tensor hyper-parameters made on the draw's
+    device."""
 
     def draw_labels(d: Draw, rows: int, values: list[int]) -> torch.Tensor:
         return d.labels(values) if labels is None else labels(d, rows)
 
-    def self_mode(d: Draw, mine: bool = False) -> Call:
+    def self_mode(
+        d: Draw, mine: bool = False, chunk: int | None = None, listing: bool = False
+    ) -> Call:
         emb, y = d.randn(B, D), draw_labels(d, B, LABELS)
         kw = _hyper(d, hp, drawn)
         if mine:
             kw["indices_tuple"] = _pair_margin(emb, y)
+        if listing:
+            kw["indices_tuple"] = tuple(d.labels(list(v)) for v in zip(*LISTED, strict=True))
+        if chunk is not None:
+            kw["chunk_size"] = chunk
         return Call({"embeddings": emb}, lambda embeddings: fn(embeddings, y, **kw))
 
-    def ref_mode(d: Draw) -> Call:
+    def ref_mode(d: Draw, chunk: int | None = None) -> Call:
         y, ry = draw_labels(d, B, LABELS), draw_labels(d, M, REF_LABELS)
         wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(M, D)}
         kw = _hyper(d, hp, drawn)
+        if chunk is not None:
+            kw["chunk_size"] = chunk
         return Call(
             wrt,
             lambda embeddings, ref_emb: fn(embeddings, y, ref_emb=ref_emb, ref_labels=ry, **kw),
@@ -225,6 +247,14 @@ def batch(
         out[f"{name}[ref]"] = Entry(fn, ref_mode, **options)
     if mined:
         out[f"{name}[mined]"] = Entry(fn, lambda d: self_mode(d, mine=True), **options)
+    if listed is not None:
+        listed_options = {**options, "backend": listed}
+        out[f"{name}[listed]"] = Entry(fn, partial(self_mode, listing=True), **listed_options)
+    if tiled:
+        out[f"{name}[tiled]"] = Entry(fn, partial(self_mode, chunk=3), **options)
+        if _accepts_ref(fn):  # inductor generates the engine's code for name[tiled]
+            ref_options = {**options, "backend": _SHARED}
+            out[f"{name}[tiled,ref]"] = Entry(fn, partial(ref_mode, chunk=3), **ref_options)
     return out
 
 
@@ -380,15 +410,15 @@ LOSSES: dict[str, Entry] = {
     **batch(L.generalized_lifted_structure, neg_margin=1.2, pos_margin=0.1, backend=_SHARED),
     **batch(L.tuplet_margin, margin=8.0, scale=16.0),
     # triplets
-    **batch(L.triplet_margin, margin=0.2),
-    **batch(L.margin, margin=0.25, beta=1.25),
+    **batch(L.triplet_margin, listed="inductor", margin=0.2),
+    **batch(L.margin, listed=_SHARED, margin=0.25, beta=1.25),
     "margin[params]": Entry(
         L.margin, learnable(L.margin, _distinct_betas, C, nu=0.1, reducer=pf.reducers.mean())
     ),
     **batch(L.selectively_contrastive_triplet, temperature=0.2, penalty=1.3, hard_cutoff=0.3),
     # softmax
-    **batch(L.ntxent, temperature=0.3),
-    **batch(L.supcon, temperature=0.3),
+    **batch(L.ntxent, tiled=True, temperature=0.3),
+    **batch(L.supcon, tiled=True, temperature=0.3),
     **batch(L.decoupled_contrastive, temperature=0.3, sigma=0.5),
     **batch(L.multi_supcon, labels=_multi_hot, temperature=0.5, threshold=0.2),
     # cross_modal: two aligned sets, dense and on the tiled engine
@@ -625,6 +655,35 @@ def test_compile_fullgraph_equals_eager(name):
     torch._dynamo.reset()
 
 
+# The gradient taken inside the compiled function: dynamo traces torch.func's levels and each
+# autograd.Function's forward and backward into one graph (the tiled NT-Xent failed there and
+# not when differentiated outside). That tracing, functionalisation and the graph are what this
+# adds to test_compile_fullgraph_equals_eager, whose inductor already generates code for the
+# same forward and backward ops: so aot_eager, ~1 s an entry instead of 5-10 s with inductor
+# (test_tiled.py compiles the engine's losses with inductor).
+_TRANSFORMED_BACKEND = "aot_eager"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_compiled_func_grad_and_value_equals_eager(name):
+    """``torch.compile(torch.func.grad_and_value(loss, argnums=every differentiated tensor),
+    fullgraph=True)`` gives eager ``torch.func.grad_and_value``'s gradients and value."""
+    call = LOSSES[name].make(Draw(F32))
+    names = list(call.wrt)
+
+    def loss(*v):
+        return loss_of(call.run(**dict(zip(names, v, strict=True))))
+
+    transformed = torch.func.grad_and_value(loss, argnums=tuple(range(len(names))))
+    torch._dynamo.reset()
+    compiled = torch.compile(transformed, fullgraph=True, backend=_TRANSFORMED_BACKEND)
+    got, want = compiled(*call.wrt.values()), transformed(*call.wrt.values())
+    _assert_outputs_equal(got, want, rtol=1e-5, atol=1e-6)
+    assert any(w.abs().max() > 0 for w in want[0]), "every gradient is zero: nothing was compared"
+    torch._dynamo.reset()
+
+
 # The core losses, and those whose compiled training graphs saved a (B, M) boolean mask for
 # their backward (3-10 ms each at B = 512 on a CPU, where the float forms cost 0.2 ms): a
 # comparison's mask, a diagonal or a triangle built from index comparisons, the conditions of a
@@ -718,6 +777,29 @@ def test_a_non_finite_input_makes_the_loss_non_finite(name, value):
     for key in call.wrt:
         loss = loss_of(call.run(**_with(call, key, value)))
         assert not torch.isfinite(loss), f"{key}[0] = {value}: loss {float(loss)}"
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_finite_loss_has_finite_gradients_whatever_entry_is_non_finite(name, value):
+    """One non-finite entry, the first of each row of each differentiated tensor in turn: when
+    the loss stays finite, every gradient is finite; a non-finite gradient comes with a
+    non-finite loss, never unreported (npairs returned 1.12 over the NaN gradients of a row it
+    does not pair, through the normalisation of every row)."""
+    call = LOSSES[name].make(Draw(F64))
+    for key, t in call.wrt.items():
+        rows = t.shape[0] if t.ndim else 1
+        for row in range(rows):
+            wrt = {k: v.detach().clone() for k, v in call.wrt.items()}
+            wrt[key].view(-1)[row * (t.numel() // rows)] = value
+            out, grads = value_and_grads(call.run, Call(wrt, call.run))
+            if torch.isfinite(loss_of(out)):
+                for k, g in zip(wrt, grads, strict=True):
+                    bad = int((~torch.isfinite(g)).sum())
+                    assert not bad, (
+                        f"{key}[{row}, 0] = {value}: loss {float(loss_of(out))}, "
+                        f"{bad} non-finite entries in the gradient of {k}"
+                    )
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
