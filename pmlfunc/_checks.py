@@ -75,23 +75,31 @@ def index(t: Tensor, size: int, name: str) -> Tensor:
     return torch.where(t < 0, t + size, t)
 
 
-def in_range(t: Tensor, low: int, high: int, name: str, what: str = "") -> None:
+def in_range(
+    t: Tensor,
+    low: int,
+    high: int,
+    name: str,
+    what: str = "",
+    error: type[Exception] = IndexError,
+) -> None:
     """Check ``low ≤ t < high`` where reading the values costs nothing and cannot break a
-    trace: in eager mode on CPU an ``IndexError`` naming ``name``, the first offending position
-    and the valid range. On CUDA and under ``torch.compile`` it is a device-side assert
-    (``torch._assert_async``: no host sync; a ``RuntimeError`` when it fires). Not checked on
-    ``meta`` or inside ``torch.func`` transforms (no batching rule for the assert). ``what``
-    (e.g. ``"for 8 rows"``) follows "is out of range" in the message."""
+    trace: in eager mode on CPU an ``error`` (default ``IndexError``) naming ``name``, the first
+    offending position (none for a 0-d ``t``) and the valid range. On CUDA and under
+    ``torch.compile`` it is a device-side assert (``torch._assert_async``: no host sync; a
+    ``RuntimeError`` when it fires). Not checked on ``meta`` or inside ``torch.func``
+    transforms (no batching rule for the assert). ``what`` (e.g. ``"for 8 rows"``) follows "is
+    out of range" in the message."""
     if t.numel() == 0 or inside_transform():
         return
     inside = (t >= low) & (t < high)
     what = f" {what}" if what else ""
     if readable(t):
         if not bool(inside.all()):
-            pos = tuple(int(i) for i in (~inside).nonzero()[0])
-            where = pos[0] if len(pos) == 1 else pos
-            raise IndexError(
-                f"{name}[{where}] = {int(t[pos])} is out of range{what} "
+            pos = tuple(int(i) for i in (~inside).nonzero()[0]) if t.ndim else ()
+            where = "" if not pos else f"[{pos[0] if len(pos) == 1 else pos}]"
+            raise error(
+                f"{name}{where} = {int(t[pos])} is out of range{what} "
                 f"(valid: {low} <= value < {high})"
             )
     elif t.device.type != "meta":

@@ -76,25 +76,52 @@ def cross_batch_memory_init(
 
 
 def _check_memory(memory: object, embeddings: Tensor) -> tuple[int, int]:
+    """``(memory_size, batch rows)`` after checking the state: the keys, each tensor's shape,
+    dtype and device (always: metadata only), then ``0 ≤ count ≤ size`` and
+    ``0 ≤ index < size`` where that costs no host sync (:func:`pmlfunc._checks.in_range`: a
+    ``ValueError`` in eager mode on CPU, a device-side assert on CUDA and under
+    ``torch.compile``, not checked on ``meta`` or inside ``torch.func`` transforms)."""
     if not isinstance(memory, dict) or set(memory) != set(_KEYS):
         raise TypeError(
             f"memory must be the dict made by cross_batch_memory_init (keys {_KEYS}), "
             f"got {type(memory).__name__}"
         )
+    for key in _KEYS:
+        if not isinstance(memory[key], Tensor):
+            raise TypeError(f"memory[{key!r}] must be a tensor, got {type(memory[key]).__name__}")
     mem = memory["embeddings"]
-    if not isinstance(mem, Tensor) or mem.ndim != 2:
+    if mem.ndim != 2:
         raise ValueError("memory['embeddings'] must be a (memory_size, embedding_size) tensor")
+    if mem.dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"memory['embeddings'] must be floating-point, got {mem.dtype}")
+    size = mem.shape[0]
+    for key, shape in (("labels", (size,)), ("index", ()), ("count", ())):
+        t = memory[key]
+        if t.dtype != torch.int64:
+            raise TypeError(f"memory[{key!r}] must be int64, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"memory[{key!r}] has shape {tuple(t.shape)}, expected {shape} "
+                f"(memory['embeddings'] has {size} slots)"
+            )
     if mem.shape[1] != embeddings.shape[1]:
         raise ValueError(
             f"memory holds embeddings of size {mem.shape[1]} but embeddings have size {embeddings.shape[1]}"
         )
-    if mem.device != embeddings.device:
-        raise ValueError(f"memory is on {mem.device} but embeddings are on {embeddings.device}")
-    if embeddings.shape[0] > mem.shape[0]:
+    for key in _KEYS:
+        if memory[key].device != embeddings.device:
+            raise ValueError(
+                f"memory[{key!r}] is on {memory[key].device}, expected {embeddings.device} "
+                "(the embeddings' device)"
+            )
+    if embeddings.shape[0] > size:
         raise ValueError(
-            f"the batch ({embeddings.shape[0]} rows) is larger than the memory ({mem.shape[0]} slots)"
+            f"the batch ({embeddings.shape[0]} rows) is larger than the memory ({size} slots)"
         )
-    return mem.shape[0], embeddings.shape[0]
+    slots = f"for a memory of {size} slots"
+    _checks.in_range(memory["count"], 0, size + 1, "memory['count']", slots, ValueError)
+    _checks.in_range(memory["index"], 0, size, "memory['index']", slots, ValueError)
+    return size, embeddings.shape[0]
 
 
 def enqueue(
@@ -103,7 +130,7 @@ def enqueue(
     """Write a batch into the memory's ring buffer (detached), oldest slots first.
 
     Returns the new memory and the slot each row went to (``(B,)`` int64). The input memory is
-    not modified.
+    not modified; it is checked as :func:`cross_batch_memory` says.
 
     Example:
         >>> memory = cross_batch_memory_init(4, 2)
@@ -177,6 +204,15 @@ def cross_batch_memory(
     miner still sees them as candidates before its result is restricted, so a miner that picks
     one candidate per anchor (batch-hard, HDC, multi-similarity) can differ from PML's during the
     first ``memory_size / batch_size`` steps; once the memory is full they agree.
+
+    The state is checked on every call (and by :func:`enqueue`): a tensor of another dtype,
+    shape or device than :func:`cross_batch_memory_init` makes raises a ``TypeError`` or
+    ``ValueError`` naming it (``memory['labels'] is on meta, expected cpu``). Its values,
+    ``0 ≤ count ≤ memory_size`` and ``0 ≤ index < memory_size``, are read where that costs no
+    host sync: a ``ValueError`` in eager mode on CPU, a device-side assert
+    (``torch._assert_async``, a ``RuntimeError`` when it fires) on CUDA and under
+    ``torch.compile``; not on ``meta`` (no values) nor inside ``torch.func`` transforms (the
+    assert has no batching rule).
 
     Example:
         >>> emb, labels = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])

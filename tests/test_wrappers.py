@@ -102,7 +102,10 @@ def test_unfilled_slots_and_own_slot_never_pair():
 
 
 @pytest.mark.compile
-def test_compiled_step_equals_eager():
+def test_compiled_step_equals_eager_and_asserts_on_a_corrupted_state():
+    """The compiled step equals eager as the index moves; a corrupted count or index (the state
+    read on no host: a ``torch._assert_async`` in the graph) fails in the same graph."""
+
     def step(emb, labels, memory):
         return wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
 
@@ -116,6 +119,9 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(l_comp, l_eager, rtol=1e-5, atol=1e-6)
         for k in m_eager:
             torch.testing.assert_close(m_comp[k], m_eager[k])
+    for key, value in (("count", -3), ("index", S + 20)):
+        with pytest.raises(RuntimeError, match=rf"memory\['{key}'\].*out of range"):
+            compiled(emb, labels, {**m_comp, key: torch.tensor(value)})
 
 
 def test_meta_device():
@@ -149,6 +155,121 @@ def test_errors():
         wrappers.cross_batch_memory(
             pf.losses.contrastive, emb, labels, memory, miner=lambda *a, **k: (labels, labels)
         )
+
+
+def _filled_memory(size: int = 32, dim: int = 16) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A memory after three steps of 8 rows, and a batch."""
+    gen = torch.Generator().manual_seed(0)
+    emb, labels = torch.randn(8, dim, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    memory = wrappers.cross_batch_memory_init(size, dim)
+    for _ in range(3):
+        _, memory = wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
+    return memory, emb, labels
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("count", -3), ("count", 33), ("index", 40), ("index", 32), ("index", -1)],
+)
+def test_a_count_or_index_out_of_range_raises_a_value_error_naming_it(key, value):
+    """A corrupted state was used silently (count −3, index 40 on 32 slots: losses 1.533 and
+    1.0 against 1.4926); in eager mode on CPU it is read and refused, in enqueue too."""
+    memory, emb, labels = _filled_memory()
+    bad = {**memory, key: torch.tensor(value)}
+    high = 33 if key == "count" else 32
+    message = (
+        rf"memory\['{key}'\] = {value} is out of range for a memory of 32 slots "
+        rf"\(valid: 0 <= value < {high}\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, bad)
+    with pytest.raises(ValueError, match=message):
+        wrappers.enqueue(bad, emb, labels)
+    for edge in (0, high - 1):  # the ends of the valid range are accepted
+        wrappers.cross_batch_memory(
+            pf.losses.contrastive, emb, labels, {**memory, key: torch.tensor(edge)}
+        )
+
+
+@pytest.mark.parametrize("key", ["embeddings", "labels", "index", "count"])
+def test_a_memory_tensor_on_another_device_raises_naming_it(key):
+    """Memory labels on another device raised index_copy's raw RuntimeError."""
+    memory, emb, labels = _filled_memory()
+    moved = {**memory, key: memory[key].to("meta")}
+    match = rf"memory\['{key}'\] is on meta, expected cpu"
+    with pytest.raises(ValueError, match=match):
+        wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, moved)
+
+
+def test_a_memory_tensor_of_the_wrong_dtype_or_shape_raises_naming_it():
+    memory, emb, labels = _filled_memory()
+    cases = [
+        ("labels", memory["labels"].int(), TypeError, r"memory\['labels'\] must be int64, got torch.int32"),
+        ("count", memory["count"].float(), TypeError, r"memory\['count'\] must be int64"),
+        ("index", memory["index"].view(1), ValueError, r"memory\['index'\] has shape \(1,\), expected \(\)"),
+        ("labels", memory["labels"][:-1], ValueError, r"memory\['labels'\] has shape \(31,\), expected \(32,\)"),
+        ("embeddings", memory["embeddings"].long(), TypeError, r"memory\['embeddings'\] must be floating-point"),
+        ("count", 3, TypeError, r"memory\['count'\] must be a tensor, got int"),
+    ]  # fmt: skip
+    for key, value, error, match in cases:
+        with pytest.raises(error, match=match):
+            wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, {**memory, key: value})
+
+
+def test_a_corrupted_state_inside_a_transform_or_on_meta_is_not_read():
+    """Inside ``torch.func`` transforms (``torch._assert_async`` has no batching rule: under
+    ``vmap`` it raises "Batching rule not implemented") and on ``meta`` (no values) the value
+    checks are skipped, as for index tuples; shapes, dtypes and devices are still checked."""
+    memory, emb, labels = _filled_memory()
+
+    def loss(e, m):
+        return wrappers.cross_batch_memory(pf.losses.contrastive, e, labels, m)[0]
+
+    grad = torch.func.grad(loss)(emb, {**memory, "count": torch.tensor(-3)})
+    assert grad.shape == emb.shape  # not read: no error
+    meta = {k: v.to("meta") for k, v in memory.items()}
+    meta["index"] = torch.tensor(40, device="meta")
+    out, _ = wrappers.cross_batch_memory(
+        pf.losses.contrastive, emb.to("meta"), labels.to("meta"), meta
+    )
+    assert out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"memory\['labels'\] is on meta, expected cpu"):
+        torch.func.grad(loss)(emb, {**memory, "labels": memory["labels"].to("meta")})
+
+
+_CUDA_ASSERT = """
+import torch, pmlfunc as pf
+W = pf.wrappers
+emb = torch.randn(8, 16, device="cuda"); labels = torch.randint(0, 4, (8,), device="cuda")
+memory = W.cross_batch_memory_init(32, 16, device="cuda")
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")  # the checks read nothing on the host
+loss, memory = W.cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
+torch.cuda.set_sync_debug_mode("default")
+print("clean", float(loss), flush=True)
+loss, _ = W.cross_batch_memory(
+    pf.losses.contrastive, emb, labels, {**memory, "count": torch.tensor(-3, device="cuda")}
+)
+torch.cuda.synchronize()
+print("not fired", flush=True)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_state_is_checked_by_a_device_assert_without_a_host_sync():
+    """A clean step runs under ``set_sync_debug_mode("error")``; a count of −3 fires the
+    device-side assert at the next synchronisation. In a child process: a fired device assert
+    leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CUDA_ASSERT], capture_output=True, text=True, timeout=300
+    )
+    assert "clean" in done.stdout, done.stderr
+    assert done.returncode != 0 and "not fired" not in done.stdout, done.stdout
+    assert "device-side assert" in done.stderr or "memory['count']" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------------------------------
