@@ -1,5 +1,6 @@
 """Tests for the tiled engine (``pmlfunc.losses._tiled``) behind ``chunk_size=`` of NT-Xent and
-SupCon (CLIP and SigLIP, which share it, are tested in ``test_cross_modal.py``).
+SupCon (CLIP and SigLIP, which share it, are tested in ``test_cross_modal.py``; all four are
+compiled here with their gradient taken inside the compiled function).
 
 The tiled path must return what the dense ``pf.losses.ntxent`` / ``supcon`` return — value and
 gradients w.r.t. the embeddings, the reference set and a tensor temperature — while no tensor
@@ -289,6 +290,98 @@ def test_compile_fullgraph_equals_eager(gen):
         out = f(*inputs)
         results.append((out, torch.autograd.grad(out, inputs)))
     _assert_same(results[0], results[1])
+
+
+def _engine_call(gen, name: str, chunk: int | None):
+    """``(f, args)``: ``f(*args)`` the loss ``name`` of the tiled engine (``chunk`` rows a tile,
+    ``None``: dense) in everything it is differentiated in: NT-Xent and SupCon in the
+    embeddings, a reference set and the temperature; CLIP and SigLIP in both sets and their
+    params (a dict: a pytree)."""
+    emb, ref = _data(gen)
+    labels, ref_labels = torch.tensor(LABELS["uneven"]), torch.tensor(REF_LABELS["uneven"])
+    if name in ("ntxent", "supcon"):
+
+        def f(e, r, t):
+            kw = {"ref_emb": r, "ref_labels": ref_labels}
+            return getattr(pfl, name)(e, labels, temperature=t, chunk_size=chunk, **kw)
+
+        return f, (emb, ref, torch.tensor(0.3, dtype=F64))
+    params = getattr(pfl, f"{name}_init")(logit_scale=1.2, logit_bias=-0.4, dtype=F64)
+
+    def g(a, b, p):
+        return getattr(pfl, name)(a, b, p, labels=labels, chunk_size=chunk)
+
+    return g, (emb, torch.randn(B, D, generator=gen, dtype=F64), params)
+
+
+@pytest.mark.slow  # inductor: 10-25 s a loss on a loaded 2-core CPU
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["ntxent", "supcon", "clip", "siglip"])
+def test_gradient_taken_inside_the_compiled_function_equals_eager_and_dense(gen, name):
+    """``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)`` of the tiled loss
+    (inductor): the gradient formed inside the graph, through the engine's Functions (the
+    tiled NT-Xent failed there, on dynamo's rewrite of ``addcmul_(value=)`` into a prim with no
+    functorch rule, while a gradient taken outside the compiled function worked), equals the
+    eager transform and the dense loss's gradient."""
+    tiled, args = _engine_call(gen, name, 3)
+    dense, _ = _engine_call(gen, name, None)
+    argnums = tuple(range(len(args)))
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.func.grad_and_value(tiled, argnums=argnums), fullgraph=True)
+    got = compiled(*args)
+    torch.testing.assert_close(got, torch.func.grad_and_value(tiled, argnums=argnums)(*args))
+    want = torch.func.grad_and_value(dense, argnums=argnums)(*args)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_tiled_loss_compiles_inside_grad_and_vmap(gen, name):
+    """``torch.func.grad`` (of the embeddings alone) and ``vmap`` over a stack of batches, each
+    compiled with ``fullgraph=True`` (aot_eager: the graph capture is what is checked; inductor
+    compiles the same ops above), equal the dense loss."""
+    labels = torch.tensor(LABELS["uneven"])
+    emb, _ = _data(gen)
+    batch = torch.randn(3, B, D, generator=gen, dtype=F64)
+
+    def stream(e):
+        return getattr(pfl, name)(e, labels, chunk_size=4)
+
+    def dense(e):
+        return getattr(pfl, name)(e, labels)
+
+    for transform, x in ((torch.func.grad, emb), (torch.func.vmap, batch)):
+        torch._dynamo.reset()
+        compiled = torch.compile(transform(stream), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), transform(dense)(x), rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@pytest.mark.compile
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="PyTorch 2.13: under torch.compile, vmap of a function whose gradient goes through "
+    "an autograd.Function (every pmlfunc loss: the dense ones through pmlfunc._ops as well) "
+    "fails, 'You tried to vmap over ApplyTemplate' (pytorch/pytorch#129845); eager vmap of "
+    "the gradient works (test_torch_func), as does a loop over the batches of a compiled "
+    "gradient",
+)
+def test_vmap_of_the_gradient_compiles(gen):
+    labels = torch.tensor(LABELS["uneven"])
+    batch = torch.randn(3, B, D, generator=gen, dtype=F64)
+
+    def stream(e):
+        return pfl.ntxent(e, labels, chunk_size=4)
+
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(torch.func.vmap(torch.func.grad(stream)), fullgraph=True)
+        got = fn(batch)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(stream))(batch))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
