@@ -1,6 +1,9 @@
-"""Repository-wide pytest set-up: benchmark bodies run untimed unless timing is asked for."""
+"""Repository-wide pytest set-up: benchmark bodies run untimed unless timing is asked for, and
+the `slow` mark that `python -m pytest -m "not slow"` (the quick subset) leaves out."""
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 import pytest
 
@@ -24,3 +27,89 @@ def pytest_configure(config: pytest.Config) -> None:
     option = config.option
     if hasattr(option, "benchmark_disable") and not any(getattr(option, k, None) for k in _TIMED):
         option.benchmark_disable = True
+
+
+# --- the quick subset: ``python -m pytest -m "not slow"`` ---------------------------------------
+#
+# Tests that take seconds each on a 2-core CPU carry the ``slow`` mark (CI runs them all): every
+# test that compiles (the ``compile`` mark, or "compile" in its name: a cold inductor compile per
+# test, 1-60 s), and the node ids below, each with why. Patterns are ``fnmatch`` patterns of node
+# ids (``[[]`` is a literal ``[``: a parameter id's bracket); a test module may also mark its own
+# tests ``@pytest.mark.slow``.
+SLOW_TESTS: dict[str, str] = {
+    # gloo process groups: ranks spawned per test, each importing torch (3-17 s a test)
+    "tests/test_distributed.py::test_global_objective_*": "spawns gloo ranks",
+    "tests/test_distributed.py::test_ring_and_gather_*": "spawns gloo ranks",
+    "tests/test_distributed.py::test_chunked_global_value_and_grad": "spawns gloo ranks",
+    "tests/test_distributed.py::test_cross_batch_memory_identical_on_every_rank": "spawns gloo ranks",
+    "tests/test_distributed.py::test_all_gather_*": "spawns gloo ranks",
+    "tests/test_distributed.py::test_mismatched_width_*": "spawns gloo ranks",
+    "tests/test_distributed.py::test_ddp_example_*": "torchrun, two ranks",
+    "tests/test_distributed.py::test_*_benchmark_*": "torchrun / spawned ranks",
+    "tests/test_distributed_faults.py::*": "spawns gloo ranks, waits for timeouts",
+    "tests/test_testing.py::test_the_ring_*": "spawns four gloo ranks",
+    "tests/test_testing.py::test_the_gather_*": "spawns gloo ranks",
+    "tests/test_testing.py::test_a_*": "spawns gloo ranks",
+    "tests/test_testing.py::test_an_*": "spawns gloo ranks",
+    "tests/test_testing.py::test_spawn_ranks_*": "spawns processes",
+    "tests/test_testing.py::test_parameter_gradients_*": "spawns gloo ranks",
+    # the documentation site: one mkdocs build (~30 s) shared by the tests that read it
+    "tests/test_docs.py::test_mkdocs_build_strict": "builds the docs site",
+    "tests/test_docs.py::test_no_raw_latex_left_in_any_page": "reads the built site",
+    "tests/test_docs.py::test_every_docstring_formula_is_mathml_on_the_losses_page": "built site",
+    "tests/test_docs.py::test_inline_dollar_math_in_a_markdown_page_is_mathml": "built site",
+    "tests/test_docs.py::test_docstring_examples_are_code_blocks_with_their_prompts": "built site",
+    "tests/test_docs.py::test_parameter_tables_have_one_row_per_parameter_*": "built site",
+    "tests/test_docs.py::test_a_returns_section_is_one_row_*": "built site",
+    "tests/test_docs.py::test_the_shared_inputs_are_documented_once_*": "built site",
+    "tests/test_docs.py::test_the_site_loads_nothing_from_the_network": "built site",
+    # examples and tools run as scripts
+    "tests/test_examples.py::test_clip_pairs_example_*": "trains two towers, 5-30 s",
+    "tests/test_gradcache_example.py::test_gradcache_example_runs": "runs the example, ~10 s",
+    "tests/test_gradcache_example.py::test_compare_helper_and_train_step": "~5 s",
+    "tests/test_gpu_check.py::test_dry_run_runs_the_whole_plan_on_cpu": "~15 s of subprocesses",
+    "tests/test_memory.py::test_rss_*": "a fresh Python process each, 3-7 s",
+    # untimed benchmark bodies whose PML 2.9.0 step takes seconds (PNP: 43 s)
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]pnp-pml]": "PML's B x B x B PNP",
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]histogram-pml]": "PML step, ~6 s",
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]threshold_consistent_margin-pml]": "~4 s",
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]signal_to_noise_ratio_contrastive-pml]": (
+        "PML step, ~4 s"
+    ),
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]dynamic_soft_margin-pml]": "~3 s",
+    "benchmarks/cases/bench_other_losses.py::bench_loss[[]margin-pml]": "PML step, ~2.5 s",
+    "benchmarks/cases/bench_miners.py::bench_miner[[]triplet-miner-pml]": "PML miner, ~6 s",
+    "benchmarks/cases/bench_miners.py::bench_miner[[]mined-triplet-pml]": "PML miner, ~3 s",
+    "benchmarks/cases/bench_core_losses.py::bench_loss[[]all-triplet-pml]": "PML step, ~2 s",
+    "benchmarks/cases/bench_chunked_ntxent.py::*": "memory in fresh processes, 2-10 s",
+    "tests/test_docstrings.py::test_docstring_examples_run[[]pmlfunc.testing]": "spawns ranks",
+    "tests/test_doc_blocks.py::*compile-and-cuda-graphs.md*": "compiles a step",
+    "tests/test_benchmark_tools.py::test_pytest_benchmark_options_work_as_typed*": (
+        "a pytest subprocess each, 4-5 s"
+    ),
+    # single tests of several seconds
+    "tests/test_miners.py::test_bounded_pairs_are_uniform_and_reproducible": "~10 s",
+    "tests/test_miners.py::test_distance_weighted_negative_distribution*": "3-5 s each",
+    "tests/test_conformance.py::test_gradcheck[[]soft_triple]": "float64 gradcheck, ~4 s",
+    "tests/test_conformance.py::test_gradcheck[[]dynamic_arcface]": "float64 gradcheck, ~4 s",
+    "tests/test_conformance.py::test_gradcheck[[]subcenter_arcface]": "float64 gradcheck, ~3 s",
+    "tests/test_margin_softmax.py::test_gradcheck_on_every_branch[[]large_margin_softmax]": "~3 s",
+    "tests/test_miners.py::test_large_batch_chunked_paths_match_pml": "large batches, ~4 s",
+    "tests/test_miners.py::test_bounded_triplets_are_uniform*": "sampling statistics, ~3 s",
+    "tests/test_ranking.py::test_dynamic_soft_margin_pml_settings*": "PML reference, ~3 s",
+    "tests/test_pair_weighting.py::test_circle_gradient_holds_weights_constant": "~2 s",
+}
+
+
+def _slow_reason(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("compile") or "compile" in getattr(item, "originalname", item.name):
+        return "torch.compile"
+    return next((why for pat, why in SLOW_TESTS.items() if fnmatchcase(item.nodeid, pat)), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the :data:`SLOW_TESTS` (and every compiling test) ``slow``, so that
+    ``python -m pytest -m "not slow"`` deselects them."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and _slow_reason(item) is not None:
+            item.add_marker(pytest.mark.slow)
