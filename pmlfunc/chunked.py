@@ -262,10 +262,11 @@ class _Sums:
 
     def gradient(self, reducer: Reducer, grads: list[Tensor], like: Tensor) -> Tensor:
         """``Σ_k grads[k] · divide(1, norms[k])``: the loss's gradient (zeros when empty)."""
-        out = torch.zeros_like(like)
+        out = None
         for g, n in zip(grads, self.norms, strict=False):
-            out = out + g * reducer.divide(torch.ones_like(n), n).to(g.dtype)
-        return out
+            g = g * reducer.divide(torch.ones_like(n), n).to(g.dtype)
+            out = g if out is None else out + g
+        return torch.zeros_like(like) if out is None else out
 
 
 def _chunked(
@@ -320,12 +321,14 @@ def _chunked(
             continue
         out, parts, pullback = _vjp(functools.partial(chunk, (r0, r1)), (x_hat[r0:r1], *refs))
         sums.add_norms(parts)
-        if not sums.shares:  # the first chunk of mine: one buffer per sub-loss
-            sums.shares = [torch.zeros_like(o) for o in out]
+        first = not sums.shares
+        if first:  # the first chunk of mine: one buffer per sub-loss
+            sums.shares = list(out)
             sums.g_x = [torch.zeros_like(x_hat) for _ in out] if want_x else []
             sums.g_ref = [torch.zeros_like(r) for _ in out for r in refs] if want_ref else []
         for k, o in enumerate(out):
-            sums.shares[k] = sums.shares[k] + o
+            if not first:
+                sums.shares[k] = sums.shares[k] + o
             grads = pullback(k, one)
             if want_x:
                 sums.g_x[k][r0:r1] += grads[0]
