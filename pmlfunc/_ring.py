@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._agree import Session
 from ._ops import apply
 from .losses._tiled import (
     ROW_STATS,
@@ -47,23 +48,18 @@ __all__ = ["Ring", "ring_loss"]
 
 
 class Ring:
-    """This rank's place in a process group's ring and every rank's block size (from one
-    all-gather of the sizes at construction)."""
+    """This rank's place in a :class:`~pmlfunc._agree.Session`'s ring and every rank's block
+    size (agreed by the session); every wait is the session's bounded wait."""
 
-    def __init__(self, group, n_local: int, device: torch.device):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        backend = dist.get_backend(group)
-        sizes_device = torch.device("cpu") if backend == "gloo" else device
-        mine = torch.tensor([n_local], dtype=torch.int64, device=sizes_device)
-        out = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=group)
-        self.sizes = [int(t) for t in out]
-        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
-        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+    def __init__(self, session: Session, sizes: list[int]):
+        self.session, self.group = session, session.group
+        self.rank, self.world = session.rank, session.world
+        self.sizes = sizes
+        self._prev_rank = (self.rank - 1) % self.world
+        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self._prev = dist.get_global_rank(self.group, self._prev_rank)
 
-    def shift(self, tensors: list[Tensor], rows: int) -> Callable[[], list[Tensor]]:
+    def shift(self, tensors: list[Tensor], rows: int, where: str) -> Callable[[], list[Tensor]]:
         """Send ``tensors`` to the next rank and receive the same kinds of tensor, with ``rows``
         leading rows, from the previous one; returns the wait that yields the received ones."""
         bufs = [t.new_empty((rows, *t.shape[1:])) for t in tensors]
@@ -72,34 +68,39 @@ class Ring:
         works = dist.batch_isend_irecv(ops)
 
         def wait() -> list[Tensor]:
-            for w in works:
-                w.wait()
+            self.session.wait(works, where, peer=self._prev_rank)
             return bufs
 
         return wait
 
-    def circulate(self, block: list[Tensor], visit) -> list[Tensor] | None:
+    def circulate(self, block: list[Tensor], visit, phase: str) -> list[Tensor] | None:
         """Pass this rank's ``block`` (tensors with its rows leading) around the ring. At each
         step, ``visit(owner, tensors, traveling)`` works on the block held and returns what
         travels with it (``None``: nothing); after the last step that returns to the block's
-        owner. Returns what came home with this rank's own block."""
+        owner. Returns what came home with this rank's own block. ``phase`` names the walk in
+        the waits' messages."""
         owner, travel = self.rank, None
         for step in range(self.world):
             nxt = (owner - 1) % self.world  # the owner of the block that arrives next
-            pending = self.shift(block, self.sizes[nxt]) if step < self.world - 1 else None
+            where = f"{phase}, ring step {step + 1} of {self.world}"
+            pending = (
+                self.shift(block, self.sizes[nxt], f"{where}: receiving rank {nxt}'s block")
+                if step < self.world - 1
+                else None
+            )
             travel = visit(owner, block, travel)
             if travel is not None:  # on with the block; after the last step, home
-                travel = self.shift(travel, self.sizes[nxt])()
+                travel = self.shift(travel, self.sizes[nxt], f"{where}: passing statistics")()
             if pending is not None:
                 block = pending()
             owner = nxt
         return travel
 
-    def all_sum(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+    def all_sum(self, values: dict[str, Tensor], where: str) -> dict[str, Tensor]:
         """Every entry summed over the ranks (one all-reduce, in float64)."""
         names = sorted(values)
         flat = torch.stack([values[k].reshape(()).to(torch.float64) for k in names])
-        dist.all_reduce(flat, group=self.group)
+        self.session.all_reduce(flat, where)
         return {k: flat[i].to(values[k].dtype) for i, k in enumerate(names)}
 
 
@@ -112,9 +113,14 @@ class _RingLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
+        with ring.session.guard("the ring's forward"):
+            return _RingLoss._forward(ctx, x, y, scale, bias, call, ring)
+
+    @staticmethod
+    def _forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
         kind, rows = call.kind, call.rows
         self_mode = y is None
-        chunk = call.chunk or x.shape[-2]
+        chunk = call.chunk or max(x.shape[-2], 1)
         block = [x if self_mode else y] + ([] if rows is None else [_block_labels(call)])
 
         def walk(lse: Tensor | None) -> dict[str, Tensor]:
@@ -132,7 +138,7 @@ class _RingLoss(torch.autograd.Function):
                 col = torch.stack([st[k] for k in _COL], -1)
                 return [col if travel is None else _merge_cols(travel[0], col)]
 
-            home = ring.circulate(block, visit)
+            home = ring.circulate(block, visit, "the forward" if lse is None else "the terms")
             assert acc is not None  # circulate visits every rank's block, this one's included
             if home is not None:
                 acc.update(zip(_COL, home[0].unbind(-1), strict=True))
@@ -141,9 +147,9 @@ class _RingLoss(torch.autograd.Function):
         st = walk(None)
         if kind == "ntxent":  # the terms need each row's final log-sum-exp: a second walk
             st = {"row_lse": st["row_lse"], **walk(st["row_lse"])}
-        total = ring.all_sum(counts(kind, st, x.shape[-2]))
+        total = ring.all_sum(counts(kind, st, x.shape[-2]), "summing the reducers' counts")
         share, stats = reduce(kind, st, call.reducer, total)
-        loss = ring.all_sum({"loss": share})["loss"]
+        loss = ring.all_sum({"loss": share}, "summing the ranks' shares of the loss")["loss"]
         # not the call itself: it holds x and y, which belong in save_for_backward
         ctx.kind, ctx.chunk, ctx.rows, ctx.ring = kind, chunk, rows, ring
         ctx.block_labels = None if rows is None else _block_labels(call)
@@ -153,6 +159,11 @@ class _RingLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        with ctx.ring.session.guard("the ring's backward"):
+            return _RingLoss._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
         x, y, scale, bias, *stats = ctx.saved_tensors
         kind, rows, ring = ctx.kind, ctx.rows, ctx.ring
         scale = ctx.scale_float if scale is None else scale
@@ -187,7 +198,7 @@ class _RingLoss(torch.autograd.Function):
             part_y = part_y * (scale * g)
             return [part_y if travel is None else travel[0] + part_y]
 
-        home = ring.circulate(block, visit)
+        home = ring.circulate(block, visit, "the backward")
         w = ring.world
         grad_x = grad_y = None
         if need_x:
@@ -197,7 +208,11 @@ class _RingLoss(torch.autograd.Function):
             grad_x = grad_x * w
         if need_y:
             grad_y = home[0] * w
-        totals = ring.all_sum({k: v * g for k, v in sums.items()}) if sums else {}
+        totals = (
+            ring.all_sum({k: v * g for k, v in sums.items()}, "summing the scale's gradient")
+            if sums
+            else {}
+        )
         return grad_x, grad_y, totals.get("scale"), totals.get("bias"), None, None
 
 
@@ -213,9 +228,10 @@ def _block_labels(call: EngineCall) -> Tensor | None:
     return call.rows if call.cols is None else call.cols
 
 
-def ring_loss(call: EngineCall, group) -> Tensor:
-    """The loss of ``call`` (this rank's rows) over every rank's rows in ``group``, by the ring."""
-    ring = Ring(group, call.x.shape[-2], call.x.device)
+def ring_loss(call: EngineCall, session: Session, sizes: list[int]) -> Tensor:
+    """The loss of ``call`` (this rank's rows) over every rank's rows (``sizes``, agreed by
+    ``session``), by the ring."""
+    ring = Ring(session, sizes)
     scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
     loss = apply(_RingLoss, call.x, call.y, scale, call.bias, call, ring)
     return loss if call.finish is None else call.finish(loss)

@@ -18,26 +18,49 @@ single-process computation (so the examples here run as they are in a plain proc
     >>> loss = loss_fn(encoder(x), labels, temperature=0.1)  # the global loss, on every rank
     >>> loss.backward()  # DDP averages: the single-process gradient of the global batch
 
-Feature detection: the gather uses ``torch.distributed._functional_collectives``
-(``all_gather_single`` with autograd, which also traces under ``torch.compile``) when the
-installed torch has it, else ``torch.distributed.nn.functional.all_gather``.
+**Agreement, bounds and failures** (eager calls; ``pmlfunc/_agree.py``). Every entry point's
+first collective is one small all-gather in which the ranks agree on what follows: the entry
+point and the loss, every argument's dtype, trailing shape and presence (``labels``, ``params``
+keys, ``emb_b``), whether it requires grad, the hyper-parameters, and any error a rank's own
+checks found. A disagreement raises the same ``ValueError`` on every rank, naming the argument,
+the ranks and both values; a rank's own error is raised there and reported on the others; in
+both cases no data has moved and the process group stays usable. After the agreement every
+wait is bounded by ``timeout`` (:data:`DEFAULT_TIMEOUT`, 300 s, far below gloo's 30 minutes;
+``timeout=`` on each entry point): a rank that fails inside an entry point posts its exception
+to the process group's store, and the other ranks raise :class:`RankError` naming it and its
+exception within a fraction of a second; a rank that never arrives (it died, or is stuck
+elsewhere) is named after ``timeout`` seconds. A failure after the agreement leaves the process
+group unusable by pmlfunc (transfers may be pending): every later call raises at once. With
+NCCL the waits are asynchronous and the bound is the process group's own timeout.
+
+An empty local batch (a rank with 0 rows) takes part in every collective and contributes
+nothing; a global batch with no rows is refused on every rank.
+
+Under ``torch.compile`` the agreement is skipped (it is host code) and the gather uses
+``torch.distributed._functional_collectives`` (``all_gather_single`` with autograd), which
+traces; sizes must then be equal on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _checks
+from ._agree import DEFAULT_TIMEOUT, RankError, Session
 from .losses._tiled import unpartial
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "EXCHANGES",
+    "RankError",
     "all_gather",
     "cross_batch_memory",
     "global_objective",
@@ -91,107 +114,146 @@ def _legacy_gather(x: Tensor, group) -> Tensor:  # pragma: no cover - torch with
     return torch.cat(dnf.all_gather(x, group=group), 0)
 
 
-def _gather_equal(x: Tensor, group) -> Tensor:
-    """Concatenate equal-shaped ``x`` from every rank along dim 0, in rank order."""
+def _compiled_gather(x: Tensor, group) -> Tensor:
+    """Equal-shaped ``x`` from every rank along dim 0, in rank order (traceable)."""
     fn = _functional_gather()
     return (fn or _legacy_gather)(x.contiguous(), group)
 
 
-_MAX_NDIM = 8
+class _Gather(torch.autograd.Function):
+    """Every rank's rows in rank order (``sizes``: every rank's count; padded to the largest in
+    transit), its backward the sum over ranks of the gradients for this rank's rows: both one
+    bounded collective of a :class:`~pmlfunc._agree.Session`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list[int], session: Session, name: str) -> Tensor:
+        top = max(sizes)
+        ctx.sizes, ctx.session, ctx.name, ctx.top = sizes, session, name, top
+        padded = session.gather_padded(x.detach(), top, f"gathering {name}")
+        if len(set(sizes)) == 1:
+            return padded
+        return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        sizes, session, top = ctx.sizes, ctx.session, ctx.top
+        with session.guard(f"the backward of gathering {ctx.name}"):
+            if len(set(sizes)) != 1:
+                padded = g.new_zeros((len(sizes) * top, *g.shape[1:]))
+                offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+                for r, n in enumerate(sizes):
+                    padded[r * top : r * top + n] = g[offsets[r] : offsets[r] + n]
+                g = padded
+            where = f"the backward of gathering {ctx.name}"
+            mine = session.reduce_scatter_padded(g, top, where)
+        return mine[: sizes[session.rank]], None, None, None
 
 
-def _shapes(x: Tensor, group) -> list[tuple[int, ...]]:
-    """Every rank's ``x.shape`` (eager: one tiny all-gather and a host read)."""
-    if x.ndim > _MAX_NDIM:
-        raise ValueError(f"all_gather supports up to {_MAX_NDIM} dimensions, got {x.ndim}")
-    code = [x.ndim, *x.shape] + [-1] * (_MAX_NDIM - x.ndim)
-    mine = torch.tensor(code, dtype=torch.int64, device=_comm_device(x, group))
-    out = [torch.zeros_like(mine) for _ in range(world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [tuple(t.tolist()[1 : 1 + int(t[0])]) for t in out]
+def _gather(session: Session, x: Tensor, sizes: list[int], name: str) -> Tensor:
+    """Every rank's ``x`` in rank order: differentiable when ``x`` requires grad (bounded)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Gather.apply(x, sizes, session, name)
+    top = max(sizes)
+    padded = session.gather_padded(x, top, f"gathering {name}")
+    if len(set(sizes)) == 1:
+        return padded
+    return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
 
 
-def _comm_device(x: Tensor, group) -> torch.device:
-    backend = dist.get_backend(group or dist.group.WORLD)
-    return torch.device("cpu") if backend == "gloo" else x.device
+def _check_batch(x: object, name: str) -> None:
+    """A batch of rows: a tensor with a batch dimension (0 rows allowed on one rank)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have a batch dimension, got a 0-d tensor")
 
 
-def all_gather(x: Tensor, *, group=None, name: str = "x") -> Tensor:
+def _check_rows(x: Tensor, name: str, rows_of: Tensor, of: str) -> None:
+    _check_batch(x, name)
+    if x.shape[0] != rows_of.shape[0]:
+        raise ValueError(
+            f"{name} must have one row per row of {of} ({rows_of.shape[0]}), got shape "
+            f"{tuple(x.shape)}"
+        )
+
+
+def _local(checks: Callable[[], None]) -> BaseException | None:
+    """A rank's own checks, their error kept for the agreement (raised there on every rank)."""
+    try:
+        checks()
+    except (ValueError, TypeError, IndexError) as err:
+        return err
+    return None
+
+
+def _refuse_empty(sizes: Sequence[int], what: str, name: str) -> None:
+    """The same error on every rank (they agreed on ``sizes``) for a global batch of no rows."""
+    if sum(sizes) == 0:
+        raise ValueError(f"{what}: {name} has no rows on any rank; at least one row is required")
+
+
+def _named(loss_fn: Callable, args: tuple, kwargs: Mapping) -> dict[str, Any]:
+    """A call's arguments by name, through ``functools.partial`` layers and ``**kwargs`` (the
+    positional ones first, in order); by position where the signature does not bind them."""
+    fn, a, kw = unpartial(loss_fn, args, kwargs)
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*a, **kw)
+    except (TypeError, ValueError):
+        return {**{f"args[{i}]": v for i, v in enumerate(a)}, **kw}
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    for k, v in bound.arguments.items():
+        kind = sig.parameters[k].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(v)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            out.update({f"{k}[{i}]": x for i, x in enumerate(v)})
+        else:
+            out[k] = v
+    return out
+
+
+def _name(loss_fn: Callable) -> str:
+    fn = unpartial(loss_fn)[0]
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def all_gather(x: Tensor, *, group=None, name: str = "x", timeout: float | None = None) -> Tensor:
     """Every rank's ``x`` concatenated along dim 0 in rank order, differentiable.
 
     The backward gives each rank the sum over ranks of the gradients for its own rows. In eager
-    mode the ranks' shapes are compared first (one tiny all-gather): a different trailing shape
-    (embedding width) raises ``ValueError`` on every rank, and different batch sizes are handled
-    by padding to the largest and dropping the padding. Under ``torch.compile`` that check is
-    skipped and sizes must be equal. Outside a process group, returns ``x``.
+    mode the ranks agree first (module docstring): a different dtype or trailing shape (embedding
+    width) raises ``ValueError`` on every rank, and different batch sizes (0 rows included) are
+    handled by padding to the largest and dropping the padding; every wait is bounded by
+    ``timeout`` seconds. Under ``torch.compile`` that agreement is skipped and sizes must be
+    equal. Outside a process group, returns ``x``.
 
     Example:
         >>> emb = torch.randn(8, 4)
         >>> all_gather(emb).shape  # (sum of per-rank batch sizes, D); one process: emb itself
         torch.Size([8, 4])
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.ndim == 0:
-        raise ValueError(f"{name} must have a batch dimension, got a 0-d tensor")
+    _check_batch(x, name)
     if not is_active(group):
         return x
-    group = group or dist.group.WORLD
     if torch.compiler.is_compiling():
-        return _gather_equal(x, group)
-    return _gather_sized(x, _batch_sizes(x, group, name), group)
-
-
-def _batch_sizes(x: Tensor, group, name: str) -> list[int]:
-    """Every rank's batch size, after checking that the other dimensions agree (eager)."""
-    shapes = _shapes(x, group)
-    if len({s[1:] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
-        detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
-        raise ValueError(
-            f"{name} must have the same shape on every rank apart from the batch size; got {detail}"
-        )
-    return [s[0] for s in shapes]
-
-
-def _gather_sized(x: Tensor, sizes: list[int], group) -> Tensor:
-    """:func:`all_gather` given every rank's batch size (padded when they differ)."""
-    if len(set(sizes)) == 1:
-        return _gather_equal(x, group)
-    top = max(sizes)
-    pad = x.new_zeros((top - x.shape[0], *x.shape[1:]))
-    padded = _gather_equal(torch.cat([x, pad], 0), group)
-    return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
-
-
-def _gather_batch(
-    embeddings: Tensor, labels: Tensor, group
-) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """Gathered embeddings and labels and this rank's rows in them: one shape exchange (eager;
-    under compile, equal sizes are assumed)."""
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
-    if labels.ndim != 1 or labels.shape[0] != embeddings.shape[0]:
-        raise ValueError(
-            f"labels must have shape ({embeddings.shape[0]},) to match embeddings, got {tuple(labels.shape)}"
-        )
-    if torch.compiler.is_compiling():
-        sizes = [embeddings.shape[0]] * world_size(group)
-    else:
-        sizes = _batch_sizes(embeddings, group, "embeddings")
-    rank = dist.get_rank(group)
-    r0 = sum(sizes[:rank])
-    return (
-        _gather_sized(embeddings, sizes, group),
-        _gather_sized(labels, sizes, group),
-        (r0, r0 + sizes[rank]),
-    )
+        return _compiled_gather(x, group or dist.group.WORLD)
+    session = Session(group, f"all_gather({name})", timeout)
+    sizes = session.agree({name: x}, batch=(name,), device=x.device)[name]
+    with session.guard(f"gathering {name}"):
+        return _gather(session, x, sizes, name)
 
 
 EXCHANGES = ("gather", "ring")
 
 
 def global_objective(
-    loss_fn: Callable[..., Tensor], *, group=None, exchange: str = "gather"
+    loss_fn: Callable[..., Tensor],
+    *,
+    group=None,
+    exchange: str = "gather",
+    timeout: float | None = None,
 ) -> Callable[..., Tensor]:
     r"""Wrap a pmlfunc loss so that, under DDP, it is the loss of the whole global batch.
 
@@ -210,7 +272,8 @@ def global_objective(
       (e.g. a cross-batch memory filled with gathered batches).
     - ``indices_tuple`` is refused: a miner's indices refer to local rows. Mine on the gathered
       batch inside the loss function instead.
-    - Unequal per-rank batch sizes are handled (eager; see :func:`all_gather`).
+    - Unequal per-rank batch sizes are handled (eager; see :func:`all_gather`), an empty one
+      included.
     - Work is split: a loss that decomposes over anchors (:func:`pmlfunc.chunked.chunkable`,
       given directly or as a ``functools.partial``) computes only this rank's anchor rows
       against the gathered batch (``B_local × B_global``), with the reducers' normalisers summed
@@ -229,6 +292,10 @@ def global_objective(
     for NT-Xent/SupCon, ``cosine()``/``dot()``), and ``ref_emb`` and an embedding regularizer
     are refused (use the gather). Outside an initialised process group it is the plain loss.
 
+    Every eager call starts with the ranks' agreement and bounds each wait by ``timeout``
+    seconds (default :data:`DEFAULT_TIMEOUT`); see the module docstring for what is checked and
+    what a failing rank makes the others raise.
+
     Example:
         >>> encoder = torch.nn.Linear(16, 4)
         >>> x, y = torch.randn(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -238,64 +305,137 @@ def global_objective(
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if timeout is not None:
+        Session.check_timeout(timeout)
     if exchange == "ring":
-        return _ring_objective(loss_fn, group)
+        return _ring_objective(loss_fn, group, timeout)
     if _is_pair_loss(loss_fn):
-        return _pair_objective(loss_fn, group)
+        return _pair_objective(loss_fn, group, timeout)
+    what = f"global_objective({_name(loss_fn)})"
 
     @functools.wraps(loss_fn)
     def wrapped(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
         if not is_active(group):
             return loss_fn(embeddings, labels, *args, **kwargs)
-        if kwargs.get("indices_tuple") is not None:
-            raise ValueError(
-                "indices_tuple refers to local rows and cannot be used with global_objective: "
-                "mine on the gathered batch (wrap a function that calls the miner and the loss)"
-            )
-        if labels is None:
-            raise ValueError("labels is required by global_objective")
-        g_group = group or dist.group.WORLD
-        all_emb, all_labels, rows = _gather_batch(embeddings, labels, g_group)
-        split = _anchor_split(loss_fn, all_emb, all_labels, args, kwargs)
-        if split is None:  # not decomposable over anchors: every rank computes all of it
-            return loss_fn(all_emb, all_labels, *args, **kwargs)
-        return split(rows, g_group)
+        if torch.compiler.is_compiling():  # equal sizes, the functional gather
+            if labels is None:
+                raise ValueError("labels is required by global_objective")
+            g_group = group or dist.group.WORLD
+            all_emb = _compiled_gather(embeddings, g_group)
+            return loss_fn(all_emb, _compiled_gather(labels, g_group), *args, **kwargs)
+
+        def checks() -> None:
+            if kwargs.get("indices_tuple") is not None:
+                raise ValueError(
+                    "indices_tuple refers to local rows and cannot be used with "
+                    "global_objective: mine on the gathered batch (wrap a function that calls "
+                    "the miner and the loss)"
+                )
+            _check_batch(embeddings, "embeddings")
+            if labels is None:
+                raise ValueError("labels is required by global_objective")
+            _check_rows(labels, "labels", embeddings, "embeddings")
+
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, (embeddings, labels, *args), kwargs)
+        batch = tuple(arguments)[:2]
+        error = _local(checks)
+        sizes = session.agree(arguments, batch=batch, error=error, device=embeddings.device)
+        _refuse_empty(sizes[batch[0]], what, "embeddings")
+        assert labels is not None  # the agreement raised otherwise
+        with session.guard("computing the loss"):
+            all_emb = _gather(session, embeddings, sizes[batch[0]], "embeddings")
+            all_labels = _gather(session, labels, sizes[batch[0]], "labels")
+            rank = session.rank
+            r0 = sum(sizes[batch[0]][:rank])
+            split = _anchor_split(loss_fn, all_emb, all_labels, args, kwargs)
+            if split is None:  # not decomposable over anchors: every rank computes all of it
+                return loss_fn(all_emb, all_labels, *args, **kwargs)
+            return split((r0, r0 + sizes[batch[0]][rank]), session)
 
     return wrapped
 
 
-def _ring_objective(loss_fn, group):
+def _ring_objective(loss_fn, group, timeout):
     """``global_objective(loss_fn, exchange="ring")``."""
     from ._ring import ring_loss
-    from .losses._tiled import builder_of, engine_call
+    from .losses._tiled import builder_of
 
-    name = getattr(unpartial(loss_fn)[0], "__name__", "the loss")
-    what = f"{name} with exchange='ring'"
+    what = f"global_objective({_name(loss_fn)}, exchange='ring')"
     builder_of(loss_fn, "exchange='ring'")  # refuse any other loss now, not at the first step
+    pair = _is_pair_loss(loss_fn)
+    batch = ("emb_a", "emb_b", "labels") if pair else ("embeddings", "labels")
+
+    def ring(*args: Any, **kwargs: Any) -> Tensor:
+        calls: list[Any] = []
+
+        def checks() -> None:
+            call = _engine_call(loss_fn, args, kwargs, what, batch)
+            if call.kind in ("ntxent", "supcon") and call.y is not None:
+                raise ValueError(
+                    f"{what} circulates the batch itself: ref_emb is not supported "
+                    "(use exchange='gather', which passes it through)"
+                )
+            if call.finish is not None:
+                raise ValueError(
+                    f"{what} does not support embedding_regularizer (a term of the "
+                    "whole batch): use exchange='gather'"
+                )
+            calls.append(call)
+
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, args, kwargs)
+        error = _local(checks)
+        first = next((v for v in arguments.values() if isinstance(v, Tensor)), None)
+        device = first.device if first is not None else None
+        sizes = session.agree(arguments, batch=batch, error=error, device=device)
+        _refuse_empty(sizes[batch[0]], what, batch[0])
+        return ring_loss(calls[0], session, sizes[batch[0]])
+
+    # Dynamo never traces the ring (point-to-point sends, host waits): under torch.compile it is
+    # a graph break that runs eagerly, and with fullgraph=True dynamo's error gives this reason.
+    eager_ring = _eager_only(
+        ring,
+        f"pmlfunc: {what} runs eagerly (point-to-point sends and waits on the host); "
+        "under torch.compile(fullgraph=True) use exchange='gather'",
+    )
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Tensor:
         if not is_active(group):
             return loss_fn(*args, **kwargs)
-        call = engine_call(loss_fn, args, kwargs, what)
-        if call.kind in ("ntxent", "supcon") and call.y is not None:
-            raise ValueError(
-                f"{what} circulates the batch itself: ref_emb is not supported "
-                "(use exchange='gather', which passes it through)"
-            )
-        if call.finish is not None:
-            raise ValueError(
-                f"{what} does not support embedding_regularizer (a term of the "
-                "whole batch): use exchange='gather'"
-            )
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"{what} runs eagerly (point-to-point sends); under "
-                "torch.compile use exchange='gather'"
-            )
-        return ring_loss(call, group or dist.group.WORLD)
+        return eager_ring(*args, **kwargs)
 
     return wrapped
+
+
+def _eager_only(fn: Callable, reason: str) -> Callable:
+    """``fn`` excluded from ``torch.compile`` with ``reason`` (where this torch takes one)."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=reason)
+    return torch.compiler.disable(fn)  # pragma: no cover - torch without the reason
+
+
+def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequence[str]):
+    """The ring's :class:`~pmlfunc.losses._tiled.EngineCall` of this rank's rows. An empty rank
+    has one borrowed row (zeros) in each batch argument while the loss checks and prepares the
+    call, dropped from the prepared tensors after: the checks refuse an empty batch, and the
+    rows are prepared one by one (cast, normalised), so the call of 0 rows is exact and its
+    rows still reach the embeddings (its backward joins the ring's)."""
+    from .losses._tiled import engine_call
+
+    fn, a, kw = unpartial(loss_fn, args, kwargs)
+    bound = inspect.signature(fn).bind(*a, **kw)
+    first = bound.arguments.get(batch[0])
+    if not isinstance(first, Tensor) or first.ndim == 0 or first.shape[0] > 0:
+        return engine_call(loss_fn, args, kwargs, what)
+    for name in batch:
+        v = bound.arguments.get(name)
+        if isinstance(v, Tensor) and v.ndim:
+            bound.arguments[name] = torch.cat([v, v.new_zeros((1, *v.shape[1:]))])
+    call = engine_call(fn, bound.args, bound.kwargs, what)
+    parts = {k: getattr(call, k) for k in ("x", "y", "rows", "cols")}
+    return dataclasses.replace(call, **{k: v[:0] for k, v in parts.items() if v is not None})
 
 
 def _is_pair_loss(loss_fn) -> bool:
@@ -307,29 +447,61 @@ def _is_pair_loss(loss_fn) -> bool:
     return list(params)[:2] == ["emb_a", "emb_b"]
 
 
-def _pair_objective(loss_fn, group):
+_PAIR_BATCH = ("emb_a", "emb_b", "labels")
+
+
+def _pair_objective(loss_fn, group, timeout):
     """``global_objective`` (gather) of a loss of two aligned sets: both sets and their labels
     gathered in rank order, the whole loss on every rank."""
     fn = unpartial(loss_fn)[0]
+    what = f"global_objective({_name(loss_fn)})"
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Tensor:
         if not is_active(group):
             return loss_fn(*args, **kwargs)
-        g_group = group or dist.group.WORLD
         f, a, kw = unpartial(loss_fn, args, kwargs)
-        bound = inspect.signature(fn).bind(*a, **kw)
-        sizes = _batch_sizes(bound.arguments["emb_a"], g_group, "emb_a")
-        for key in ("emb_a", "emb_b", "labels"):
-            if bound.arguments.get(key) is not None:
-                bound.arguments[key] = _gather_sized(bound.arguments[key], sizes, g_group)
-        return f(*bound.args, **bound.kwargs)
+        if torch.compiler.is_compiling():
+            bound = inspect.signature(fn).bind(*a, **kw)
+            for key in _PAIR_BATCH:
+                if bound.arguments.get(key) is not None:
+                    bound.arguments[key] = _compiled_gather(
+                        bound.arguments[key], group or dist.group.WORLD
+                    )
+            return f(*bound.args, **bound.kwargs)
+        bound_args: list[inspect.BoundArguments] = []
+
+        def checks() -> None:
+            bound = inspect.signature(fn).bind(*a, **kw)
+            emb_a = bound.arguments.get("emb_a")
+            _check_batch(emb_a, "emb_a")
+            assert isinstance(emb_a, Tensor)  # _check_batch raised otherwise
+            for key in _PAIR_BATCH[1:]:
+                if bound.arguments.get(key) is not None:
+                    _check_rows(bound.arguments[key], key, emb_a, "emb_a")
+            bound_args.append(bound)
+
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, args, kwargs)
+        error = _local(checks)
+        emb_a = arguments.get("emb_a")
+        device = emb_a.device if isinstance(emb_a, Tensor) else None
+        sizes = session.agree(arguments, batch=_PAIR_BATCH, error=error, device=device)
+        _refuse_empty(sizes["emb_a"], what, "emb_a")
+        bound = bound_args[0]
+        with session.guard("computing the loss"):
+            for key in _PAIR_BATCH:
+                if bound.arguments.get(key) is not None:
+                    bound.arguments[key] = _gather(
+                        session, bound.arguments[key], sizes["emb_a"], key
+                    )
+            return f(*bound.args, **bound.kwargs)
 
     return wrapped
 
 
 def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
-    """For a loss that decomposes over anchors: a function of ``(rows, group)`` computing the
+    """For a loss that decomposes over anchors: a function of ``(rows, session)`` computing the
     global loss from this rank's anchor ``rows`` only; ``None`` for any other loss or setting.
 
     Each rank builds only its rows of the matrix (``B_local × B_global``), the reducers'
@@ -337,6 +509,10 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
     the global loss ``L`` on every rank, carrying the gradient of ``W`` times the rank's share:
     ``W·ℓ_r + stop_gradient(L − W·ℓ_r)``. Summed over ranks by the gather's backward, the
     embeddings receive ``W·∂L/∂x``, the same as when every rank computes all of ``L``.
+
+    A rank without rows takes part in both all-reduces with zeros (the normalisers' layout
+    from one borrowed row) and a share of ``0`` that still reaches the gathered embeddings, so
+    that its backward joins the gather's.
     """
     from .chunked import split_call
 
@@ -349,32 +525,43 @@ def _anchor_split(loss_fn, all_emb, all_labels, args, kwargs):
     reducer = call.reducer
     assert reducer is not None  # split_call refuses a call without one (unchunkable)
 
-    def share(rows: tuple[int, int], group) -> Tensor:
-        batch = call.batch(rows)
+    def share(rows: tuple[int, int], session: Session) -> Tensor:
+        empty = rows[0] == rows[1]
+        batch = call.batch((0, 1) if empty else rows)
         terms = call.terms(batch)
         names = sorted(terms)
         with torch.no_grad():  # normalisers (counts) of every sub-loss, summed over the ranks
             local = [reducer.normalizer(terms[n], batch.labels) for n in names]
+            if empty:
+                local = [torch.zeros_like(x) for x in local]
             flat = torch.cat([x.reshape(-1).to(torch.float64) for x in local])
-        dist.all_reduce(flat, group=group)
+        session.all_reduce(flat, "summing the reducers' normalisers")
         norms = flat.split([x.numel() for x in local])
-        parts = [
-            reducer.partial(
-                terms[n], batch.labels, norms[i].view(local[i].shape).to(local[i].dtype)
-            )
-            for i, n in enumerate(names)
-        ]
-        mine = torch.stack(parts).sum()
+        if empty:
+            cd = _checks.compute_dtype(all_emb.dtype)
+            mine = all_emb[:0].sum().to(cd)
+        else:
+            parts = [
+                reducer.partial(
+                    terms[n], batch.labels, norms[i].view(local[i].shape).to(local[i].dtype)
+                )
+                for i, n in enumerate(names)
+            ]
+            mine = torch.stack(parts).sum()
         total = mine.detach().clone()
-        dist.all_reduce(total, group=group)
-        w = dist.get_world_size(group)
+        session.all_reduce(total, "summing the ranks' shares of the loss")
+        w = session.world
         return w * mine + (total - w * mine).detach()  # in the compute dtype, as the loss
 
     return share
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Tensor], chunk_size: int, *, group=None
+    loss_fn: Callable[..., Tensor],
+    chunk_size: int,
+    *,
+    group=None,
+    timeout: float | None = None,
 ) -> Callable[..., tuple[Tensor, Tensor]]:
     r"""Anchor-chunked :func:`pmlfunc.chunked.value_and_grad` of the global objective, with the
     anchors split over the ranks.
@@ -384,7 +571,9 @@ def value_and_grad(
     gradients are summed over the ranks (one all-reduce each). Returns ``(L, g)`` with ``L`` the
     global loss and ``g = W · ∂L/∂x_local``: what ``emb.backward(g)`` should receive so that DDP's
     averaging yields the single-process gradient, the same convention as :func:`global_objective`.
-    Outside a process group it is :func:`pmlfunc.chunked.value_and_grad` (``W = 1``).
+    Outside a process group it is :func:`pmlfunc.chunked.value_and_grad` (``W = 1``). A rank
+    with no rows takes part and receives a ``(0, D)`` gradient. The ranks agree first and every
+    wait is bounded by ``timeout`` seconds, as in :func:`global_objective`.
 
     ``ref_emb``/``ref_labels`` pass through ungathered (the same on every rank); the gradient is
     with respect to ``embeddings`` only.
@@ -400,22 +589,42 @@ def value_and_grad(
     from .chunked import rows_value_and_grad
 
     rows_vg = rows_value_and_grad(loss_fn, chunk_size, "embeddings")
+    if timeout is not None:
+        Session.check_timeout(timeout)
+    what = f"distributed.value_and_grad({_name(loss_fn)})"
 
     def vg(embeddings: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any):
         if not is_active(group):
             return rows_vg(None, embeddings, labels, *args, **kwargs)
-        if kwargs.get("indices_tuple") is not None:
-            raise ValueError("indices_tuple refers to local rows and cannot be used across ranks")
-        if labels is None:
-            raise ValueError("labels is required by distributed.value_and_grad")
-        g_group = group or dist.group.WORLD
-        with torch.no_grad():
-            all_emb, all_labels, (r0, r1) = _gather_batch(embeddings.detach(), labels, g_group)
-        value, grad = rows_vg((r0, r1), all_emb, all_labels, *args, **kwargs)
-        value, grad = value.detach().clone(), grad.contiguous()
-        dist.all_reduce(value, group=g_group)
-        dist.all_reduce(grad, group=g_group)
-        return value, grad[r0:r1] * world_size(g_group)
+
+        def checks() -> None:
+            if kwargs.get("indices_tuple") is not None:
+                raise ValueError(
+                    "indices_tuple refers to local rows and cannot be used across ranks"
+                )
+            _check_batch(embeddings, "embeddings")
+            if labels is None:
+                raise ValueError("labels is required by distributed.value_and_grad")
+            _check_rows(labels, "labels", embeddings, "embeddings")
+
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, (embeddings.detach(), labels, *args), kwargs)
+        batch = tuple(arguments)[:2]
+        error = _local(checks)
+        agreed = session.agree(arguments, batch=batch, error=error, device=embeddings.device)
+        sizes = agreed[batch[0]]
+        _refuse_empty(sizes, what, "embeddings")
+        assert labels is not None  # the agreement raised otherwise
+        with session.guard("computing the chunked value and gradient"):
+            all_emb = _gather(session, embeddings.detach(), sizes, "embeddings")
+            all_labels = _gather(session, labels, sizes, "labels")
+            r0 = sum(sizes[: session.rank])
+            r1 = r0 + sizes[session.rank]
+            value, grad = rows_vg((r0, r1), all_emb, all_labels, *args, **kwargs)
+            value, grad = value.detach().clone(), grad.contiguous()
+            session.all_reduce(value, "summing the ranks' shares of the loss")
+            session.all_reduce(grad, "summing the ranks' gradients")
+        return value, grad[r0:r1] * session.world
 
     return vg
 
@@ -427,6 +636,7 @@ def cross_batch_memory(
     memory: dict[str, Tensor],
     *,
     group=None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r""":func:`pmlfunc.wrappers.cross_batch_memory` of the global batch: the memory stays
@@ -437,7 +647,8 @@ def cross_batch_memory(
     writes the same rows to the same slots and holds the same memory (PML's gather order
     differs by rank, so its per-rank memories diverge). Gradients follow the
     :func:`global_objective` convention: after DDP's averaging, the single-process gradient.
-    Outside a process group it is the plain wrapper.
+    The ranks agree first (the memory's keys, dtypes and shapes included) and every wait is
+    bounded by ``timeout`` seconds. Outside a process group it is the plain wrapper.
 
     Example:
         >>> model = torch.nn.Linear(16, 4)
@@ -449,6 +660,26 @@ def cross_batch_memory(
 
     if not is_active(group):
         return local_memory(loss_fn, embeddings, labels, memory, **kwargs)
-    g_group = group or dist.group.WORLD
-    all_emb, all_labels, _ = _gather_batch(embeddings, labels, g_group)
-    return local_memory(loss_fn, all_emb, all_labels, memory, **kwargs)
+    what = f"distributed.cross_batch_memory({_name(loss_fn)})"
+    session = Session(group, what, timeout)
+
+    def checks() -> None:
+        _check_batch(embeddings, "embeddings")
+        _check_rows(labels, "labels", embeddings, "embeddings")
+
+    arguments = {
+        "loss_fn": loss_fn,
+        "embeddings": embeddings,
+        "labels": labels,
+        "memory": memory,
+        **kwargs,
+    }
+    error = _local(checks)
+    sizes = session.agree(
+        arguments, batch=("embeddings", "labels"), error=error, device=embeddings.device
+    )["embeddings"]
+    _refuse_empty(sizes, what, "embeddings")
+    with session.guard("computing the loss against the memory"):
+        all_emb = _gather(session, embeddings, sizes, "embeddings")
+        all_labels = _gather(session, labels, sizes, "labels")
+        return local_memory(loss_fn, all_emb, all_labels, memory, **kwargs)
