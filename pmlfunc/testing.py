@@ -203,10 +203,10 @@ def _sizes(batch: int, world: int, sizes) -> list[int]:
     if sizes is None:
         return [batch // world + (r < batch % world) for r in range(world)]
     sizes = [int(s) for s in sizes]
-    if len(sizes) != world or sum(sizes) != batch or min(sizes) < 1:
+    if len(sizes) != world or sum(sizes) != batch or min(sizes) < 0:
         raise ValueError(
-            f"sizes must give each of the {world} ranks at least one row and add up to the batch "
-            f"size {batch}, got {sizes}"
+            f"sizes must give each of the {world} ranks a number of rows (0 for an empty rank) "
+            f"adding up to the batch size {batch}, got {sizes}"
         )
     return sizes
 
@@ -276,63 +276,134 @@ def spawn_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout
     returns every rank's return value, in rank order.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function); inside ``fn``,
-    ``torch.distributed`` is initialised (``dist.get_rank()`` tells the rank). A rank that
-    raises makes this raise ``RuntimeError`` with its traceback; ranks still running after
-    ``timeout`` seconds are killed (``TimeoutError``). :func:`check_distributed` is built on it.
+    ``torch.distributed`` is initialised (``dist.get_rank()`` tells the rank) with ``timeout``
+    as the process group's timeout. A rank that raises (or calls ``sys.exit``) makes this raise
+    ``RuntimeError`` with its traceback as soon as it has failed (the other ranks are stopped;
+    a rank that only saw a peer fail, :class:`pmlfunc.distributed.RankError`, is listed after
+    the one that failed first); a rank that dies (a signal, ``os._exit``) raises
+    ``RuntimeError`` naming it; ranks still running after ``timeout`` seconds are killed and
+    ``TimeoutError`` names them, with any traceback already written. :func:`check_distributed`
+    is built on it.
 
     Example (two CPU processes, a few seconds):
         >>> spawn_ranks(torch.distributed.get_world_size, world_size=2)
         [2, 2]
     """
-    from torch.multiprocessing.spawn import start_processes
+    from torch.multiprocessing.spawn import ProcessExitedException, start_processes
 
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = start_processes(
             _rank_main,
-            args=(_free_port(), world_size, fn, args, out_dir),
+            args=(_free_port(), world_size, fn, args, out_dir, timeout),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
         assert ctx is not None  # join=False: start_processes returns the context
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        died: str | None = None  # a rank that ended without a result
+        timed_out = False
+        while True:
+            try:
+                if ctx.join(timeout=_POLL):
+                    break
+            except ProcessExitedException as exc:  # join has stopped the other ranks
+                if _result(out_dir, exc.error_index) is None:
+                    died = f"rank {exc.error_index} died ({_exit_reason(exc.exit_code)})"
+                break
+            if _failed_ranks(out_dir, world_size):
+                break
+            if all(_result(out_dir, r) is not None for r in range(world_size)):
+                # every rank has its result: a rank that a failed peer left with a pending
+                # transfer may never get through the closing barrier; give it a moment
+                deadline = min(deadline, time.monotonic() + _GRACE)
             if time.monotonic() >= deadline:
-                for p in ctx.processes:  # (pyright infers [None] * n from torch's unannotated code)
-                    p.kill()  # pyright: ignore[reportAttributeAccessIssue]
-                raise TimeoutError(f"the {world_size} ranks did not finish within {timeout} s")
-        results = []
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} ended without a result")
-            results.append(torch.load(path, weights_only=False))
-    for r, res in enumerate(results):
-        if "traceback" in res:
-            raise RuntimeError(f"rank {r} failed:\n{res['traceback']}")
-    return [res["value"] for res in results]
+                timed_out = True
+                break
+        _stop(ctx)
+        done = {r: res for r in range(world_size) if (res := _result(out_dir, r)) is not None}
+    failed = sorted(
+        (r for r, res in done.items() if "traceback" in res),
+        key=lambda r: (bool(done[r].get("peer")), r),  # the first failure before its echoes
+    )
+    reports = "".join(f"\nrank {r} failed:\n{done[r]['traceback']}" for r in failed)
+    running = [r for r in range(world_size) if r not in done]
+    if timed_out and running:
+        raise TimeoutError(
+            f"the {world_size} ranks did not finish within {timeout} s: rank(s) {running} "
+            f"still running{reports}"
+        )
+    if died is not None:
+        raise RuntimeError(died + reports)
+    if failed:
+        raise RuntimeError(reports.lstrip("\n"))
+    if running:
+        raise RuntimeError(f"rank(s) {running} ended without a result")
+    return [done[r]["value"] for r in range(world_size)]
 
 
-def _rank_main(rank: int, port: int, world: int, fn, args, out_dir: str) -> None:
+_POLL = 0.1  # seconds between two looks at the ranks' result files
+_GRACE = 5.0  # seconds the ranks get to leave once every result is in
+
+
+def _result(out_dir: str, rank: int) -> dict[str, Any] | None:
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+def _failed_ranks(out_dir: str, world: int) -> list[int]:
+    return [r for r in range(world) if "traceback" in (_result(out_dir, r) or {})]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _stop(ctx) -> None:
+    """Kill every rank still running and reap them."""
+    for p in ctx.processes:  # (pyright infers [None] * n from torch's unannotated code)
+        if p.is_alive():  # pyright: ignore[reportOptionalMemberAccess]
+            p.kill()  # pyright: ignore[reportOptionalMemberAccess]
+    for p in ctx.processes:
+        p.join(timeout=5)  # pyright: ignore[reportOptionalMemberAccess]
+
+
+def _rank_main(rank: int, port: int, world: int, fn, args, out_dir: str, timeout: float) -> None:
+    import datetime
+
     import torch.distributed as dist
 
+    from ._agree import RankError
+
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+    )
     result: dict[str, Any] = {}
     try:
         result["value"] = fn(*args)
-    except Exception:  # reported by the parent; never leave the other ranks waiting silently
+    except SystemExit as exc:  # a rank's sys.exit() is a failure to report, not a quiet end
+        result["traceback"] = f"sys.exit({exc.code!r}) called:\n{traceback.format_exc()}"
+    except BaseException as exc:  # reported by the parent as soon as the file is there
         result["traceback"] = traceback.format_exc()
+        result["peer"] = isinstance(exc, RankError)  # it only saw another rank fail
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)  # the parent never reads half a file
+    if "traceback" in result:
+        os._exit(1)  # no barrier: a peer may be waiting for this rank; the parent stops them
+    # Every rank finishes its collectives before the group goes; then leave without the
+    # interpreter's teardown, where gloo's worker threads have aborted ("terminate called
+    # without an active exception") on a loaded 2-core machine. The result is saved.
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
     finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Every rank finishes its collectives before the group goes; then leave without the
-        # interpreter's teardown, where gloo's worker threads have aborted ("terminate called
-        # without an active exception") on a loaded 2-core machine. The result is saved.
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        finally:
-            os._exit(0)
+        os._exit(0)
 
 
 def _free_port() -> int:

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import time
 
 import pytest
 import torch
@@ -51,6 +54,55 @@ def _gathered_ntxent(emb, labels):
 
 def _failing(emb, labels):
     raise RuntimeError("this rank's loss broke")
+
+
+def _failing_on_rank_1(emb, labels):
+    """Rank 1 raises before the gather; rank 0 waits for it in the call's first collective."""
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's loss broke")
+    return pf.distributed.global_objective(NTXENT)(emb, labels)
+
+
+def _exiting_on_rank_1(emb, labels):
+    if dist.get_rank() == 1:
+        sys.exit(3)
+    return pf.distributed.global_objective(NTXENT)(emb, labels)
+
+
+def _dying_on_rank_1():
+    if dist.get_rank() == 1:
+        os._exit(5)
+    time.sleep(60)
+
+
+def _slow_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def _temperature_grads(temperature: float, sizes: tuple[int, ...]):
+    """Each rank's gradient of the global NT-Xent in a learnable temperature (anchors split
+    over the ranks: each rank differentiates its own share)."""
+    a, _, y = _inputs()
+    rank = dist.get_rank()
+    r0 = sum(sizes[:rank])
+    t = torch.tensor(temperature, dtype=torch.float64, requires_grad=True)
+    emb = a[r0 : r0 + sizes[rank]].clone().requires_grad_()
+    loss = pf.distributed.global_objective(pf.losses.ntxent)(
+        emb, y[r0 : r0 + sizes[rank]], temperature=t
+    )
+    loss.backward()
+    return t.grad
+
+
+def _one_rank_doubles_the_temperature_gradient(emb, labels, *, temperature):
+    """A wrong distributed loss: the right value and embedding gradients, but rank 1's
+    temperature gradient counts its share twice (every rank makes the same calls)."""
+    objective = pf.distributed.global_objective(pf.losses.ntxent)
+    loss = objective(emb, labels, temperature=temperature)
+    extra = objective(emb.detach(), labels, temperature=temperature)  # reaches temperature only
+    return loss + extra - extra.detach() if dist.get_rank() == 1 else loss
 
 
 @pytest.mark.parametrize(
@@ -120,5 +172,111 @@ def test_bad_arguments():
         check_distributed(NTXENT, a, y, world_size=1)
     with pytest.raises(ValueError, match="sizes must give each of the 2 ranks"):
         check_distributed(NTXENT, a, y, sizes=(10, 10))
+    with pytest.raises(ValueError, match="sizes must give each of the 2 ranks"):
+        check_distributed(NTXENT, a, y, sizes=(17, -1))
     with pytest.raises(TypeError, match="first argument must be a tensor"):
         check_distributed(NTXENT, [1, 2], y)
+
+
+def test_a_rank_that_raises_while_its_peer_waits_is_reported_within_seconds_with_its_traceback():
+    a, _, y = _inputs()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        # the default timeout, 300 s, is not what ends it
+        check_distributed(NTXENT, a, y, distributed_fn=_failing_on_rank_1)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed:") and "rank 1's loss broke" in message
+    assert "Traceback" in message and "ValueError" in message
+    assert time.monotonic() - start < 60.0
+
+
+def test_a_rank_that_calls_sys_exit_is_reported_as_such():
+    a, _, y = _inputs()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 failed:\nsys.exit\(3\) called"):
+        check_distributed(NTXENT, a, y, distributed_fn=_exiting_on_rank_1)
+    assert time.monotonic() - start < 60.0
+
+
+def test_spawn_ranks_names_a_rank_that_dies_without_a_result():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code 5\)"):
+        pf.testing.spawn_ranks(_dying_on_rank_1, world_size=2, timeout=120)
+    assert time.monotonic() - start < 60.0
+
+
+def test_spawn_ranks_names_the_ranks_still_running_at_its_timeout():
+    with pytest.raises(TimeoutError, match=r"within 3 s: rank\(s\) \[1\] still running"):
+        pf.testing.spawn_ranks(_slow_on_rank_1, world_size=2, timeout=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sizes", [(4, 4, 4, 4), (7, 5, 4), (6, 5, 5), (2, 6, 5, 3)], ids=["4-equal", "3-unequal", "3-equal-ish", "4-unequal"]
+)  # fmt: skip
+def test_parameter_gradients_that_differ_by_rank_are_compared_by_their_mean(sizes):
+    """A learnable temperature over the anchor-split gather: each rank's gradient is its own
+    share (they differ), and check_distributed passes on their mean, the single-process
+    gradient (comparing one rank's would fail)."""
+    world = len(sizes)
+    per_rank = torch.stack(
+        pf.testing.spawn_ranks(_temperature_grads, 0.2, sizes, world_size=world, timeout=120)
+    )
+    a, _, y = _inputs()
+    t = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    (want,) = torch.autograd.grad(pf.losses.ntxent(a, y, temperature=t), t)
+    assert float(per_rank.max() - per_rank.min()) > 1e-3 * abs(float(want))  # they differ
+    torch.testing.assert_close(per_rank.mean(), want, rtol=1e-10, atol=1e-12)
+    report = check_distributed(
+        pf.losses.ntxent, a, y, world_size=world, sizes=sizes, rtol=1e-9, atol=1e-12,
+        temperature=torch.tensor(0.2, dtype=torch.float64),
+    )  # fmt: skip
+    assert set(report.grad_diffs) == {"embeddings", "temperature"}
+    assert report.grad_diffs["temperature"] < 1e-12
+
+
+def test_a_parameter_gradient_wrong_on_one_rank_is_caught():
+    a, _, y = _inputs()
+    with pytest.raises(DistributedMismatch, match=r"∂L/∂temperature \(the mean over ranks\)"):
+        check_distributed(
+            pf.losses.ntxent, a, y, distributed_fn=_one_rank_doubles_the_temperature_gradient,
+            temperature=torch.tensor(0.2, dtype=torch.float64),
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_ring_with_equal_shards_is_the_global_loss(world):
+    """Equal shards on 3 and 4 ranks (the unequal ones above): CLIP with a learnable scale and
+    bias, every value and gradient to float64 rounding."""
+    g = torch.Generator().manual_seed(3)
+    n = 4 * world
+    a, b = (torch.randn(n, D, generator=g, dtype=torch.float64) for _ in range(2))
+    params = pf.losses.siglip_init(logit_scale=0.7, logit_bias=-0.5, dtype=torch.float64)
+    report = check_distributed(
+        pf.losses.clip, a, b, params, world_size=world, exchange="ring", rtol=1e-10, atol=1e-12
+    )
+    assert report.sizes == (4,) * world
+    assert max(report.grad_diffs.values()) < 1e-12 and report.loss_diff < 1e-12
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "exchange", "sizes"),
+    [
+        (functools.partial(pf.losses.clip, chunk_size=3), "ring", (6, 0, 10)),
+        (pf.losses.siglip, "gather", (0, 16)),
+        (pf.losses.proxy_anchor, "gather", (16, 0)),
+    ],
+    ids=["clip-ring-tiled", "siglip-gather", "proxy_anchor-gather"],
+)
+def test_an_empty_rank_is_checked_like_any_other(loss_fn, exchange, sizes):
+    a, b, y = _inputs()
+    if loss_fn is pf.losses.proxy_anchor:
+        params = pf.losses.proxy_anchor_init(num_classes=4, embedding_size=D, dtype=torch.float64)
+        args = (a, y, params)
+    else:
+        args = (a, b, pf.losses.siglip_init(logit_scale=1.0, logit_bias=-1.0, dtype=torch.float64))
+    report = check_distributed(
+        loss_fn, *args, world_size=len(sizes), exchange=exchange, sizes=sizes, rtol=1e-9, atol=1e-12
+    )
+    assert report.sizes == sizes and max(report.grad_diffs.values()) < 1e-12
