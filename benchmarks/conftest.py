@@ -43,7 +43,8 @@ class Progress:
     """One line per finished benchmark in a timed run (``--benchmark-only``, ...): pytest-benchmark
     prints its tables only when the whole session ends, and a timed suite runs for minutes.
 
-    ``[ 12/146 0:01:23] tiled-ntxent-b512 pmlfunc-chunked: median 7.1 ms, 43 rounds`` (the
+    ``[ 3/18 0:00:04] tiled-ntxent-b64 tiled-ntxent-pmlfunc-chunked: median 0.664 ms, 76 rounds``
+    (``PMLFUNC_BENCH_BATCH=64``; the
     position among the collected benchmarks, the time since the session started, the group, the
     parameters' id and the pytest-benchmark median), or ``skipped: <reason>`` / ``failed``. The
     file lines of dots are left out, so that the lines stand alone (``-v`` keeps pytest's own
