@@ -312,3 +312,14 @@ def test_the_ring_under_compile_is_a_graph_break_and_fullgraph_gives_pmlfuncs_re
         first_lines = "\n".join(str(res["fullgraph"]).splitlines()[:2])
         assert "pmlfunc: global_objective(clip, exchange='ring') runs eagerly" in first_lines
         assert "use exchange='gather'" in first_lines
+
+
+def test_the_fault_benchmark_reports_what_each_rank_sees():
+    """benchmarks/faults.py (the measurement behind the guide's before/after table), one case."""
+    from benchmarks import faults
+
+    rows = faults.run_rank_scenario("labels-one-rank", hang=60.0)
+    assert [r for r, _, _ in rows] == [0, 1]
+    for _, outcome, seconds in rows:
+        assert outcome.startswith("ValueError: global_objective(clip): the ranks disagree")
+        assert seconds < 30.0
