@@ -126,13 +126,13 @@ class _Gather(torch.autograd.Function):
     bounded collective of a :class:`~pmlfunc._agree.Session`."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, sizes: list[int], session: Session, name: str) -> Tensor:
-        top = max(sizes)
-        ctx.sizes, ctx.session, ctx.name, ctx.top = sizes, session, name, top
-        padded = session.gather_padded(x.detach(), top, f"gathering {name}")
-        if len(set(sizes)) == 1:
-            return padded
-        return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
+    def forward(x: Tensor, sizes: list[int], session: Session, name: str) -> Tensor:
+        return _gather_rows(session, x.detach(), sizes, name)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, sizes, session, name = inputs
+        ctx.sizes, ctx.session, ctx.name, ctx.top = sizes, session, name, max(sizes)
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -149,15 +149,20 @@ class _Gather(torch.autograd.Function):
         return mine[: sizes[session.rank]], None, None, None
 
 
-def _gather(session: Session, x: Tensor, sizes: list[int], name: str) -> Tensor:
-    """Every rank's ``x`` in rank order: differentiable when ``x`` requires grad (bounded)."""
-    if x.requires_grad and torch.is_grad_enabled():
-        return _Gather.apply(x, sizes, session, name)
+def _gather_rows(session: Session, x: Tensor, sizes: list[int], name: str) -> Tensor:
+    """Every rank's rows of ``x`` in rank order, padded to the largest count in transit."""
     top = max(sizes)
     padded = session.gather_padded(x, top, f"gathering {name}")
     if len(set(sizes)) == 1:
         return padded
     return torch.cat([padded[r * top : r * top + n] for r, n in enumerate(sizes)], 0)
+
+
+def _gather(session: Session, x: Tensor, sizes: list[int], name: str) -> Tensor:
+    """Every rank's ``x`` in rank order: differentiable when ``x`` requires grad (bounded)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Gather.apply(x, sizes, session, name)
+    return _gather_rows(session, x, sizes, name)
 
 
 def _check_batch(x: object, name: str) -> None:
