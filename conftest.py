@@ -43,6 +43,7 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_distributed.py::test_chunked_global_value_and_grad": "spawns gloo ranks",
     "tests/test_distributed.py::test_cross_batch_memory_identical_on_every_rank": "spawns gloo ranks",
     "tests/test_distributed.py::test_all_gather_*": "spawns gloo ranks",
+    "tests/test_distributed.py::test_torch_func_grad_*": "spawns gloo ranks",
     "tests/test_distributed.py::test_mismatched_width_*": "spawns gloo ranks",
     "tests/test_distributed.py::test_ddp_example_*": "torchrun, two ranks",
     "tests/test_distributed.py::test_*_benchmark_*": "torchrun / spawned ranks",

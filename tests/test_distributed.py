@@ -452,3 +452,21 @@ def test_distributed_benchmark_under_torchrun(tmp_path):
             assert len(rank[impl]["forward_ms"]) == 2
     # PML returns world_size × the global loss; pmlfunc the global loss itself
     assert abs(report["loss"]["pml"] / 2 - report["loss"]["pmlfunc"]) < 1e-4
+
+
+def _func_grad_of_the_gather(sizes) -> torch.Tensor:
+    """torch.func.grad through global_objective on this rank's rows, minus autograd's."""
+    x, y = _data(sizes)
+    rank = dist.get_rank()
+    r0 = sum(sizes[:rank])
+    mine, labels = x[r0 : r0 + sizes[rank], :DIM_OUT], y[r0 : r0 + sizes[rank]]
+    objective = distributed.global_objective(LOSSES["ntxent"][0])
+    by_func = torch.func.grad(lambda e: objective(e, labels))(mine)
+    leaf = mine.clone().requires_grad_()
+    objective(leaf, labels).backward()
+    return by_func - leaf.grad
+
+
+def test_torch_func_grad_through_the_gather_equals_autograd():
+    for diff in spawn_ranks(_func_grad_of_the_gather, (5, 3), world_size=WORLD):
+        assert diff.abs().max() == 0.0
