@@ -532,3 +532,300 @@ def test_pairs_on_meta_and_under_compile():
     for dist in (pf.distances.lp(), pf.distances.cosine()):
         compiled = torch.compile(dist.pairs, fullgraph=True)
         torch.testing.assert_close(compiled(x, y), dist.pairs(x, y))
+
+
+# ---------------------------------------------------------------------------------------------
+# One-sided and asymmetric near pairs (issue 36)
+# ---------------------------------------------------------------------------------------------
+#
+# A chain of rows a + ε·t_k·u (u ⟂ a, ‖u‖ = ‖a‖, gaps t_{k+1} − t_k = 1.3^k, ε = 0.01) hidden
+# among far random rows: every chain row is near every other (ratio < ¼), and its nearest is its
+# left neighbour, so with a budget of k each row recomputes its k nearest and most of those
+# choices are one-sided (row j chose i, row i chose others). The expansion is up to ~1e-4 off
+# there, over ten times the direct difference's bound (D·eps): an entry recomputed on one side
+# only stands out (with ε = 1e-3 it is ≈ 3 % off, but rounding can then reorder a row's
+# nearest). Each row's choice is well defined: its budget-th and next ratios are further apart
+# than the expansion's error.
+
+DIM = 64
+EPS32 = 2.0**-23
+# recomputed entries: a direct difference, |d − d*| ≤ D·eps·d*
+REL_EXACT = DIM * EPS32
+# any other entry: the expansion, |d − d*| ≤ √D·eps·(‖a‖² + ‖b‖²) / d* (the module docstring)
+EXPANSION = DIM**0.5 * EPS32
+
+
+def _chain_rows(gen, length, offset=0.0, eps=0.01):
+    """``length`` float64 chain rows at positions ``t_k + offset`` (in steps of ε‖a‖)."""
+    a = torch.randn(DIM, generator=gen, dtype=torch.float64)
+    u = torch.randn(DIM, generator=gen, dtype=torch.float64)
+    u = u - (u @ a) / (a @ a) * a
+    u = u / u.norm() * a.norm()
+    gaps = 1.3 ** torch.arange(length - 1, dtype=torch.float64)
+    t = torch.cat([torch.zeros(1, dtype=torch.float64), gaps.cumsum(0)]) + offset
+    return a + eps * t[:, None] * u
+
+
+def _hidden(gen, rows, n_far=8):
+    """``rows`` (float32) shuffled among ``n_far`` far random rows; the rows' new positions."""
+    x = torch.cat([rows.float(), 3 * torch.randn(n_far, rows.shape[1], generator=gen)])
+    perm = torch.randperm(len(x), generator=gen)
+    return x[perm].contiguous(), perm.argsort()[: len(rows)]
+
+
+def _normalized(x, normalize):
+    return F.normalize(x, dim=-1) if normalize else x
+
+
+def _chosen(x, y, budget, threshold):
+    """The entries the kernel recomputes, from float64 distances: each row's ``budget``
+    smallest ratios below ``threshold`` (the diagonal excluded when ``y is None``), as a bool
+    ``(B, M)`` matrix, and whether each row's choice is well defined (its ``budget``-th and
+    ``budget+1``-th ratios further apart than twice the expansion's error on a ratio,
+    ``2√D·eps``, so that rounding cannot swap them)."""
+    yy = x if y is None else y
+    key = _direct(x, yy).pow(2) / (x.double().pow(2).sum(1)[:, None] + yy.double().pow(2).sum(1))
+    if y is None:
+        key.fill_diagonal_(float("inf"))
+    key = torch.where(key < threshold, key, torch.inf)
+    k = min(budget, key.shape[1])
+    chosen = torch.zeros_like(key, dtype=torch.bool)
+    chosen.scatter_(1, key.topk(k, largest=False).indices, True)
+    chosen &= key < torch.inf
+    ordered = torch.cat([key.sort(-1).values, torch.full_like(key[:, :1], torch.inf)], 1)
+    kth, after = ordered[:, k - 1], ordered[:, k]
+    return chosen, (after == torch.inf) | (after - kth > 4 * EXPANSION)
+
+
+def _assert_safe_matrix(m, x, y, budget, rows, threshold=0.25):
+    """What the design promises of ``safe_euclidean(x, y)`` (``m``, ``x``/``y`` as the kernel
+    sees them): the recomputed entries (``_chosen``) within ``REL_EXACT`` of the float64
+    distance, every other entry within the expansion's bound; in self mode (``y is None``) an
+    exact-zero diagonal, the recomputed entries of either side bitwise equal to their mirror
+    and the others symmetric to the expansion's bound. ``rows``: the rows whose choice the
+    caller needs defined. Returns the recomputed entries."""
+    yy = x if y is None else y
+    ref = _direct(x, yy)
+    md = m.double()
+    chosen, defined = _chosen(x, y, budget, threshold)
+    assert defined[rows].all(), "the test's data: a row whose choice rounding could swap"
+    chosen &= defined[:, None]
+    sq = x.double().pow(2).sum(1)[:, None] + yy.double().pow(2).sum(1)
+    err = (md - ref).abs()
+    assert (err[chosen] <= REL_EXACT * ref[chosen]).all(), float((err / ref)[chosen].max())
+    bound = EXPANSION * sq / ref.clamp_min(1e-30)
+    off = ~torch.eye(*ref.shape, dtype=torch.bool) if y is None else torch.ones_like(chosen)
+    assert (err[off] <= bound[off]).all(), float((err / bound)[off].max())
+    if y is None:
+        assert torch.equal(m.diagonal(), torch.zeros_like(m.diagonal()))
+        either = chosen | chosen.T
+        assert torch.equal(m[either], m.T[either]), "a near entry recomputed on one side only"
+        asym = (md - md.T).abs()
+        assert (asym[off] <= 2 * bound[off]).all()
+    return chosen
+
+
+def _one_sided_case(gen, length=12):
+    x, chain = _hidden(gen, _chain_rows(gen, length))
+    return x, chain
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8])
+@pytest.mark.parametrize("normalize", [False, True], ids=["safe_euclidean", "lp"])
+def test_near_entry_recomputed_for_one_row_only_is_written_to_both_halves(gen, normalize, budget):
+    """A chain of 12 near rows, each near all 11 others: a budget of 1, 3 or 8 recomputes each
+    row's nearest only, and most choices are one-sided (row j's nearest is i, row i's are
+    others). The self-matrix keeps every recomputed entry bitwise symmetric and within the
+    direct difference's error of float64; the surplus near entries (the expansion, up to ~1e-4
+    off here) within the expansion's bound."""
+    x, chain = _one_sided_case(gen)
+    d = pf.distances.lp(normalize=normalize, exact_budget=budget)
+    m = d(x)
+    xn = _normalized(x, normalize)
+    chosen = _assert_safe_matrix(m, xn, None, budget, chain, 0.25)
+    one_sided = chosen & ~chosen.T
+    assert one_sided[chain][:, chain].sum() >= len(chain) // 2  # the case the test exists for
+    if budget < 8:  # the surplus is not recomputed: the budget binds (entries off by > REL_EXACT)
+        ref = _direct(xn, xn)
+        surplus = ~(chosen | chosen.T) & (ref > 0)
+        surplus[:, ~torch.isin(torch.arange(len(x)), chain)] = False
+        assert ((m.double() - ref).abs() > REL_EXACT * ref)[surplus].any()
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["safe_euclidean", "lp"])
+def test_chain_within_the_budget_is_exact_and_bitwise_symmetric(gen, normalize):
+    """Six chain rows (5 near entries a row) and the default budget of 8: every entry between
+    chain rows is recomputed, exact to the direct difference and bitwise symmetric."""
+    x, chain = _hidden(gen, _chain_rows(gen, 6))
+    m = pf.distances.lp(normalize=normalize)(x)
+    chosen = _assert_safe_matrix(m, _normalized(x, normalize), None, 8, chain)
+    inner = chosen[chain][:, chain]
+    assert inner.sum() == 6 * 5
+    sub = m[chain][:, chain]
+    assert torch.equal(sub, sub.T)
+
+
+def _cpu_and_accelerator(monkeypatch, path):
+    """``path == "accelerator"``: the per-row ``topk`` an accelerator runs (every row's
+    ``budget`` smallest, near or not) in place of the CPU's near listing. The threshold of
+    ``_chosen`` for that path."""
+    from pmlfunc import distances as dist
+
+    if path == "accelerator":
+        monkeypatch.setattr(dist, "_near_columns", _topk_columns)
+        return float("inf")
+    return dist.NEAR_RATIO
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_one_sided_choices_keep_the_promises_on_cpu_and_accelerator_paths(gen, monkeypatch, path):
+    """The CPU's listing of near entries and the accelerator's per-row top-k (where far rows
+    recompute their nearest far rows too): the same promises, budget 2."""
+    threshold = _cpu_and_accelerator(monkeypatch, path)
+    x, chain = _one_sided_case(gen)
+    m = safe_euclidean(x, exact_budget=2)
+    _assert_safe_matrix(m, x, None, 2, chain, threshold)
+
+
+@pytest.mark.parametrize("budget", [1, 4])
+def test_cross_distance_recomputes_each_query_rows_nearest_whoever_it_is_nearest_to(gen, budget):
+    """x-vs-y (a reference set, nothing mirrored): a chain of 10 query rows and two reference
+    rows beside its first (at −0.5 and 0.3 steps), so that every query row's nearest reference
+    rows are these two, while each of them is nearest to the first few query rows only. Each
+    query row's ``budget`` nearest are exact to the direct difference and the rest within the
+    expansion's bound; the same for y against x, with its own choices."""
+    x, xi = _hidden(gen, _chain_rows(_gen(10), 10), n_far=6)
+    near_y = torch.cat(
+        [_chain_rows(_gen(10), 1, offset=-0.5), _chain_rows(_gen(10), 1, offset=0.3)]
+    )
+    y, yi = _hidden(gen, near_y, n_far=5)
+    chosen = _assert_safe_matrix(safe_euclidean(x, y, exact_budget=budget), x, y, budget, xi)
+    back = _assert_safe_matrix(safe_euclidean(y, x, exact_budget=budget), y, x, budget, yi)
+    # the case the test exists for: a query row's choice is not its choice's choice
+    assert (chosen & ~back.T).any()
+    if budget == 1:  # and a reference row's choice chose the other reference row
+        assert (back.T & ~chosen).any()
+
+
+@pytest.mark.parametrize("mode", ["self", "ref"])
+def test_copies_beyond_the_budget_are_ties_and_zero_apart_in_the_self_matrix(gen, mode):
+    """Five copies of a chain row (four beyond a budget of 1) among its near neighbours: their
+    rows and columns are bitwise equal (ties); in the self-matrix the copies are exactly 0
+    apart (the first copy's diagonal), in a cross matrix between copies in both sets within
+    the expansion's bound for ``d* = 0``, ``√(2√D·eps·(‖a‖² + ‖b‖²))`` (the surplus keeps the
+    expansion's value, as documented)."""
+    rows = _chain_rows(gen, 5)
+    rows = torch.cat([rows, rows[2:3].expand(4, -1)])  # rows 2, 5, 6, 7, 8 equal
+    x, pos = _hidden(gen, rows, n_far=4)
+    copies = pos[[2, 5, 6, 7, 8]]
+    y = None if mode == "self" else x.flip(0).contiguous()
+    m = safe_euclidean(x, y, exact_budget=1)
+    ycopies = copies if y is None else len(x) - 1 - copies
+    for c in copies[1:]:
+        assert torch.equal(m[c], m[copies[0]])
+    for c in ycopies[1:]:
+        assert torch.equal(m[:, c], m[:, ycopies[0]])
+    between = m[copies][:, ycopies]
+    if y is None:
+        assert torch.equal(between, torch.zeros(5, 5))
+    else:
+        sq = 2 * x[copies[0]].double().pow(2).sum()
+        assert (between.double() <= (2 * EXPANSION * sq).sqrt()).all()
+    _assert_safe_matrix(m, x, y, 1, pos[:2])  # the rows whose nearest is no copy
+    _assert_safe_matrix(safe_euclidean(x, y), x, y, 8, pos)  # a budget for every near entry
+
+
+@pytest.mark.parametrize("mode", ["self", "ref"])
+def test_gradient_with_copies_is_finite_and_zero_distances_contribute_zero(gen, mode):
+    """The gradient of Σ W ⊙ d with copies of rows in both sets (and the default budget, which
+    recomputes every near entry): finite, each zero distance contributing 0, equal to a float64
+    loop over the pairs with d > 0 to the float32 backward's rounding (its two matmuls cancel
+    for near pairs: w = 1/d is large)."""
+    rows = _chain_rows(gen, 5)
+    rows = torch.cat([rows, rows[2:3].expand(2, -1)])  # rows 2, 5, 6 equal
+    x, _ = _hidden(gen, rows, n_far=4)
+    y = None if mode == "self" else x.flip(0).contiguous()
+    yy = x if y is None else y
+    w = torch.randn(len(x), len(yy), generator=gen, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad((safe_euclidean(xr, y) * w.float()).sum(), xr)
+    assert torch.isfinite(grad).all()
+    xd, yd = x.double(), yy.double()
+    want = torch.zeros_like(xd)
+    for i in range(len(xd)):
+        for j in range(len(yd)):
+            diff = xd[i] - yd[j]
+            if diff.norm() > 0:
+                want[i] += w[i, j] * diff / diff.norm()
+                if y is None:
+                    want[j] -= w[i, j] * diff / diff.norm()
+    torch.testing.assert_close(grad.double(), want, rtol=0, atol=1e-3 * want.abs().max())
+
+
+@pytest.mark.parametrize("squared", [False, True])
+@pytest.mark.parametrize("mode", ["self", "ref"])
+def test_gradient_at_zero_distance_is_zero_under_torch_func(gen, mode, squared):
+    """torch.func.grad and vmap(grad) of Σ W ⊙ d over rows with duplicates (and a reference
+    set holding copies of query rows): finite, equal to eager autograd, and the gradient of a
+    row whose only partners are copies of itself is exactly 0."""
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    x = torch.cat([x, x[:2], x[5:6].expand(2, -1)])  # 0 ~ 6, 1 ~ 7, 5 ~ 8 ~ 9
+    y = None if mode == "self" else torch.cat([x[3:4], x[:2]])  # x3 = y0, x0 = y1, x1 = y2
+    w = torch.randn(10, 10 if y is None else 3, generator=gen, dtype=torch.float64)
+
+    def f(a, wt):
+        return (safe_euclidean(a, y, squared=squared) * wt).sum()
+
+    grad = torch.func.grad(f)(x, w)
+    assert torch.isfinite(grad).all()
+    xr = x.clone().requires_grad_()
+    (eager,) = torch.autograd.grad(f(xr, w), xr)
+    torch.testing.assert_close(grad, eager, rtol=1e-12, atol=1e-12)
+    stacked = torch.func.vmap(torch.func.grad(f))(x.expand(2, -1, -1), torch.stack([w, 2 * w]))
+    torch.testing.assert_close(stacked, torch.stack([eager, 2 * eager]), rtol=1e-12, atol=1e-12)
+    # a row whose only partners are its own copies: zero (not NaN)
+    lone = torch.func.grad(
+        lambda a: safe_euclidean(a, None if y is None else a, squared=squared).sum()
+    )
+    assert torch.equal(lone(x[8:10]), torch.zeros(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["safe_euclidean", "lp"])
+def test_one_sided_near_entries_under_vmap(gen, normalize):
+    """Inside torch.func.vmap (the custom operator pmlfunc::near_columns, out-of-place scatters)
+    the one-sided case keeps every promise, for each matrix of the stack."""
+    x1, chain1 = _one_sided_case(gen)
+    x2 = x1.flip(0).contiguous()
+    chain2 = len(x1) - 1 - chain1
+    d = pf.distances.lp(normalize=normalize, exact_budget=2)
+    out = torch.func.vmap(d)(torch.stack([x1, x2]))
+    for m, x, chain in ((out[0], x1, chain1), (out[1], x2, chain2)):
+        _assert_safe_matrix(m, _normalized(x, normalize), None, 2, chain)
+    ys = torch.stack([x2, x1])
+    cross = torch.func.vmap(lambda a, b: safe_euclidean(a, b, exact_budget=2))(
+        torch.stack([x1, x2]), ys
+    )
+    _assert_safe_matrix(cross[0], x1, x2, 2, chain1)
+
+
+@pytest.mark.compile
+def test_one_sided_near_entries_compiled(gen):
+    """torch.compile(fullgraph=True) (inductor; the CPU's listing is the custom operator):
+    the one-sided case keeps every promise, self and cross, and the gradient is finite."""
+    x, chain = _one_sided_case(gen)
+    y = x.flip(0).contiguous()
+
+    def f(a, b):
+        return safe_euclidean(a, exact_budget=2), safe_euclidean(a, b, exact_budget=2)
+
+    torch._dynamo.reset()
+    try:
+        self_m, cross_m = torch.compile(f, fullgraph=True)(x, y)
+        _assert_safe_matrix(self_m, x, None, 2, chain)
+        _assert_safe_matrix(cross_m, x, y, 2, chain)
+        xr = x.clone().requires_grad_()
+        g = torch.compile(lambda a: safe_euclidean(a, exact_budget=2).sum(), fullgraph=True)
+        g(xr).backward()
+        assert torch.isfinite(xr.grad).all()
+    finally:
+        torch._dynamo.reset()
