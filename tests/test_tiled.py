@@ -1,13 +1,21 @@
-"""Tests for the tiled engine (``pmlfunc.losses._tiled``) behind ``chunk_size=`` of NT-Xent and
-SupCon (CLIP and SigLIP, which share it, are tested in ``test_cross_modal.py``; all four are
-compiled here with their gradient taken inside the compiled function).
+"""Tests for the tiled engine (``pmlfunc.losses._tiled``) behind ``chunk_size=`` of NT-Xent,
+SupCon, CLIP and SigLIP.
 
-The tiled path must return what the dense ``pf.losses.ntxent`` / ``supcon`` return — value and
-gradients w.r.t. the embeddings, the reference set and a tensor temperature — while no tensor
-larger than ``max(chunk × M, B × D)`` is ever created, in the forward or the backward.
+Every kind of the engine is tested here on its own: with each reducer of ``_tiled.KINDS``, with
+labels and without, with a logit bias and without, in tiles of 1 row, of a size not dividing
+the rows and of more rows than there are, the value and the gradients w.r.t. the embeddings, the
+reference (second) set, the temperature (logit scale) and the bias equal a float64 reference
+written here from the formulas, and the engine's blocks (partial statistics of blocks of
+columns merged, the ring's walk in one process) give the same numbers. NT-Xent and SupCon are
+also compared with the dense ``pf.losses.ntxent`` / ``supcon`` (reducers, distances, labels
+without positives or negatives, transforms, compile), and no tensor larger than
+``max(chunk × M, B × D)`` is ever created, in the forward or the backward
+(``test_cross_modal.py`` compares CLIP and SigLIP's tiled and dense paths too).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -18,6 +26,7 @@ from tracking import LargestTensor
 
 import pmlfunc.distances as pfd
 import pmlfunc.losses as pfl
+import pmlfunc.losses._tiled as _tiled
 import pmlfunc.reducers as pfr
 
 F64 = torch.float64
@@ -506,3 +515,261 @@ def test_chunk_size_equals_the_dense_loss_on_a_larger_batch(name):
     (g2,) = torch.autograd.grad(streamed, e2)
     torch.testing.assert_close(streamed, dense, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g2, g1, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every kind of the engine on its own: values and full gradients against float64 references
+# ---------------------------------------------------------------------------------------------
+#
+# The references below are written from the formulas of ``pmlfunc/losses/_tiled.py``'s table
+# (and the losses' docstrings), one row at a time, with nothing of pmlfunc in them: the logits
+# S = scale · x̂ ŷᵀ + bias of rows already normalised, positives by equal labels (``None``: row i
+# with column i), self mode without the diagonal.
+
+TINY = torch.finfo(F64).tiny
+
+
+def _masks_ref(n, m, rows, cols, self_mode):
+    if rows is None:
+        pos = torch.eye(n, m, dtype=torch.bool)
+    else:
+        pos = rows[:, None] == (rows if cols is None else cols)[None, :]
+    neg = ~pos
+    if self_mode:
+        pos.fill_diagonal_(False)
+        neg.fill_diagonal_(False)
+    return pos, neg
+
+
+def _reference(kind, reducer, s, pos, neg):
+    """The loss of ``kind`` with ``reducer`` over logits ``s`` (float64, differentiable)."""
+    n, m = s.shape
+    zero = s.sum() * 0.0
+    if kind == "siglip":  # Σ softplus(−z S), z = +1 on positives
+        terms = [torch.nn.functional.softplus(-s[i, j] if pos[i, j] else s[i, j])
+                 for i in range(n) for j in range(m)]  # fmt: skip
+        total = sum(terms, zero)
+        return {"batch": total / n, "mean": total / (n * m), "sum": total}[reducer]
+    if kind == "ntxent":  # −log(e^{S_ij} / (e^{S_ij} + Σ_neg e^{S_ik}) + ε) per positive pair
+        terms = []
+        for i in range(n):
+            negs = s[i][neg[i]]
+            for j in torch.nonzero(pos[i]).flatten().tolist():
+                share = torch.exp(s[i, j] - torch.logsumexp(torch.cat([s[i, j : j + 1], negs]), 0))
+                terms.append(-torch.log(share + TINY))
+        total = sum(terms, zero)
+        return total / len(terms) if reducer == "mean" and terms else total
+    if kind == "supcon":  # lse over candidates − mean over positives, per row with positives
+        if not pos.any() or not neg.any():
+            return zero
+        losses = [
+            torch.logsumexp(s[i][pos[i] | neg[i]], 0) - s[i][pos[i]].mean() if pos[i].any() else zero
+            for i in range(n)
+        ]  # fmt: skip
+        total = sum(losses, zero)
+        if reducer == "avg_nonzero":
+            active = sum(int(v > 0) for v in losses)
+            return total / active if active else zero
+        return total / n if reducer == "mean" else total
+    # clip: (R over rows + R over columns) / 2 of lse − mean over positives
+    rows = [torch.logsumexp(s[i], 0) - s[i][pos[i]].mean() for i in range(n)]
+    cols = [torch.logsumexp(s[:, j], 0) - s[:, j][pos[:, j]].mean() for j in range(m)]
+    if reducer == "mean":
+        return (sum(rows, zero) / n + sum(cols, zero) / m) / 2
+    return (sum(rows, zero) + sum(cols, zero)) / 2
+
+
+LAYOUTS = {  # kind -> its layouts of labels (_layout_labels)
+    "ntxent": ("self", "ref", "self_one_class", "self_distinct"),
+    "supcon": ("self", "ref", "self_one_class", "self_distinct"),
+    "clip": ("pairs", "pairs_labels"),
+    "siglip": ("pairs", "pairs_labels"),
+}
+EDGE = ("self_one_class", "self_distinct")  # tested at one chunk size
+REF_CHUNKS = [1, 3, B, B + 5]  # one row a tile, 3 not dividing B = 11, one tile, B < chunk
+
+
+def _layout_labels(layout):
+    """``(labels, ref_labels)`` of a layout (``None`` where it has none)."""
+    if layout == "self_one_class":
+        return torch.tensor(LABELS["no_negative"]), None
+    if layout == "self_distinct":
+        return torch.tensor(LABELS["no_positive"]), None
+    if layout == "pairs":
+        return None, None
+    labels = torch.tensor(LABELS["uneven"])
+    return labels, torch.tensor(REF_LABELS["uneven"]) if layout == "ref" else None
+
+
+def _kind_inputs(gen, kind, layout, bias):
+    """The leaves a call of ``kind`` is differentiated in: ``(emb, other, p, b)`` with ``other``
+    the reference set or the second set (``None`` in self mode), ``p`` the temperature or the
+    logit scale, ``b`` the logit bias (or ``None``)."""
+    emb, ref = _data(gen)
+    if kind in ("clip", "siglip"):
+        other = torch.randn(B, D, generator=gen, dtype=F64)
+        p, b = torch.tensor(0.8, dtype=F64), torch.tensor(-0.7, dtype=F64) if bias else None
+        return emb, other, p, b
+    return emb, ref if layout == "ref" else None, torch.tensor(0.35, dtype=F64), None
+
+
+def _call_kind(kind, reducer, layout, chunk, emb, other, p, b):
+    """The public loss of ``kind`` (``chunk``: the tiled engine, ``None``: the reference)."""
+    labels, ref_labels = _layout_labels(layout)
+    if chunk is None:
+        x = torch.nn.functional.normalize(emb, dim=-1)
+        y = None if other is None else torch.nn.functional.normalize(other, dim=-1)
+        scale = p.exp() if kind in ("clip", "siglip") else 1.0 / p
+        s = scale * x @ (x if y is None else y).T + (0.0 if b is None else b)
+        pos, neg = _masks_ref(len(x), s.shape[1], labels, ref_labels, y is None)
+        return _reference(kind, reducer, s, pos, neg)
+    red = None if reducer == _tiled.KINDS[kind][0] else getattr(pfr, reducer)()
+    if kind in ("clip", "siglip"):
+        params = {"logit_scale": p} if b is None else {"logit_scale": p, "logit_bias": b}
+        return getattr(pfl, kind)(emb, other, params, labels=labels, chunk_size=chunk, reducer=red)
+    kw = {} if other is None else {"ref_emb": other, "ref_labels": ref_labels}
+    return getattr(pfl, kind)(emb, labels, temperature=p, chunk_size=chunk, reducer=red, **kw)
+
+
+def _kind_value_and_grads(kind, reducer, layout, chunk, inputs):
+    leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    loss = _call_kind(kind, reducer, layout, chunk, *leaves)
+    used = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(loss, used, allow_unused=True)
+    return loss.detach(), [
+        torch.zeros_like(t) if g is None else g for t, g in zip(used, grads, strict=True)
+    ]
+
+
+def _kind_cases():
+    for kind, layouts in LAYOUTS.items():
+        for reducer in _tiled.KINDS[kind]:
+            for layout in layouts:
+                biases = (False, True) if kind in ("clip", "siglip") else (False,)
+                for bias in biases:
+                    for chunk in [3] if layout in EDGE else REF_CHUNKS:
+                        yield pytest.param(kind, reducer, layout, bias, chunk, id=(
+                            f"{kind}-{reducer}-{layout}{'-bias' if bias else ''}-chunk{chunk}"
+                        ))  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "reducer", "layout", "bias", "chunk"), list(_kind_cases()))
+def test_every_kind_and_reducer_equals_a_float64_reference(gen, kind, reducer, layout, bias, chunk):
+    """Each kind of ``_tiled.KINDS`` with each of its reducers, with labels and without
+    (clip, siglip), a reference set and self mode (ntxent, supcon; also one class and all
+    labels distinct), with a logit bias and without, in tiles of 1, 3 (not dividing 11), 11
+    and 16 (more than the rows) rows: the loss and its gradients w.r.t. the embeddings, the
+    reference / second set, the temperature or logit scale and the bias equal the reference."""
+    inputs = _kind_inputs(gen, kind, layout, bias)
+    got = _kind_value_and_grads(kind, reducer, layout, chunk, inputs)
+    want = _kind_value_and_grads(kind, reducer, layout, None, inputs)
+    _assert_same(got, want)
+    if layout not in EDGE:  # the test has teeth: no gradient is zero (but CLIP's bias's: a
+        # softmax does not see a constant shift)
+        grads = got[1][:-1] if kind == "clip" and bias else got[1]
+        assert all(g.abs().max() > 1e-6 for g in grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's blocks: partial statistics merged across blocks of columns (the ring's walk)
+# ---------------------------------------------------------------------------------------------
+
+
+def _blocks(sizes):
+    edges = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return list(itertools.pairwise(edges))
+
+
+def _walk_blocks(kind, reducer, x, y, rows, cols, scale, bias, chunk, x_sizes, y_sizes):
+    """The loss and its gradients ``(∂x, ∂y, ∂scale, ∂bias)`` of the rows of ``x`` split into
+    blocks of ``x_sizes`` rows (ranks), each walking the column blocks of ``y`` (``y_sizes``;
+    ``y=None``: self mode, ``x``'s blocks) through ``block_forward`` / ``merge`` / ``counts`` /
+    ``reduce`` / ``block_backward``, as the ring does, in one process."""
+    self_mode = y is None
+    yy, cc = x if self_mode else y, rows if cols is None else cols  # labels of both: rows
+    xb, yb = _blocks(x_sizes), _blocks(x_sizes if self_mode else y_sizes)
+    part = lambda t, r: None if t is None else t[r[0] : r[1]]  # noqa: E731
+
+    def walk(r, lse=None):
+        acc, col = None, []
+        for o, blk in enumerate(yb):
+            st = _tiled.block_forward(
+                kind, part(x, xb[r]), part(yy, blk), part(rows, xb[r]), part(cc, blk), scale,
+                bias, chunk, diag=o == r, exclude=self_mode, lse=lse, final=False,
+            )  # fmt: skip
+            acc = _tiled.merge(acc, {k: v for k, v in st.items() if not k.startswith("col")})
+            col.append({k: v for k, v in st.items() if k.startswith("col")})
+        return acc, col
+
+    stats, cols_of = [], [None] * len(yb)
+    for r in range(len(xb)):
+        st, col = walk(r)
+        if kind == "ntxent":  # the terms need each row's final log-sum-exp: a second walk
+            st = {"row_lse": st["row_lse"], **walk(r, st["row_lse"])[0]}
+        stats.append(st)
+        for o, c in enumerate(col):
+            cols_of[o] = _tiled.merge(cols_of[o], c)
+    if kind == "clip":  # a block's column statistics over every block of rows
+        for r, st in enumerate(stats):
+            st.update(cols_of[r])
+    counts = [_tiled.counts(kind, st, b - a) for st, (a, b) in zip(stats, xb, strict=True)]
+    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    reduced = [_tiled.reduce(kind, st, reducer, total) for st in stats]
+    loss = sum(share for share, _ in reduced)
+    n_row = _tiled.ROW_STATS[kind]
+    gx = [torch.zeros_like(x[a:b]) for a, b in xb]
+    gy = [torch.zeros_like(yy[a:b]) for a, b in yb]
+    g_scale, g_bias = torch.zeros((), dtype=F64), torch.zeros((), dtype=F64)
+    for r, (_, row_stats) in enumerate(reduced):
+        for o, blk in enumerate(yb):
+            col_stats = reduced[o][1][n_row:]
+            px, py, x_dot, sum_ds = _tiled.block_backward(
+                kind, part(x, xb[r]), part(yy, blk), part(rows, xb[r]), part(cc, blk), scale,
+                bias, chunk, row_stats[:n_row], col_stats, (True, True, True, bias is not None),
+                diag=o == r, exclude=self_mode,
+            )  # fmt: skip
+            gx[r] += px * scale
+            gy[o] += py * scale
+            g_scale += x_dot
+            if bias is not None:
+                g_bias += sum_ds
+    if self_mode:  # x is both sides: its rows' parts and its columns' parts
+        return loss, [torch.cat(gx) + torch.cat(gy), g_scale, g_bias]
+    return loss, [torch.cat(gx), torch.cat(gy), g_scale, g_bias]
+
+
+def _block_cases():
+    for kind, layouts in LAYOUTS.items():
+        for reducer in _tiled.KINDS[kind]:
+            for layout in layouts:
+                if layout not in EDGE:
+                    yield pytest.param(kind, reducer, layout, id=f"{kind}-{reducer}-{layout}")
+
+
+@pytest.mark.parametrize(("kind", "reducer", "layout"), list(_block_cases()))
+def test_blocks_of_columns_merged_equal_the_reference(gen, kind, reducer, layout):
+    """The rows in three blocks (4, 0 and 7 rows: one empty) walking three blocks of columns
+    (the reference set's 2, 3, 4 rows, or the rows' own blocks), tiles of 3 rows: the partial
+    log-sum-exps and sums merged across blocks (``merge``, the columns' statistics of CLIP
+    across blocks of rows), the counts summed, each block's share reduced and its gradient
+    walked again give the loss and the gradients w.r.t. both sets, the scale and the bias of
+    the float64 reference."""
+    emb, other, p, b = _kind_inputs(gen, kind, layout, bias=True)
+    labels, ref_labels = _layout_labels(layout)
+    x = torch.nn.functional.normalize(emb, dim=-1)
+    y = None if other is None else torch.nn.functional.normalize(other, dim=-1)
+    scale = p.exp() if kind in ("clip", "siglip") else 1.0 / p
+    y_sizes = [4, 0, 7] if kind in ("clip", "siglip") else [2, 3, 4]
+    got = _walk_blocks(kind, reducer, x, y, labels, ref_labels, scale, b, 3, [4, 0, 7], y_sizes)
+
+    leaves = [t.clone().requires_grad_() for t in (x, *(() if y is None else (y,)), scale)]
+    bias = None if b is None else b.clone().requires_grad_()
+    xl, yl = leaves[0], None if y is None else leaves[1]
+    s = leaves[-1] * xl @ (xl if yl is None else yl).T + (0.0 if bias is None else bias)
+    pos, neg = _masks_ref(len(x), s.shape[1], labels, ref_labels, y is None)
+    want_loss = _reference(kind, reducer, s, pos, neg)
+    wrt = leaves + ([] if bias is None else [bias])
+    want = list(torch.autograd.grad(want_loss, wrt))
+    if bias is None:
+        got[1].pop()
+    _assert_same((got[0], got[1]), (want_loss.detach(), want))
