@@ -746,7 +746,8 @@ def distance_weighted(
 
     On the unit sphere in ``D`` dimensions, pairwise distances have density
     ``q(d) ∝ d^{D−2} (1 − d²/4)^{(D−3)/2}``; negatives are drawn with weight
-    ``1/q(max(d, cutoff))`` and 0 at ``d ≥ nonzero_loss_cutoff``. Every positive pair ``(a, p)``
+    ``1/q(max(d, cutoff))`` and 0 where ``max(d, cutoff) ≥ nonzero_loss_cutoff`` (as PML: a
+    ``cutoff`` at or above ``nonzero_loss_cutoff`` draws nothing). Every positive pair ``(a, p)``
     gets one negative drawn from ``a``'s weights (PML draws ``|class|`` positives per anchor
     with replacement instead; the negatives' distribution is the same). Anchors whose weights
     are all 0 get no triplets.
@@ -777,7 +778,8 @@ def distance_weighted(
     other = s.neg  # PML masks every same-class entry, the diagonal too
     log_w = log_w * other.to(log_w.dtype)
     top = torch.where(bad, -torch.inf, log_w).amax()
-    w = torch.exp(log_w - top) * other * (s.mat < float(nonzero_loss_cutoff))
+    # PML compares the clamped distance: with cutoff >= nonzero_loss_cutoff nothing is drawn
+    w = torch.exp(log_w - top) * other * (dist < float(nonzero_loss_cutoff))
     w = torch.where(bad, 0.0, w).to(torch.float64)
     b, m = w.shape
     cdf = w.cumsum(-1)
