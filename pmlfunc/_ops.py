@@ -65,7 +65,8 @@ __all__ = [
 
 def masked(x: Tensor, keep: Tensor) -> Tensor:
     """``x`` on kept entries (``keep`` is a 0/1 float mask), ``−finfo.max`` elsewhere: a fresh
-    buffer, by arithmetic."""
+    buffer, by arithmetic. A non-finite ``x`` on an entry not kept gives NaN there (``x · 0``):
+    a NaN or infinity in the input is never dropped silently."""
     return torch.addcmul((keep - 1.0).mul_(torch.finfo(x.dtype).max), x, keep)
 
 
@@ -81,16 +82,19 @@ def _exp_shifted_(buf: Tensor, shift: Tensor, weights: Tensor) -> Tensor:
 
 def row_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> Tensor:
     """The forward of :func:`masked_logsumexp` (no autograd node of its own): rows with nothing
-    kept give ``−finfo.max``."""
+    kept (or only −inf) give ``−finfo.max``; a row with a kept +inf gives +inf (as
+    ``torch.logsumexp``); a row with a NaN, or with an infinity on an entry not kept
+    (:func:`masked`), gives NaN."""
     if keep is None:
         keep = weights
     low = -torch.finfo(x.dtype).max
     buf = masked(x, keep)
     shift = buf.amax(-1, keepdim=True)
     # Empty rows (nothing kept, or only −inf) are −finfo.max; a NaN shift is not empty: it
-    # propagates, so that a non-finite input never reads as an empty row (a loss of 0).
+    # propagates, so that a non-finite input never reads as an empty row (a loss of 0). A +inf
+    # shift is not subtracted (inf − inf is NaN): e^{+inf} makes the sum, and the result, +inf.
     has_any = ~(shift <= low)
-    shift = torch.where(has_any, shift, 0.0)
+    shift = torch.where(has_any & (shift != torch.inf), shift, 0.0)
     s = _exp_shifted_(buf, shift, weights).sum(-1, keepdim=True)
     lse = torch.where(has_any, torch.log(torch.where(has_any, s, 1.0)) + shift, low)
     return lse.squeeze(-1)
@@ -176,15 +180,21 @@ def count_true(mask: Tensor, dim: int | None = None, keepdim: bool = False) -> T
 
 def indicator(x: Tensor, *, strict: bool = True) -> Tensor:
     """``[x > 0]`` (``strict``) or ``[x ≥ 0]`` as a 0/1 tensor of ``x``'s float dtype, by
-    arithmetic on ``sign(x)`` (detached: an indicator carries no gradient); NaN where ``x`` is
-    NaN (a non-finite input is never read as "not selected").
+    arithmetic (detached: an indicator carries no gradient); NaN where ``x`` is NaN (a
+    non-finite input is never read as "not selected"), ``[+inf > 0] = 1``, ``[−inf ≥ 0] = 0``.
+
+    ``⌈clamp(x, 0, 1)⌉ + 0`` and ``⌊clamp(x, −1, 0)⌋ + 1``, three passes: ``clamp`` keeps a
+    NaN, where ``torch.sign`` (eager and compiled) maps it to 0, so that the ``sign``-based form
+    read a NaN as not selected; the ``+ 0`` makes ``x = −0`` give ``+0``.
 
     No bool tensor is made. In eager mode a comparison costs a conversion before it can weight
     anything; under ``torch.compile`` on a CPU, a boolean ``B × M`` mask that a training graph
     saves for its backward is stored by inductor ~20× slower than a float one (a comparison's
     mask at B = 512: ~3 ms against 0.15 ms for the float form)."""
-    s = x.detach().sign()
-    return s.clamp_min_(0.0) if strict else s.add_(1.0).clamp_max_(1.0)
+    v = x.detach()
+    if strict:
+        return v.clamp(0.0, 1.0).ceil_().add_(0.0)
+    return v.clamp(-1.0, 0.0).floor_().add_(1.0)
 
 
 _NORMALIZE_EPS = 1e-12  # F.normalize's
@@ -366,7 +376,8 @@ def sparse_rows(mask: Tensor, cost: float = 1.0) -> tuple[Tensor, Tensor] | None
     ``cost·K`` at most :data:`SPARSE_FRACTION` of the columns (``cost``: what the caller's
     work per listed column costs relative to a pass over a row), so that work on the listed
     layout costs a fraction of the same work on the matrix. Else ``None``, and the caller
-    takes its dense (static-shape) path over every column."""
+    takes its dense (static-shape) path over every column; also for a mask with a NaN (or
+    negative) entry, which no count lists: the dense path carries it."""
     if not readable(mask) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
     # masks are non-negative: sign() is the 0/1 indicator. A float sum, not a bool one (at
@@ -376,6 +387,8 @@ def sparse_rows(mask: Tensor, cost: float = 1.0) -> tuple[Tensor, Tensor] | None
     if cost * k > SPARSE_FRACTION * mask.shape[-1]:
         return None
     rows, cols = mask.nonzero(as_tuple=True)  # row-major: each row's columns in order
+    if rows.numel() != int(counts.sum()):  # a NaN is nonzero but has sign 0 (a negative, −1)
+        return None
     slot = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]
     shape = (mask.shape[0], k)
     index = torch.zeros(shape, dtype=torch.long, device=mask.device)

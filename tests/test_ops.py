@@ -3,6 +3,8 @@ them (those are tested through the losses)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -101,3 +103,164 @@ def test_count_true_counts_like_a_bool_sum():
     assert torch.equal(count_true(mask, -1), mask.sum(-1).int())
     assert torch.equal(count_true(mask, 0, keepdim=True), mask.sum(0, keepdim=True).int())
     assert count_true(torch.zeros(0, 3, dtype=torch.bool)) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite rows: a NaN row propagates NaN (never read as an empty row), an infinity gives the
+# mathematically right value or the NaN each function documents; the other rows are untouched
+# ---------------------------------------------------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _rows_with_non_finite_entries():
+    """Rows of 5: 0 finite, 1 a NaN, 2 all NaN, 3 a +inf, 4 a −inf, 5 −inf on every kept entry,
+    6 a NaN where ``keep`` (below) is 0, 7 a −inf where ``keep`` is 0; ``keep`` drops column 4."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    x[1, 2] = NAN
+    x[2] = NAN
+    x[3, 1] = INF
+    x[4, 0] = -INF
+    x[5, :4] = -INF
+    x[6, 4] = NAN
+    x[7, 4] = -INF
+    keep = torch.ones_like(x)
+    keep[:, 4] = 0.0
+    return x, keep
+
+
+def test_row_logsumexp_of_non_finite_rows():
+    """A NaN row (or a NaN anywhere in it, kept or not) is NaN, not the empty row's −finfo.max;
+    a kept +inf gives +inf (torch.logsumexp's value); a kept −inf adds e^{−inf} = 0; a row of
+    only −inf is empty (−finfo.max, as documented); an infinity on an entry not kept is NaN
+    (``masked``: x·0); the finite rows equal torch.logsumexp over their kept entries."""
+    from pmlfunc._ops import masked_logsumexp, row_logsumexp
+
+    x, keep = _rows_with_non_finite_entries()
+    low = -torch.finfo(x.dtype).max
+    want = torch.logsumexp(x[:, :4], -1)
+    want[5] = low
+    want[[6, 7]] = NAN
+    for weights, k in ((keep, None), (2.0 * keep, keep)):  # 0/1 weights, and counts with keep
+        shift = torch.log(weights[:, :1])  # log 2 for the counts
+        for fn in (row_logsumexp, masked_logsumexp):
+            got = fn(x, weights, k) - torch.where(want == low, 0.0, shift.squeeze(-1))
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0, equal_nan=True)
+    assert torch.isnan(row_logsumexp(x, keep)[[1, 2, 6, 7]]).all()
+    assert row_logsumexp(x, keep)[3] == INF
+    empty = row_logsumexp(x, torch.zeros_like(x))  # nothing kept: empty, but a non-finite row
+    assert empty[0] == low and torch.isnan(empty[1:]).all()
+
+
+def test_masked_logsumexp_gradient_of_non_finite_rows_stays_in_its_row():
+    """The gradient (``row_softmax``): each finite row's is its softmax over the kept entries,
+    whatever the other rows hold; a NaN row's is NaN, a +inf row's NaN at the infinity (e^{inf −
+    inf}) and 0 elsewhere; a −inf entry gets 0, the empty row of −inf nothing (below 1e-30)."""
+    from pmlfunc._ops import masked_logsumexp, row_softmax
+
+    x, keep = _rows_with_non_finite_entries()
+    xr = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(masked_logsumexp(xr, keep).sum(), xr)
+    want = torch.softmax(x[[0, 4]][:, :4], -1)
+    torch.testing.assert_close(grad[[0, 4]][:, :4], want, rtol=1e-12, atol=1e-30)
+    assert torch.equal(grad[[0, 3, 4, 5], 4], torch.zeros(4, dtype=x.dtype))  # not kept
+    assert torch.isnan(grad[[1, 2, 6, 7], 4]).all()  # a NaN row's gradient: NaN throughout
+    assert torch.isnan(grad[1]).any() and torch.isnan(grad[2]).all()
+    assert torch.isnan(grad[3, 1]) and (grad[3, [0, 2, 3]].abs() < 1e-30).all()
+    assert grad[4, 0].abs() < 1e-30 and (grad[5].abs() < 1e-30).all()
+    lse = masked_logsumexp(x, keep)
+    torch.testing.assert_close(row_softmax(x, keep, lse), grad, equal_nan=True)
+
+
+def test_sparse_rows_of_a_mask_with_a_nan_takes_the_dense_path():
+    """A NaN entry is nonzero (``nonzero`` lists it) but counts 0 (``sign``): the mask is not a
+    0/1 count and listing declines (``None``, the dense path, which carries the NaN) instead of
+    a wrong layout or an IndexError; a +inf entry is listed like any nonzero."""
+    mask = torch.zeros(4, 32)
+    mask[0, [3, 9]] = 1.0
+    mask[1, 5] = NAN
+    assert sparse_rows(mask) is None
+    mask[1] = NAN
+    assert sparse_rows(mask) is None
+    mask[1] = 0.0
+    mask[2, 7] = INF
+    index, valid = sparse_rows(mask)
+    assert index.tolist() == [[3, 9], [0, 0], [7, 0], [0, 0]]
+    assert valid.tolist() == [[True, True], [False, False], [True, False], [False, False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_indicator_is_nan_for_nan_and_exact_elsewhere(dtype):
+    """``indicator`` never reads a NaN as "not selected" (``torch.sign`` maps NaN to 0): NaN in,
+    NaN out, in both forms; ±inf, ±0 and the smallest subnormals on the right side; the 0/1
+    values exact, +0 (no −0), as a bool comparison gives them; under vmap too."""
+    from pmlfunc._ops import indicator
+
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.5, -3.0, tiny, -tiny], dtype=dtype)
+    x = torch.cat([x, torch.tensor([1e-45, -1e-45]).to(dtype)])  # subnormals (0 below float32)
+    for strict, want in ((True, x > 0), (False, x >= 0)):
+        got = indicator(x, strict=strict)
+        assert got.dtype == dtype and torch.isnan(got[0])
+        assert torch.equal(got[1:], want[1:].to(dtype))
+        assert not torch.signbit(got[1:]).any()
+        batched = torch.func.vmap(functools.partial(indicator, strict=strict))(x[None])[0]
+        assert torch.isnan(batched[0]) and torch.equal(batched[1:], got[1:])
+
+
+def test_ratio_of_non_finite_values():
+    """``ratio`` (documented): ``num / den``, and where ``den == 0`` ``num · 0``: 0 for a finite
+    ``num``, NaN for a NaN or infinite one; a NaN ``den`` gives NaN; the gradient at
+    ``den == 0`` is 0 for a finite ``num``."""
+    from pmlfunc._ops import ratio
+
+    num = torch.tensor([1.0, 0.0, NAN, INF, -INF, 1.0, NAN, 3.0, 2.0], dtype=torch.float64)
+    den = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, NAN, 2.0, INF, 4.0], dtype=torch.float64)
+    want = torch.tensor([0.0, 0.0, NAN, NAN, NAN, NAN, NAN, 0.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(ratio(num, den), want, equal_nan=True)
+    n = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    d = torch.tensor([0.0, 4.0], dtype=torch.float64, requires_grad=True)
+    gn, gd = torch.autograd.grad(ratio(n, d).sum(), (n, d))
+    assert torch.equal(gn, torch.tensor([0.0, 0.25], dtype=torch.float64))
+    assert torch.equal(gd, torch.tensor([0.0, -2.0 / 16], dtype=torch.float64))
+
+
+def test_cross_entropy_and_unit_rows_of_non_finite_rows():
+    """Row functions keep a non-finite row to itself: ``cross_entropy`` of a NaN row is NaN, of
+    a −inf logit off the label the finite cross entropy of the rest, at the label +inf, of a
+    +inf logit NaN (inf − inf, torch's); ``unit_rows`` of a NaN or inf row is NaN there (``F.normalize``'s
+    values) and its gradient NaN on that row only."""
+    import torch.nn.functional as F
+
+    from pmlfunc._ops import cross_entropy, unit_rows
+
+    x, _ = _rows_with_non_finite_entries()
+    labels = torch.tensor([0, 0, 0, 1, 1, 0, 0, 0])
+    ce = cross_entropy(x, labels)
+    assert torch.isnan(ce[[1, 2, 3]]).all()
+    assert ce[5] == INF  # the label's logit −inf, another finite: probability 0
+    want = torch.logsumexp(x[4, 1:], -1) - x[4, 1]
+    torch.testing.assert_close(ce[4], want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ce[0], F.cross_entropy(x[:1], labels[:1])[()])
+    xr = x.clone().requires_grad_()
+    out = unit_rows(xr)
+    assert torch.equal(out.isnan(), F.normalize(x, dim=-1).isnan())
+    assert torch.isnan(out[[1, 2, 3, 4, 5]]).any(-1).all() and torch.isfinite(out[0]).all()
+    (grad,) = torch.autograd.grad((out.nan_to_num() * torch.arange(5.0)).sum(), xr)
+    assert torch.isfinite(grad[0]).all() and torch.isnan(grad[1]).all()
+
+
+@pytest.mark.compile
+def test_indicator_compiled_keeps_nan():
+    """Under torch.compile (inductor) the same values: NaN for NaN, 0/1 elsewhere."""
+    from pmlfunc._ops import indicator
+
+    x = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.5, -3.0])
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda v: (indicator(v), indicator(v, strict=False)), fullgraph=True)
+        for got, want in zip(fn(x), (x > 0, x >= 0), strict=True):
+            assert torch.isnan(got[0]) and torch.equal(got[1:], want[1:].float())
+    finally:
+        torch._dynamo.reset()
