@@ -773,3 +773,50 @@ def test_blocks_of_columns_merged_equal_the_reference(gen, kind, reducer, layout
     if bias is None:
         got[1].pop()
     _assert_same((got[0], got[1]), (want_loss.detach(), want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_row_lse_of_non_finite_rows_is_row_logsumexp():
+    """The engine's in-place log-sum-exp agrees with ``_ops.row_logsumexp`` on every kind of
+    row: finite, a kept NaN (NaN, never the empty row's −finfo.max), a kept +inf (+inf), a kept
+    −inf (adds 0), only −inf, nothing kept (−finfo.max), an empty block of columns."""
+    from pmlfunc._ops import row_logsumexp
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(6, 7, generator=g, dtype=F64)
+    s[1, 3], s[2, 0], s[3, 5], s[4, :] = float("nan"), float("inf"), -float("inf"), -float("inf")
+    keep = torch.ones(6, 7, dtype=torch.bool)
+    keep[5] = False
+    keep[:5, 6] = False
+    got = _tiled._row_lse_(s.clone(), keep)
+    want = row_logsumexp(s.masked_fill(~keep, 0.0), keep.to(F64))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0, equal_nan=True)
+    low = -torch.finfo(F64).max
+    assert torch.isnan(got[1]) and got[2] == float("inf") and got[4] == low and got[5] == low
+    torch.testing.assert_close(got[3], torch.logsumexp(s[3, [0, 1, 2, 3, 4]], 0))
+    assert torch.equal(_tiled._row_lse_(s[:, :0].clone(), None), torch.full((6,), low, dtype=F64))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, B + 5])
+@pytest.mark.parametrize("kind", list(_tiled.KINDS))
+def test_a_nan_in_a_row_that_is_only_a_negative_gives_a_nan_loss(gen, kind, chunk):
+    """A NaN in one reference row (NT-Xent, SupCon: a label no query row has, so that it enters
+    every row's log-sum-exp of negatives and no positive term) or in one row of the second set
+    (CLIP, SigLIP): the tiled loss is NaN, with every reducer; reading the NaN log-sum-exp as
+    an empty row would give a finite loss (0 for NT-Xent)."""
+    inputs = list(_kind_inputs(gen, kind, "ref" if kind in ("ntxent", "supcon") else "pairs", True))
+    if kind in ("ntxent", "supcon"):
+        row = REF_LABELS["uneven"].index(5)  # label 5: no query row has it
+        assert 5 not in LABELS["uneven"]
+    else:
+        row = 4
+    inputs[1] = inputs[1].clone()
+    inputs[1][row, 2] = float("nan")
+    for reducer in _tiled.KINDS[kind]:
+        layout = "ref" if kind in ("ntxent", "supcon") else "pairs"
+        loss = _call_kind(kind, reducer, layout, chunk, *inputs)
+        assert torch.isnan(loss), (reducer, loss)

@@ -142,7 +142,8 @@ def _masks(rows, cols, r0: int, r1: int, m: int, device, diag: bool, exclude: bo
 
 def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
     """Row-wise log-sum-exp over the kept entries (``None``: all), destroying ``s``: rows with
-    nothing kept give ``−finfo.max``, NaN propagates (as :func:`pmlfunc._ops.row_logsumexp`)."""
+    nothing kept (or only −inf) give ``−finfo.max``, a kept +inf gives +inf, a kept NaN NaN (as
+    :func:`pmlfunc._ops.row_logsumexp`; an entry not kept is not read)."""
     low = -torch.finfo(s.dtype).max
     if s.shape[-1] == 0:  # a block without columns (an empty rank's, on the ring)
         return s.new_full(s.shape[:-1], low)
@@ -150,7 +151,7 @@ def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
         s = s.masked_fill_(keep.logical_not(), low)
     shift = s.amax(-1, keepdim=True)
     has = ~(shift <= low)
-    shift = torch.where(has, shift, 0.0)
+    shift = torch.where(has & (shift != torch.inf), shift, 0.0)  # inf − inf would be NaN
     # exp(max(x − shift, −80)): CPU exp of underflowing arguments is ~35× slower
     s = s.sub_(shift).clamp_min_(-80.0).exp_()
     if keep is not None:
