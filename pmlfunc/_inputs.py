@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import _checks
 from .distances import Distance
-from .tuples import check_tuple, is_mined
+from .tuples import check_mined, check_tuple, is_mined
 
 __all__ = ["matrix", "validate"]
 
@@ -21,8 +21,9 @@ def validate(
     indices_tuple=None,
 ):
     """Check a loss's or a miner's inputs (shapes, dtypes, devices; index values as
-    :func:`~pmlfunc.tuples.check_tuple` does) and return ``indices_tuple`` ready to use: a PML
-    tuple with its negative indices wrapped, a miner's result as it is."""
+    :func:`~pmlfunc.tuples.check_tuple` and :func:`~pmlfunc.tuples.check_mined` do) and return
+    ``indices_tuple`` ready to use: a PML tuple with its negative indices wrapped, a miner's
+    result as it is."""
     _checks.embeddings(embeddings)
     b = embeddings.shape[0]
     if labels is not None:
@@ -42,9 +43,10 @@ def validate(
             _checks.labels(ref_labels, ref_emb.shape[0], ref_emb.device, "ref_labels", "ref_emb")
     elif ref_labels is not None:
         raise ValueError("ref_labels was given without ref_emb")
-    if indices_tuple is not None and not is_mined(indices_tuple):
+    if indices_tuple is not None:
         m = b if ref_emb is None else ref_emb.shape[0]
-        indices_tuple = check_tuple(indices_tuple, (b, m))
+        check = check_mined if is_mined(indices_tuple) else check_tuple
+        indices_tuple = check(indices_tuple, (b, m))
     return indices_tuple
 
 

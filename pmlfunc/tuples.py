@@ -352,6 +352,52 @@ def is_mined(x: object) -> bool:
     return isinstance(x, MINED_TYPES)
 
 
+_TRIPLET_FIELDS = ("anchors", "positives", "negatives")
+
+
+def check_mined(result: object, shape: tuple[int, int]):
+    """Validate a fixed-shape miner result against the ``(B, M)`` grid of its reader and return
+    it: :class:`MinedPairs`' and :class:`TripletWindow`'s ``(B, M)`` fields and
+    :class:`TripletMask`'s ``(B, M, M)`` cube (a ``ValueError`` naming the field); a
+    :class:`MinedTriplets`' four 1-D fields of one length, integer indices with
+    ``0 ≤ anchors < B`` and ``0 ≤ positives, negatives < M`` (no wrapping: a miner's slots are
+    never negative). An index out of range is an ``IndexError`` naming the field and its first
+    offending position in eager mode on CPU, a device-side assert elsewhere, unchecked inside
+    ``torch.func`` transforms (as :func:`check_tuple`)."""
+    b, m = shape
+    if isinstance(result, MinedTriplets):
+        fields = (result.anchors, result.positives, result.negatives, result.valid)
+        if any(t.ndim != 1 or t.shape != fields[0].shape for t in fields):
+            raise ValueError(
+                "indices_tuple (MinedTriplets) needs four 1-D fields of one length, got shapes "
+                f"{[tuple(t.shape) for t in fields]}"
+            )
+        for name, t, size in zip(_TRIPLET_FIELDS, fields, (b, m, m), strict=False):
+            if t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(
+                    f"indices_tuple.{name} must be an int32 or int64 index tensor, got {t.dtype}"
+                )
+            _checks.in_range(t, 0, size, f"indices_tuple.{name}", f"for {size} rows")
+        return result
+    expected: dict[str, tuple[int, ...]]
+    if isinstance(result, TripletMask):
+        expected = {"mask": (b, m, m)}
+    elif isinstance(result, TripletWindow):
+        expected = {"e": (b, m), "pos": (b, m), "neg": (b, m)}
+    elif isinstance(result, MinedPairs):
+        expected = {"pos": (b, m), "neg": (b, m)}
+    else:
+        raise TypeError(f"not a pmlfunc miner result: {type(result).__name__}")
+    for name, want in expected.items():
+        got = tuple(getattr(result, name).shape)
+        if got != want:
+            raise ValueError(
+                f"indices_tuple.{name} ({type(result).__name__}) must have shape {want} for "
+                f"{b} query rows and {m} reference rows, got {got}"
+            )
+    return result
+
+
 def as_triplets(indices_tuple) -> MinedTriplets | None:
     """A list of triplets as :class:`MinedTriplets`: a PML triplet tuple ``(a, p, n)`` (every
     slot valid) or a ``MinedTriplets`` itself; ``None`` for anything else (pairs, windows,
@@ -378,15 +424,24 @@ def sample_weights(
     if indices_tuple is None:
         return None
     if is_mined(indices_tuple):
+        if isinstance(indices_tuple, MinedTriplets) and anchors_only:  # a reference set's
+            a = indices_tuple.anchors  # indices (positives, negatives) are not counted here
+            _checks.in_range(a, 0, batch_size, "indices_tuple.anchors", f"for {batch_size} rows")
+        elif isinstance(indices_tuple, MinedTriplets):
+            check_mined(indices_tuple, (batch_size, batch_size))
         counts = indices_tuple.sample_counts(batch_size, dtype, anchors_only).to(device)
         top = counts.amax()
         return torch.where(top > 0, counts / top.clamp_min(1.0), 1.0)
     t = check_tuple(indices_tuple)
     if all(x.shape[0] == 0 for x in t):
         return None
+    positions: tuple[int, ...] = tuple(range(len(t)))
     if anchors_only:  # the other indices refer to a reference set: not counted here
-        t = (t[0],) if len(t) == 3 else (t[0], t[2])
-    t = tuple(_checks.index(x, batch_size, "indices_tuple (sample indices)") for x in t)
+        positions = (0,) if len(t) == 3 else (0, 2)
+    roles = _ROLES[len(t)]
+    t = tuple(
+        _checks.index(t[i], batch_size, f"indices_tuple[{i}] ({roles[i]})") for i in positions
+    )
     idx = torch.cat([x.reshape(-1).to(device=device, dtype=torch.long) for x in t])
     counts = torch.zeros(batch_size, dtype=dtype, device=device)
     counts = counts.index_add(0, idx, torch.ones(idx.shape, dtype=dtype, device=device))

@@ -12,6 +12,15 @@ counted (a reducer's window). :data:`EXEMPT` lists the hyper-parameters that ent
 comparison (a shift of a logit, a scale, a count), each with the reason;
 ``test_every_threshold_hyper_parameter_has_a_row_or_a_reason`` fails for a public miner, loss or
 reducer whose hyper-parameter is in neither.
+
+Part 2, indices: every function that takes indices (PML tuples read by the losses, the labels'
+masks and the sample weights; a miner's ``MinedTriplets`` read by a loss; manifold's
+meta-classes; class labels of the learnable losses; evaluation's neighbour indices, relevant ids
+and text-to-image ids; the samplers' dataset indices and hierarchy columns; the cross-batch
+memory's state) is a row of :data:`INDEX_ROWS`, tested one step outside each end of its range
+(``-size - 1`` and ``size`` where negative indices wrap, ``low - 1`` and ``high`` otherwise: the
+exception's exact type, and the argument named at the start of its message) and at both ends
+(``-size`` and ``size - 1``: accepted, with the wrapped index's result).
 """
 
 from __future__ import annotations
@@ -454,6 +463,11 @@ def _contrastive(
         )
 
 
+def _snr_contrastive(parameter: str) -> None:
+    loss = pml_losses.SignalToNoiseRatioContrastiveLoss
+    _contrastive(parameter, pf.losses.signal_to_noise_ratio_contrastive, loss)
+
+
 # how the all-triplet hinge is counted -> (the patches that select the path, what must run)
 _TRIPLET_PATHS = {
     "sorted bits": ({}, "_merged_order_bits"),  # one merged sort of integer keys
@@ -537,6 +551,14 @@ def _lifted(loss, pml_loss) -> None:
         _LIFTED,
     )
     assert value > 0
+
+
+def _lifted_structure() -> None:
+    _lifted(pf.losses.lifted_structure, pml_losses.LiftedStructureLoss)
+
+
+def _generalized_lifted() -> None:
+    _lifted(pf.losses.generalized_lifted_structure, pml_losses.GeneralizedLiftedStructureLoss)
 
 
 def _circle() -> None:
@@ -795,14 +817,14 @@ def _avg_nonzero() -> None:
 
 @dataclass(frozen=True)
 class Row:
-    """One threshold: ``function``'s ``parameter`` enters ``rule`` (pmlfunc); ``pml`` is PML
-    2.9.0's comparison (``None``: PML 2.9.0 has no such function); ``check`` runs the case."""
+    """One threshold: ``function``'s ``parameter`` enters ``rule`` (pmlfunc); ``check`` runs
+    the case; ``pml`` is PML 2.9.0's comparison (``None``: PML 2.9.0 has no such function)."""
 
     function: Callable
     parameter: str  # "-" for a rule with a fixed bound (no hyper-parameter)
+    check: Callable[[], None]
     rule: str
     pml: str | None
-    check: Callable[[], None]
 
     @property
     def id(self) -> str:
@@ -817,52 +839,96 @@ class Row:
 M, L, R = pf.miners, pf.losses, pf.reducers
 TABLE: list[Row] = [
     # miners (d a distance, s a similarity; e = d or −s, t = e_an − e_ap)
-    Row(M.pair_margin, "pos_margin", "d_ap > m (s_ap < m)", "pos_pair > m (< if inverted)", partial(_pair_margin, "pos")),
-    Row(M.pair_margin, "neg_margin", "d_an < m (s_an > m)", "neg_pair < m (> if inverted)", partial(_pair_margin, "neg")),
-    Row(M.multi_similarity, "epsilon", "s_ap − ε < max s_an (d_ap + ε > min d_an)", "the same", partial(_multi_similarity, "pos")),
-    Row(M.multi_similarity, "epsilon", "s_an + ε > min s_ap (d_an − ε < max d_ap)", "the same", partial(_multi_similarity, "neg")),
-    Row(M.triplet_margin, "margin", "all: t ≤ m", "t <= m", partial(_triplet_margin_miner, "all")),
-    Row(M.triplet_margin, "margin", "hard: t ≤ min(m, 0)", "t <= m and t <= 0", partial(_triplet_margin_miner, "hard")),
-    Row(M.triplet_margin, "margin", "semihard: 0 < t ≤ m", "t <= m and t > 0", partial(_triplet_margin_miner, "semihard")),
-    Row(M.triplet_margin, "margin", "easy: t > m", "t > m", partial(_triplet_margin_miner, "easy")),
-    Row(M.batch_easy_hard, "pos_strategy", "semihard: e_ap < e_an of the chosen negative", "mat >= thr excluded (<= if min)", partial(_batch_easy_hard, "pos_strategy")),
-    Row(M.batch_easy_hard, "neg_strategy", "semihard: e_an > e_ap of the chosen positive", "mat <= thr excluded (>= if max)", partial(_batch_easy_hard, "neg_strategy")),
-    Row(M.batch_easy_hard, "allowed_pos_range", "low ≤ d_ap ≤ high", "(mat > high) | (mat < low) excluded", partial(_batch_easy_hard, "allowed_pos_range")),
-    Row(M.batch_easy_hard, "allowed_neg_range", "low ≤ d_an ≤ high", "(mat > high) | (mat < low) excluded", partial(_batch_easy_hard, "allowed_neg_range")),
-    Row(M.angular, "angle", "atan(‖a − p‖ / 2‖n − c‖) > radians(angle)", "angles > angle", _angular),
-    Row(M.distance_weighted, "nonzero_loss_cutoff", "max(d, cutoff) < nonzero_loss_cutoff", "clamp(mat, cutoff) < nonzero_loss_cutoff", partial(_distance_weighted, "nonzero_loss_cutoff")),
-    Row(M.distance_weighted, "cutoff", "max(d, cutoff) < nonzero_loss_cutoff (fixed: was d <)", "clamp(mat, cutoff) < nonzero_loss_cutoff", partial(_distance_weighted, "cutoff")),
-    Row(M.hdc, "filter_percentage", "rank < ⌈f · P⌉ (float64 product)", "topk(k=ceil(f * P))", _hdc),
-    Row(M.uniform_histogram, "num_bins", "bin i: e_i ≤ d < e_{i+1}; last: e_{K−1} ≤ d ≤ e_K", "the same", _uniform_histogram),
+    Row(M.pair_margin, "pos_margin", partial(_pair_margin, "pos"),
+        "d_ap > m (s_ap < m)", "pos_pair > m (< if inverted)"),
+    Row(M.pair_margin, "neg_margin", partial(_pair_margin, "neg"),
+        "d_an < m (s_an > m)", "neg_pair < m (> if inverted)"),
+    Row(M.multi_similarity, "epsilon", partial(_multi_similarity, "pos"),
+        "s_ap − ε < max s_an (d_ap + ε > min d_an)", "the same"),
+    Row(M.multi_similarity, "epsilon", partial(_multi_similarity, "neg"),
+        "s_an + ε > min s_ap (d_an − ε < max d_ap)", "the same"),
+    Row(M.triplet_margin, "margin", partial(_triplet_margin_miner, "all"),
+        "all: t ≤ m", "t <= m"),
+    Row(M.triplet_margin, "margin", partial(_triplet_margin_miner, "hard"),
+        "hard: t ≤ min(m, 0)", "t <= m and t <= 0"),
+    Row(M.triplet_margin, "margin", partial(_triplet_margin_miner, "semihard"),
+        "semihard: 0 < t ≤ m", "t <= m and t > 0"),
+    Row(M.triplet_margin, "margin", partial(_triplet_margin_miner, "easy"),
+        "easy: t > m", "t > m"),
+    Row(M.batch_easy_hard, "pos_strategy", partial(_batch_easy_hard, "pos_strategy"),
+        "semihard: e_ap < e_an of the chosen negative", "mat >= thr excluded (<= if min)"),
+    Row(M.batch_easy_hard, "neg_strategy", partial(_batch_easy_hard, "neg_strategy"),
+        "semihard: e_an > e_ap of the chosen positive", "mat <= thr excluded (>= if max)"),
+    Row(M.batch_easy_hard, "allowed_pos_range", partial(_batch_easy_hard, "allowed_pos_range"),
+        "low ≤ d_ap ≤ high", "(mat > high) | (mat < low) excluded"),
+    Row(M.batch_easy_hard, "allowed_neg_range", partial(_batch_easy_hard, "allowed_neg_range"),
+        "low ≤ d_an ≤ high", "(mat > high) | (mat < low) excluded"),
+    Row(M.angular, "angle", _angular,
+        "atan(‖a − p‖ / 2‖n − c‖) > radians(angle)", "angles > angle"),
+    Row(M.distance_weighted, "nonzero_loss_cutoff", partial(_distance_weighted, "nonzero_loss_cutoff"),
+        "max(d, cutoff) < nonzero_loss_cutoff", "clamp(mat, cutoff) < nonzero_loss_cutoff"),
+    Row(M.distance_weighted, "cutoff", partial(_distance_weighted, "cutoff"),
+        "max(d, cutoff) < nonzero_loss_cutoff", "clamp(mat, cutoff) < nonzero_loss_cutoff"),
+    Row(M.hdc, "filter_percentage", _hdc,
+        "rank < ⌈f · P⌉ (float64 product)", "topk(k=ceil(f * P))"),
+    Row(M.uniform_histogram, "num_bins", _uniform_histogram,
+        "bin i: e_i ≤ d < e_{i+1}; last: e_{K−1} ≤ d ≤ e_K", "the same"),
     # losses (a hinge [x]_+ exactly 0 is not counted by avg_nonzero or a divisor)
-    Row(L.contrastive, "pos_margin", "[d_ap − m]_+ (s: [m − s_ap]_+)", "relu(margin(d, m))", partial(_contrastive, "pos_margin")),
-    Row(L.contrastive, "neg_margin", "[m − d_an]_+ (s: [s_an − m]_+)", "relu(margin(m, d))", partial(_contrastive, "neg_margin")),
-    Row(L.signal_to_noise_ratio_contrastive, "pos_margin", "[d_ap − m]_+", "relu(d - m)", partial(_contrastive, "pos_margin", L.signal_to_noise_ratio_contrastive, pml_losses.SignalToNoiseRatioContrastiveLoss)),
-    Row(L.signal_to_noise_ratio_contrastive, "neg_margin", "[m − d_an]_+", "relu(m - d)", partial(_contrastive, "neg_margin", L.signal_to_noise_ratio_contrastive, pml_losses.SignalToNoiseRatioContrastiveLoss)),
-    Row(L.triplet_margin, "margin", "[e_ap − e_an + m]_+ counted iff e_an < e_ap + m", "relu(...) > 0", _triplet_margin_loss),
-    Row(L.margin, "margin", "[d_ap − β + α]_+, [β − d_an + α]_+ counted iff > 0", "relu(...) > 0", partial(_margin_loss, "margin")),
-    Row(L.margin, "beta", "[d_ap − β + α]_+, [β − d_an + α]_+ counted iff > 0", "relu(...) > 0", partial(_margin_loss, "beta")),
-    Row(L.lifted_structure, "pos_margin", "[lse(m_neg − d) + d_ap − m_pos]_+²", "relu(...) ** 2", partial(_lifted, L.lifted_structure, pml_losses.LiftedStructureLoss)),
-    Row(L.lifted_structure, "neg_margin", "[lse(m_neg − d) + d_ap − m_pos]_+²", "relu(...) ** 2", partial(_lifted, L.lifted_structure, pml_losses.LiftedStructureLoss)),
-    Row(L.generalized_lifted_structure, "pos_margin", "[lse(d_ap − m_pos) + lse(m_neg − d_an)]_+", "relu(...)", partial(_lifted, L.generalized_lifted_structure, pml_losses.GeneralizedLiftedStructureLoss)),
-    Row(L.generalized_lifted_structure, "neg_margin", "[lse(d_ap − m_pos) + lse(m_neg − d_an)]_+", "relu(...)", partial(_lifted, L.generalized_lifted_structure, pml_losses.GeneralizedLiftedStructureLoss)),
-    Row(L.circle, "m", "α_p = [1 + m − s_ap]_+, α_n = [s_an + m]_+ (continuous)", "relu(op - s), relu(s - on)", _circle),
-    Row(L.threshold_consistent_margin, "margin_plus", "s_ap ≤ m⁺", "pos_sims <= margin_plus", partial(_threshold_consistent_margin, "margin_plus")),
-    Row(L.threshold_consistent_margin, "margin_minus", "s_an ≥ m⁻", "neg_sims >= margin_minus", partial(_threshold_consistent_margin, "margin_minus")),
-    Row(L.intra_pair_variance, "pos_eps", "[(1 − ε) μ_+ − s_ap]_+²", "relu(...) ** 2", partial(_intra_pair_variance, "pos_eps")),
-    Row(L.intra_pair_variance, "neg_eps", "[s_an − (1 + ε) μ_−]_+²", "relu(...) ** 2", partial(_intra_pair_variance, "neg_eps")),
-    Row(L.ranked_list, "margin", "positives d > α − m (and d > 0)", "mat > alpha - margin, P_star > 0", partial(_ranked_list, "margin")),
-    Row(L.ranked_list, "alpha", "negatives d < α (and d > 0)", "mat < alpha, N_star > 0", partial(_ranked_list, "alpha")),
-    Row(L.manifold, "margin", "z = x_k − x_own + m kept iff z ≥ 0", "loss[loss < 0] = -inf", _manifold),
-    Row(L.selectively_contrastive_triplet, "hard_cutoff", "hard iff s_an > c", None, partial(_selectively_contrastive, "hard_cutoff")),
-    Row(L.selectively_contrastive_triplet, "-", "hard iff s_an > s_ap (a tie is easy)", None, partial(_selectively_contrastive, "-")),
-    Row(L.multi_supcon, "threshold", "positive iff J > threshold", None, _multi_supcon),
-    Row(L.arcface, "margin", "cos(θ + m) iff cos θ ≥ −cos m (θ ≤ π − m)", "angles <= pi - margin", _arcface),
-    Row(L.dynamic_soft_margin, "num_bins", "segment ⌊(v − min_val)/Δ⌋ (an edge: the upper one)", "floor((v - min_val) / delta)", _dynamic_soft_margin),
+    Row(L.contrastive, "pos_margin", partial(_contrastive, "pos_margin"),
+        "[d_ap − m]_+ (s: [m − s_ap]_+)", "relu(margin(d, m))"),
+    Row(L.contrastive, "neg_margin", partial(_contrastive, "neg_margin"),
+        "[m − d_an]_+ (s: [s_an − m]_+)", "relu(margin(m, d))"),
+    Row(L.signal_to_noise_ratio_contrastive, "pos_margin", partial(_snr_contrastive, "pos_margin"),
+        "[d_ap − m]_+", "relu(d - m)"),
+    Row(L.signal_to_noise_ratio_contrastive, "neg_margin", partial(_snr_contrastive, "neg_margin"),
+        "[m − d_an]_+", "relu(m - d)"),
+    Row(L.triplet_margin, "margin", _triplet_margin_loss,
+        "[e_ap − e_an + m]_+ counted iff e_an < e_ap + m", "relu(...) > 0"),
+    Row(L.margin, "margin", partial(_margin_loss, "margin"),
+        "[d_ap − β + α]_+, [β − d_an + α]_+ counted iff > 0", "relu(...) > 0"),
+    Row(L.margin, "beta", partial(_margin_loss, "beta"),
+        "[d_ap − β + α]_+, [β − d_an + α]_+ counted iff > 0", "relu(...) > 0"),
+    Row(L.lifted_structure, "pos_margin", _lifted_structure,
+        "[lse(m_neg − d) + d_ap − m_pos]_+²", "relu(...) ** 2"),
+    Row(L.lifted_structure, "neg_margin", _lifted_structure,
+        "[lse(m_neg − d) + d_ap − m_pos]_+²", "relu(...) ** 2"),
+    Row(L.generalized_lifted_structure, "pos_margin", _generalized_lifted,
+        "[lse(d_ap − m_pos) + lse(m_neg − d_an)]_+", "relu(...)"),
+    Row(L.generalized_lifted_structure, "neg_margin", _generalized_lifted,
+        "[lse(d_ap − m_pos) + lse(m_neg − d_an)]_+", "relu(...)"),
+    Row(L.circle, "m", _circle,
+        "α_p = [1 + m − s_ap]_+, α_n = [s_an + m]_+ (continuous)", "relu(op - s), relu(s - on)"),
+    Row(L.threshold_consistent_margin, "margin_plus", partial(_threshold_consistent_margin, "margin_plus"),
+        "s_ap ≤ m⁺", "pos_sims <= margin_plus"),
+    Row(L.threshold_consistent_margin, "margin_minus", partial(_threshold_consistent_margin, "margin_minus"),
+        "s_an ≥ m⁻", "neg_sims >= margin_minus"),
+    Row(L.intra_pair_variance, "pos_eps", partial(_intra_pair_variance, "pos_eps"),
+        "[(1 − ε) μ_+ − s_ap]_+²", "relu(...) ** 2"),
+    Row(L.intra_pair_variance, "neg_eps", partial(_intra_pair_variance, "neg_eps"),
+        "[s_an − (1 + ε) μ_−]_+²", "relu(...) ** 2"),
+    Row(L.ranked_list, "margin", partial(_ranked_list, "margin"),
+        "positives d > α − m (and d > 0)", "mat > alpha - margin, P_star > 0"),
+    Row(L.ranked_list, "alpha", partial(_ranked_list, "alpha"),
+        "negatives d < α (and d > 0)", "mat < alpha, N_star > 0"),
+    Row(L.manifold, "margin", _manifold,
+        "z = x_k − x_own + m kept iff z ≥ 0", "loss[loss < 0] = -inf"),
+    Row(L.selectively_contrastive_triplet, "hard_cutoff", partial(_selectively_contrastive, "hard_cutoff"),
+        "hard iff s_an > c", None),
+    Row(L.selectively_contrastive_triplet, "-", partial(_selectively_contrastive, "-"),
+        "hard iff s_an > s_ap (a tie is easy)", None),
+    Row(L.multi_supcon, "threshold", _multi_supcon,
+        "positive iff J > threshold", None),
+    Row(L.arcface, "margin", _arcface,
+        "cos(θ + m) iff cos θ ≥ −cos m (θ ≤ π − m)", "angles <= pi - margin"),
+    Row(L.dynamic_soft_margin, "num_bins", _dynamic_soft_margin,
+        "segment ⌊(v − min_val)/Δ⌋ (an edge: the upper one)", "floor((v - min_val) / delta)"),
     # reducers
-    Row(R.threshold, "low", "loss > low", "losses > low", partial(_threshold, "low")),
-    Row(R.threshold, "high", "loss < high", "losses < high", partial(_threshold, "high")),
-    Row(R.avg_nonzero, "-", "loss > 0", "losses > 0", _avg_nonzero),
+    Row(R.threshold, "low", partial(_threshold, "low"),
+        "loss > low", "losses > low"),
+    Row(R.threshold, "high", partial(_threshold, "high"),
+        "loss < high", "losses < high"),
+    Row(R.avg_nonzero, "-", _avg_nonzero,
+        "loss > 0", "losses > 0"),
 ]  # fmt: skip
 
 # hyper-parameters whose name suggests a threshold but that enter no comparison
@@ -928,3 +994,283 @@ def test_every_threshold_hyper_parameter_has_a_row_or_a_reason() -> None:
     assert not missing, f"thresholds with no row in TABLE and no reason in EXEMPT: {missing}"
     for fn, parameter in covered:
         assert parameter == "-" or parameter in inspect.signature(fn).parameters, (fn, parameter)
+
+
+# ----------------------------------------------------------------------------------------------
+# Part 2: indices exactly at the ends of their range (every reader of indices)
+
+_GEN = torch.Generator().manual_seed(5)
+_Q = torch.randn(6, 4, generator=_GEN, dtype=F64)  # B = 6 queries
+_R = torch.randn(5, 4, generator=_GEN, dtype=F64)  # M = 5 references: the two sizes differ
+_YQ, _YR = torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([0, 1, 1, 2, 2])
+_REF = {"ref_emb": _R, "ref_labels": _YR}
+_TRIPLETS = ([0, 1, 4], [0, 2, 3], [1, 0, 0])  # (a, p, n), valid in ref mode and self mode
+_PAIRS = ([0, 2, 5], [0, 1, 4], [1, 3, 0], [1, 0, 2])  # (a1, p, a2, n)
+
+
+def _with(rows: tuple[list[int], ...], position: int, value: int) -> tuple[torch.Tensor, ...]:
+    """The index tuple ``rows`` with its ``position``'s first entry replaced by ``value``."""
+    out = [torch.tensor(r) for r in rows]
+    out[position] = out[position].clone()
+    out[position][0] = value
+    return tuple(out)
+
+
+def _mined(position: int, value: int) -> pf.tuples.MinedTriplets:
+    a, p, n = _with(_TRIPLETS, position, value)
+    return pf.tuples.MinedTriplets(a, p, n, torch.ones(3, dtype=F64))
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    """``call(v)`` passes ``v`` at one index position of ``name``; the valid values are
+    ``low ≤ v < high``; outside, ``error`` names ``argument`` first in its message. ``wraps``:
+    negative values wrap by this size (``call(v)`` equals ``call(v + wraps)``)."""
+
+    name: str
+    call: Callable[[int], object]
+    low: int
+    high: int
+    argument: str
+    error: type[Exception] = IndexError
+    wraps: int | None = None
+
+
+def _tuple_rows(
+    name: str, fn: Callable, rows: tuple, sizes: tuple[int, ...], roles: tuple[str, ...]
+):
+    """One row per position of a PML tuple read by ``fn(tuple)`` (wrapping negative indices)."""
+    return [
+        IndexRow(
+            f"{name}[{i}]",
+            partial(lambda i, v: fn(_with(rows, i, v)), i),
+            -size,
+            size,
+            f"indices_tuple[{i}] ({role})",
+            wraps=size,
+        )
+        for i, (size, role) in enumerate(zip(sizes, roles, strict=True))
+    ]
+
+
+_TRIPLET_ROLES, _PAIR_ROLES = ("anchors", "positives", "negatives"), ("a1", "p", "a2", "n")
+_PROXY = pf.losses.proxy_anchor_init(3, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+_NCA = pf.losses.proxy_nca_init(3, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+_ARC = pf.losses.arcface_init(3, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+_MANIFOLD = pf.losses.manifold_init(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
+_MEMORY = pf.wrappers.cross_batch_memory_init(8, 4, dtype=F64)
+_HIERARCHY = torch.tensor([[c, c // 2, c % 2] for c in range(6) for _ in range(2)])
+
+
+def _class_labels(loss: Callable, params: dict, v: int) -> torch.Tensor:
+    labels = _YQ.clone()
+    labels[0] = v
+    return loss(_Q, labels, params)
+
+
+def _memory(key: str, v: int):
+    memory = _MEMORY | {"index": torch.tensor(0), "count": torch.tensor(8), key: torch.tensor(v)}
+    return pf.wrappers.cross_batch_memory(pf.losses.contrastive, _Q, _YQ, memory)
+
+
+def _relevance_ids(v: int):
+    ids = torch.tensor([[v, -1]] + [[0, 1]] * 5)
+    return pf.evaluation.neighbor_relevance(
+        torch.tensor([[0, 1]] * 6), relevant_ids=ids, num_references=5
+    )
+
+
+def _hierarchy(name: str, v: int) -> int:
+    columns = {"inner_label": 0, "outer_label": 1} | {name: v}
+    return pf.samplers.hierarchical_length(_HIERARCHY, 4, 1, **columns)
+
+
+def _neighbor_indices(v: int):
+    idx = torch.tensor([[v, 1]] + [[0, 1]] * 5)
+    return pf.evaluation.neighbor_relevance(idx, query_labels=_YQ, reference_labels=_YR)
+
+
+INDEX_ROWS: list[IndexRow] = [
+    # PML tuples read by losses (pmlfunc.tuples.check_tuple), a reference set: B = 6, M = 5
+    *_tuple_rows(
+        "triplet_margin",
+        lambda t: pf.losses.triplet_margin(_Q, _YQ, indices_tuple=t, **_REF),
+        _TRIPLETS,
+        (6, 5, 5),
+        _TRIPLET_ROLES,
+    ),
+    *_tuple_rows(
+        "contrastive",
+        lambda t: pf.losses.contrastive(_Q, _YQ, indices_tuple=t, **_REF),
+        _PAIRS,
+        (6, 5, 6, 5),
+        _PAIR_ROLES,
+    ),
+    *_tuple_rows(
+        "labels.tuple_masks",
+        lambda t: pf.labels.tuple_masks(t, (6, 5)),
+        _TRIPLETS,
+        (6, 5, 5),
+        _TRIPLET_ROLES,
+    ),
+    # PML tuples read as sample weights (pmlfunc.tuples.sample_weights): the batch's rows
+    *_tuple_rows(
+        "proxy_anchor",
+        lambda t: pf.losses.proxy_anchor(_Q, _YQ, _PROXY, indices_tuple=t),
+        _TRIPLETS,
+        (6, 6, 6),
+        _TRIPLET_ROLES,
+    ),
+    *_tuple_rows(
+        "proxy_nca",
+        lambda t: pf.losses.proxy_nca(_Q, _YQ, _NCA, indices_tuple=t),
+        _TRIPLETS,
+        (6,),
+        _TRIPLET_ROLES[:1],
+    ),  # only the anchors are counted (PML's using_ref)
+    *_tuple_rows(
+        "samplers.tuples_to_weights",
+        lambda t: pf.samplers.tuples_to_weights(t, 6),
+        _TRIPLETS,
+        (6, 6, 6),
+        _TRIPLET_ROLES,
+    ),
+    IndexRow(
+        "samplers.tuples_to_weights[indices]",
+        lambda v: pf.samplers.tuples_to_weights(
+            _with(_TRIPLETS, 0, 0), 10, indices=torch.tensor([v, 1, 2, 3, 4, 5])
+        ),
+        0,
+        10,
+        "indices",
+    ),
+    # a miner's MinedTriplets consumed (pmlfunc.tuples.check_mined): no wrapping
+    *(
+        IndexRow(
+            f"contrastive[MinedTriplets.{role}]",
+            partial(
+                lambda i, v: pf.losses.contrastive(_Q, _YQ, indices_tuple=_mined(i, v), **_REF), i
+            ),
+            0,
+            size,
+            f"indices_tuple.{role}",
+        )
+        for i, (role, size) in enumerate(zip(_TRIPLET_ROLES, (6, 5, 5), strict=True))
+    ),
+    *(
+        IndexRow(
+            f"proxy_anchor[MinedTriplets.{role}]",
+            partial(
+                lambda i, v: pf.losses.proxy_anchor(_Q, _YQ, _PROXY, indices_tuple=_mined(i, v)), i
+            ),
+            0,
+            6,
+            f"indices_tuple.{role}",
+        )
+        for i, role in enumerate(_TRIPLET_ROLES)
+    ),
+    IndexRow(
+        "multi_supcon[MinedTriplets.positives]",
+        lambda v: pf.losses.multi_supcon(_Q, F.one_hot(_YQ, 3), indices_tuple=_mined(1, v)),
+        0,
+        6,
+        "indices_tuple.positives",
+    ),
+    # manifold's meta-classes: one per proxy (3 proxies)
+    IndexRow(
+        "manifold[meta-classes]",
+        lambda v: pf.losses.manifold(
+            _Q, None, _MANIFOLD, indices_tuple=torch.tensor([v, 0, 1, 2, 0, 1])
+        ),
+        -3,
+        3,
+        "indices_tuple (meta-classes, one per proxy)",
+        wraps=3,
+    ),
+    # class labels index a learnable loss's class-major parameters (pmlfunc.params.class_labels)
+    IndexRow(
+        "proxy_anchor[labels]",
+        partial(_class_labels, pf.losses.proxy_anchor, _PROXY),
+        0,
+        3,
+        "labels",
+        ValueError,
+    ),
+    IndexRow(
+        "arcface[labels]",
+        partial(_class_labels, pf.losses.arcface, _ARC),
+        0,
+        3,
+        "labels",
+        ValueError,
+    ),
+    # evaluation: neighbour indices, relevant ids (-1 pads), text-to-image ids
+    IndexRow("evaluation.neighbor_relevance[indices]", _neighbor_indices, 0, 5, "indices"),
+    IndexRow("evaluation.neighbor_relevance[relevant_ids]", _relevance_ids, -1, 5, "relevant_ids"),
+    IndexRow(
+        "evaluation.retrieval_scores[relevant_ids]",
+        lambda v: pf.evaluation.retrieval_scores(
+            _Q, _R, metrics=("recall@2",), relevant_ids=torch.tensor([[v, -1]] + [[0, 1]] * 5)
+        ),
+        -1,
+        5,
+        "relevant_ids",
+    ),
+    IndexRow(
+        "evaluation.cross_modal_scores[text_to_image]",
+        lambda v: pf.evaluation.cross_modal_scores(
+            _R, _Q, torch.tensor([v, 0, 1, 2, 3, 4]), metrics=("hit_rate@1",)
+        ),
+        0,
+        5,
+        "text_to_image",
+    ),
+    # samplers: the hierarchy's label columns (3 columns; negative ones wrap)
+    *(
+        IndexRow(
+            f"samplers.hierarchical_length[{name}]", partial(_hierarchy, name), -3, 3, name, wraps=3
+        )
+        for name in ("inner_label", "outer_label")
+    ),
+    # cross-batch memory state: 8 slots, count in [0, 8], index in [0, 8) (a ValueError)
+    IndexRow(
+        "wrappers.cross_batch_memory[index]",
+        partial(_memory, "index"),
+        0,
+        8,
+        "memory['index']",
+        ValueError,
+    ),
+    IndexRow(
+        "wrappers.cross_batch_memory[count]",
+        partial(_memory, "count"),
+        0,
+        9,
+        "memory['count']",
+        ValueError,
+    ),
+]
+
+
+def _names(message: str, argument: str) -> bool:
+    """Whether ``message`` starts with the argument's name (not a longer name)."""
+    return re.match(re.escape(argument) + r"(?!\w)", message) is not None
+
+
+@pytest.mark.parametrize("side", ["below", "above"])
+@pytest.mark.parametrize("row", INDEX_ROWS, ids=lambda row: row.name)
+def test_an_index_one_step_outside_its_range_is_an_error_naming_the_argument(row, side):
+    value = row.low - 1 if side == "below" else row.high
+    with pytest.raises(Exception) as info:  # the exact type is asserted below
+        row.call(value)
+    assert info.type is row.error, f"{row.name}({value}): {info.type.__name__}: {info.value}"
+    assert _names(str(info.value), row.argument), f"does not name {row.argument!r}: {info.value}"
+
+
+@pytest.mark.parametrize("row", INDEX_ROWS, ids=lambda row: row.name)
+def test_an_index_at_either_end_of_its_range_is_accepted(row):
+    """``low`` and ``high − 1`` run; a negative index gives the wrapped index's result."""
+    low, last = row.call(row.low), row.call(row.high - 1)
+    if row.wraps is not None:
+        torch.testing.assert_close(low, row.call(row.low + row.wraps), rtol=0, atol=0)
+        torch.testing.assert_close(last, row.call(row.high - 1 - row.wraps), rtol=0, atol=0)

@@ -26,6 +26,7 @@ from .._ops import masked_logsumexp, matmul, scalar_like
 from ..distances import cosine, resolve
 from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
+from ..tuples import check_mined, is_mined
 from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized, spec
 from ._tiled import builds, run_local, softmax_call
 
@@ -334,6 +335,8 @@ def multi_supcon(
     s = d if distance.is_similarity else -d
     jac = _jaccard(labels, ref_labels, cd)
     if indices_tuple is not None:
+        if is_mined(indices_tuple):  # (pair_masks checks a PML tuple itself)
+            check_mined(indices_tuple, (b, m))
         pos, neg = pair_masks(None, None, indices_tuple, (b, m), dtype=cd, device=d.device)
         pos, neg = (pos > 0).to(cd), (neg > 0).to(cd)
     else:
