@@ -197,6 +197,30 @@ def _refuse_empty(sizes: Sequence[int], what: str, name: str) -> None:
         raise ValueError(f"{what}: {name} has no rows on any rank; at least one row is required")
 
 
+def _agree_on_batch(session: Session, arguments: Mapping[str, Any], who: str) -> list[int]:
+    """The checks of an entry point of ``(embeddings, labels, ...)`` (its ``arguments`` by name,
+    those two first), then the agreement: every rank's batch size, a global batch without rows
+    refused on every rank."""
+    embeddings, labels = list(arguments.values())[:2]
+
+    def checks() -> None:
+        if arguments.get("indices_tuple") is not None:
+            raise ValueError(
+                f"indices_tuple refers to local rows and cannot be used with {who}: mine on "
+                "the gathered batch (wrap a function that calls the miner and the loss)"
+            )
+        _check_batch(embeddings, "embeddings")
+        if labels is None:
+            raise ValueError(f"labels is required by {who}")
+        _check_rows(labels, "labels", embeddings, "embeddings")
+
+    batch = tuple(arguments)[:2]
+    device = embeddings.device if isinstance(embeddings, Tensor) else None
+    agreed = session.agree(arguments, batch=batch, error=_local(checks), device=device)
+    _refuse_empty(agreed[batch[0]], session.what, "embeddings")
+    return agreed[batch[0]]
+
+
 def _named(loss_fn: Callable, args: tuple, kwargs: Mapping) -> dict[str, Any]:
     """A call's arguments by name, through ``functools.partial`` layers and ``**kwargs`` (the
     positional ones first, in order); by position where the signature does not bind them."""
@@ -329,34 +353,18 @@ def global_objective(
             all_emb = _compiled_gather(embeddings, g_group)
             return loss_fn(all_emb, _compiled_gather(labels, g_group), *args, **kwargs)
 
-        def checks() -> None:
-            if kwargs.get("indices_tuple") is not None:
-                raise ValueError(
-                    "indices_tuple refers to local rows and cannot be used with "
-                    "global_objective: mine on the gathered batch (wrap a function that calls "
-                    "the miner and the loss)"
-                )
-            _check_batch(embeddings, "embeddings")
-            if labels is None:
-                raise ValueError("labels is required by global_objective")
-            _check_rows(labels, "labels", embeddings, "embeddings")
-
         session = Session(group, what, timeout)
         arguments = _named(loss_fn, (embeddings, labels, *args), kwargs)
-        batch = tuple(arguments)[:2]
-        error = _local(checks)
-        sizes = session.agree(arguments, batch=batch, error=error, device=embeddings.device)
-        _refuse_empty(sizes[batch[0]], what, "embeddings")
+        sizes = _agree_on_batch(session, arguments, "global_objective")
         assert labels is not None  # the agreement raised otherwise
         with session.guard("computing the loss"):
-            all_emb = _gather(session, embeddings, sizes[batch[0]], "embeddings")
-            all_labels = _gather(session, labels, sizes[batch[0]], "labels")
-            rank = session.rank
-            r0 = sum(sizes[batch[0]][:rank])
+            all_emb = _gather(session, embeddings, sizes, "embeddings")
+            all_labels = _gather(session, labels, sizes, "labels")
+            r0 = sum(sizes[: session.rank])
             split = _anchor_split(loss_fn, all_emb, all_labels, args, kwargs)
             if split is None:  # not decomposable over anchors: every rank computes all of it
                 return loss_fn(all_emb, all_labels, *args, **kwargs)
-            return split((r0, r0 + sizes[batch[0]][rank]), session)
+            return split((r0, r0 + sizes[session.rank]), session)
 
     return wrapped
 
@@ -602,23 +610,10 @@ def value_and_grad(
         if not is_active(group):
             return rows_vg(None, embeddings, labels, *args, **kwargs)
 
-        def checks() -> None:
-            if kwargs.get("indices_tuple") is not None:
-                raise ValueError(
-                    "indices_tuple refers to local rows and cannot be used across ranks"
-                )
-            _check_batch(embeddings, "embeddings")
-            if labels is None:
-                raise ValueError("labels is required by distributed.value_and_grad")
-            _check_rows(labels, "labels", embeddings, "embeddings")
-
         session = Session(group, what, timeout)
-        arguments = _named(loss_fn, (embeddings.detach(), labels, *args), kwargs)
-        batch = tuple(arguments)[:2]
-        error = _local(checks)
-        agreed = session.agree(arguments, batch=batch, error=error, device=embeddings.device)
-        sizes = agreed[batch[0]]
-        _refuse_empty(sizes, what, "embeddings")
+        detached = embeddings.detach() if isinstance(embeddings, Tensor) else embeddings
+        arguments = _named(loss_fn, (detached, labels, *args), kwargs)
+        sizes = _agree_on_batch(session, arguments, "distributed.value_and_grad")
         assert labels is not None  # the agreement raised otherwise
         with session.guard("computing the chunked value and gradient"):
             all_emb = _gather(session, embeddings.detach(), sizes, "embeddings")
@@ -667,23 +662,9 @@ def cross_batch_memory(
         return local_memory(loss_fn, embeddings, labels, memory, **kwargs)
     what = f"distributed.cross_batch_memory({_name(loss_fn)})"
     session = Session(group, what, timeout)
-
-    def checks() -> None:
-        _check_batch(embeddings, "embeddings")
-        _check_rows(labels, "labels", embeddings, "embeddings")
-
-    arguments = {
-        "loss_fn": loss_fn,
-        "embeddings": embeddings,
-        "labels": labels,
-        "memory": memory,
-        **kwargs,
-    }
-    error = _local(checks)
-    sizes = session.agree(
-        arguments, batch=("embeddings", "labels"), error=error, device=embeddings.device
-    )["embeddings"]
-    _refuse_empty(sizes, what, "embeddings")
+    arguments = {"embeddings": embeddings, "labels": labels, "loss_fn": loss_fn, "memory": memory}
+    arguments.update(kwargs)
+    sizes = _agree_on_batch(session, arguments, "distributed.cross_batch_memory")
     with session.guard("computing the loss against the memory"):
         all_emb = _gather(session, embeddings, sizes, "embeddings")
         all_labels = _gather(session, labels, sizes, "labels")
