@@ -1274,3 +1274,17 @@ def test_an_index_at_either_end_of_its_range_is_accepted(row):
     if row.wraps is not None:
         torch.testing.assert_close(low, row.call(row.low + row.wraps), rtol=0, atol=0)
         torch.testing.assert_close(last, row.call(row.high - 1 - row.wraps), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["MinedPairs", "TripletWindow", "TripletMask"])
+def test_a_miner_result_for_another_grid_is_a_value_error_naming_its_field(kind):
+    """A fixed-shape result mined for ``(B, B)`` given to a loss over ``(B, M)``, ``M ≠ B``."""
+    mined = {
+        "MinedPairs": lambda: pf.miners.pair_margin(_Q, _YQ),
+        "TripletWindow": lambda: pf.miners.triplet_margin(_Q, _YQ),
+        "TripletMask": lambda: pf.miners.angular(_Q, _YQ),
+    }[kind]()
+    assert type(mined).__name__ == kind
+    field = {"MinedPairs": "pos", "TripletWindow": "e", "TripletMask": "mask"}[kind]
+    with pytest.raises(ValueError, match=rf"^indices_tuple\.{field} \({kind}\) must have shape"):
+        pf.losses.triplet_margin(_Q, _YQ, indices_tuple=mined, **_REF)
