@@ -158,6 +158,8 @@ def _same_loss(ours: Callable, theirs: Callable, mat: torch.Tensor, **tol) -> to
 
 
 def _pair_margin(side: str) -> None:
+    """Margins at the median of the positive (negative) pairs' values: PML's pairs, and none
+    of the pairs exactly on the margin (both comparisons are strict), either orientation."""
     for mat, ours_d, pml_d in ORIENTATIONS.values():
         pm, nm = _median(mat, POS), _median(mat, NEG)
         mined = pf.miners.pair_margin(
@@ -172,6 +174,7 @@ def _pair_margin(side: str) -> None:
 
 
 def _multi_similarity(side: str) -> None:
+    """An epsilon that puts pairs exactly at ``hardest ± ε``: PML's pairs, none of those."""
     for name, (mat, ours_d, pml_d) in ORIENTATIONS.items():
         sign = 1.0 if name == "similarity" else -1.0  # s = sign · mat
         s = sign * mat
@@ -212,6 +215,9 @@ _WINDOWS = {
 
 
 def _triplet_margin_miner(type_of_triplets: str) -> None:
+    """``m = 1/4`` with many triplets at ``t = m`` and ``t = 0``, read four ways: triplet by
+    triplet, by the window's search, sampled with ``tuples_per_anchor``, and by the triplet
+    loss's sorted path; each is PML's, and the bounds' inclusion is :data:`_WINDOWS`'."""
     margin = 0.25
     for kind, (mat, ours_d, pml_d) in ORIENTATIONS.items():
         leaf = _leaf(mat)
