@@ -35,7 +35,8 @@ against ``<=`` where equality cannot occur), to be explained in ``docs/contribut
 ``--max N`` takes N mutants in a fixed pseudo-random order (``--seed``), so that a run fits in the
 time at hand; ``--same-as SUMMARY.json`` runs exactly the mutants of an earlier run (matched by
 their line's text and operator, so a module edited since still gets the same mutants where their
-lines survive; those not found are listed); ``--jobs`` runs that many mutants at once, each on
+lines survive; those not found are listed; with ``--survivors``, only its survivors: a quick
+check of new tests); ``--jobs`` runs that many mutants at once, each on
 its own copy. Not part of CI: a module takes minutes to an hour (see ``docs/contributing.md``,
 "Mutation testing").
 """
@@ -280,12 +281,14 @@ def _pytest(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, s
     return ("killed" if proc.returncode == 1 else "error"), time.monotonic() - start, detail
 
 
-def _same_as(every: list[Mutant], path: str) -> tuple[list[Mutant], list[dict]]:
-    """The mutants of an earlier summary, matched by their line's text, operator and place
-    among equal ones; and those no longer found."""
+def _same_as(
+    every: list[Mutant], path: str, survivors: bool = False
+) -> tuple[list[Mutant], list[dict]]:
+    """The mutants of an earlier summary (``survivors``: its survivors only), matched by their
+    line's text, operator and place among equal ones; and those no longer found."""
     by_key = {(m.code, m.what, m.nth): m for m in every}
     chosen, missing = [], []
-    for r in json.loads(Path(path).read_text())["results"]:
+    for r in json.loads(Path(path).read_text())["survivors" if survivors else "results"]:
         m = by_key.get((r["code"], r["what"], r["nth"]))
         if m is None:
             missing.append(r)
@@ -296,14 +299,14 @@ def _same_as(every: list[Mutant], path: str) -> tuple[list[Mutant], list[dict]]:
 
 def run(
     module: str, tests: list[str], *, limit: int | None, seed: int, jobs: int,
-    same_as: str | None = None,
+    same_as: str | None = None, survivors: bool = False,
 ) -> dict:  # fmt: skip
     path = Path(module)
     source = (ROOT / path).read_text()
     every = mutants(source)
     missing: list[dict] = []
     if same_as:
-        chosen, missing = _same_as(every, same_as)
+        chosen, missing = _same_as(every, same_as, survivors)
     else:
         chosen = list(every)
         random.Random(seed).shuffle(chosen)
@@ -374,6 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max", type=int, default=None, help="run at most this many mutants")
     parser.add_argument("--seed", type=int, default=0, help="the order --max takes them in")
     parser.add_argument("--same-as", default=None, help="run the mutants of this earlier summary")
+    parser.add_argument(
+        "--survivors", action="store_true", help="with --same-as: only that run's survivors"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--show", type=int, default=None, help="print this mutant as a diff")
@@ -394,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("name the test files to run")
     summary = run(
         args.module, args.tests, limit=args.max, seed=args.seed, jobs=args.jobs,
-        same_as=args.same_as,
+        same_as=args.same_as, survivors=args.survivors,
     )  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, ensure_ascii=False))
