@@ -33,6 +33,11 @@ PML_PAIRS = [
     (pf.distances.lp(power=2), pml_d.LpDistance(power=2)),
     (pf.distances.lp(p=1), pml_d.LpDistance(p=1)),
     (pf.distances.lp(p=3, normalize=False), pml_d.LpDistance(p=3, normalize_embeddings=False)),
+    (pf.distances.lp(p=1, power=2), pml_d.LpDistance(p=1, power=2)),
+    (
+        pf.distances.lp(p=3, power=2, normalize=False),
+        pml_d.LpDistance(p=3, power=2, normalize_embeddings=False),
+    ),
     (pf.distances.cosine(), pml_d.CosineSimilarity()),
     (pf.distances.dot(), pml_d.DotProductSimilarity(normalize_embeddings=False)),
     (pf.distances.dot(normalize=True), pml_d.DotProductSimilarity()),
@@ -48,14 +53,25 @@ def test_matches_pml_values_and_gradients(ours, theirs, with_ref):
     x = torch.randn(10, 7, generator=g, dtype=torch.float64)
     y = torch.randn(6, 7, generator=g, dtype=torch.float64) if with_ref else None
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    a = ours(x1, y)
-    b = theirs(x2, y)
+    y1, y2 = (None, None) if y is None else (y.clone().requires_grad_(), y.clone().requires_grad_())
+    a = ours(x1, y1)
+    b = theirs(x2, y2)
     assert ours.is_similarity == theirs.is_inverted
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     w = torch.randn(a.shape, generator=g, dtype=torch.float64)
     (a * w).sum().backward()
     (b * w).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-8, atol=1e-10)
+    if y is not None:  # the reference rows' gradient too (6 rows against 10: not a square)
+        torch.testing.assert_close(y1.grad, y2.grad, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("ours,theirs", PML_PAIRS, ids=lambda v: repr(v))
+def test_sign_times_a_difference_is_pmls_margin(ours, theirs):
+    """``sign() * (a - b)`` is PML's ``margin(a, b)``: ``a - b`` for a distance, ``b - a`` for a
+    similarity (what the margin losses and miners read)."""
+    a, b = torch.randn(2, 7, generator=_gen(2), dtype=torch.float64)
+    torch.testing.assert_close(ours.sign() * (a - b), theirs.margin(a, b), rtol=0, atol=0)
 
 
 def test_snr_equals_variance_definition():
@@ -178,6 +194,7 @@ def test_budget_zero_is_the_plain_expansion_and_budget_bounds_exact_entries():
         pf.distances.lp(),
         pf.distances.lp(power=2),
         pf.distances.lp(normalize=False),
+        pf.distances.lp(exact_budget=0),  # copies 0 apart only by the tie merge
         pf.distances.cosine(),
         pf.distances.dot(),
         pf.distances.snr(),
@@ -453,6 +470,22 @@ def test_meta_device(d):
     d(x).sum().backward()
 
 
+@pytest.mark.parametrize("d", [pf.distances.lp(), pf.distances.snr()], ids=repr)
+def test_fake_tensors_under_vmap_give_eager_shapes(d):
+    """What ``torch.compile`` traces with: fake tensors, here under ``vmap`` of a batch with
+    near rows (the CPU's near listing, ``pmlfunc::near_columns``, sees the batch dimension in
+    front). The shapes are eager's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = _gen(11)
+    base = torch.randn(3, 10, 4, generator=g)
+    x = torch.cat([base, base + 1e-3 * torch.randn(3, 10, 4, generator=g)], 1)
+    want = torch.func.vmap(d)(x)
+    with FakeTensorMode() as mode:
+        got = torch.func.vmap(d)(mode.from_tensor(x))
+    assert got.shape == want.shape == (3, 20, 20)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_no_batch_by_batch_by_dim_buffer(dtype):
     n, m, dim = 96, 80, 64
@@ -663,6 +696,37 @@ def test_chain_within_the_budget_is_exact_and_bitwise_symmetric(gen, normalize):
     assert inner.sum() == 6 * 5
     sub = m[chain][:, chain]
     assert torch.equal(sub, sub.T)
+
+
+@pytest.mark.parametrize("budget", [5, 8])
+@pytest.mark.parametrize("normalize", [False, True], ids=["safe_euclidean", "lp"])
+def test_a_budget_of_b_minus_one_or_more_recomputes_every_entry(gen, normalize, budget):
+    """A batch that is one chain (6 rows 1e-3 apart, each near the 5 others) and a budget of
+    B − 1 or more: the budget is capped at the B − 1 columns besides the diagonal, and every
+    off-diagonal entry is recomputed, exact to the direct difference and bitwise symmetric
+    (the expansion is ~1e-3 off there)."""
+    x = _chain_rows(gen, 6, eps=1e-3).float()
+    m = pf.distances.lp(normalize=normalize, exact_budget=budget)(x)
+    chosen = _assert_safe_matrix(m, _normalized(x, normalize), None, budget, torch.arange(6))
+    assert chosen.sum() == 6 * 5
+
+
+def test_copies_are_tied_when_another_row_has_their_values_in_another_order():
+    """Rows 3 and 7 are copies and row 5 between them holds row 3's values reversed (the same
+    plain sum): the copies are still found (rows are sorted by a *weighted* sum) and their rows
+    and columns are bitwise equal, with no exact budget to make them so."""
+    from pmlfunc.distances import _ties
+
+    g = _gen(4)
+    x = torch.randint(-512, 512, (40, 200), generator=g).float() / 128  # sums exact in float32
+    x[7] = x[3]
+    x[5] = x[3].flip(0)
+    assert x[5].sum() == x[3].sum()
+    ties = _ties(x)
+    assert ties is not None and (7, 3) in set(map(tuple, ties.T.tolist()))
+    for d in (pf.distances.lp(normalize=False, exact_budget=0), pf.distances.lp(exact_budget=0)):
+        m = d.matrix(x)
+        assert torch.equal(m[3], m[7]) and torch.equal(m[:, 3], m[:, 7])
 
 
 def _cpu_and_accelerator(monkeypatch, path):
