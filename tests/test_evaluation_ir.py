@@ -804,6 +804,13 @@ IDS = torch.tensor([[0, -1]] * 6)
             "text",
         ),
         (lambda: merge_neighbors([], k=1), ValueError, "shards"),
+        # a string is a sequence, an iterator is not one: both rejected by name
+        (lambda: merge_neighbors("ab", k=1), TypeError, "shards must be a sequence"),  # type: ignore[arg-type]
+        (
+            lambda: merge_neighbors(iter([(IDX, REL[:, :2])]), k=1),  # type: ignore[arg-type]
+            TypeError,
+            "shards must be a sequence",
+        ),
         (lambda: merge_neighbors((IDX, REL[:, :2]), k=1), TypeError, "pair"),  # type: ignore[arg-type]
         (lambda: merge_neighbors([(IDX, REL[:, :2])], k=3), ValueError, "k=3"),
         (
