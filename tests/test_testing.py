@@ -260,6 +260,91 @@ def test_the_ring_with_equal_shards_is_the_global_loss(world):
     assert max(report.grad_diffs.values()) < 1e-12 and report.loss_diff < 1e-12
 
 
+def _weighted(loss_fn, weight, *args, **kwargs):
+    """``weight`` times a loss: a sum of weighted losses sends the cotangent ``weight`` (not 1)
+    back into each."""
+    return weight * loss_fn(*args, **kwargs)
+
+
+def _weighted_ring(loss_fn, weight, *args, **kwargs):
+    return weight * pf.distributed.global_objective(loss_fn, exchange="ring")(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss_fn", "form"),
+    [
+        (functools.partial(pf.losses.clip, chunk_size=3), "pair"),
+        (functools.partial(pf.losses.ntxent, temperature=0.2, chunk_size=3), "self"),
+    ],
+    ids=["clip-tiled", "ntxent-tiled"],
+)
+def test_the_ring_inside_a_weighted_sum_receives_the_weight_as_its_cotangent(loss_fn, form):
+    """``0.3 × ring loss`` (a term of a weighted sum) on 3 ranks: the backward gets the
+    cotangent 0.3, not 1, and every gradient (rows, columns, the learnable scale and bias) is
+    0.3 × the single process's, to float64 rounding."""
+    a, b, y = _inputs()
+    g = torch.Generator().manual_seed(5)
+    a, b = a[:12], b[:12] + 0.1 * torch.randn(12, D, generator=g, dtype=torch.float64)
+    if form == "self":
+        args = (a, y[:12])
+    else:
+        args = (a, b, pf.losses.siglip_init(logit_scale=0.7, logit_bias=-0.5, dtype=torch.float64))
+    report = check_distributed(
+        functools.partial(_weighted, loss_fn, 0.3), *args, world_size=3,
+        distributed_fn=functools.partial(_weighted_ring, loss_fn, 0.3), rtol=1e-10, atol=1e-12,
+    )  # fmt: skip
+    assert len(report.grad_diffs) == (1 if form == "self" else 4)  # the labels: not a float
+    assert max(report.grad_diffs.values()) < 1e-12 and report.loss_diff < 1e-12
+
+
+def _ring_transfers(loss_fn, form):
+    """The number of transfers (``batch_isend_irecv`` calls) of one forward and backward of the
+    ring loss on this rank."""
+    calls = []
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        calls.append(len(ops))
+        return real(ops)
+
+    a, b, y = _inputs()
+    rank = dist.get_rank()
+    rows = slice(4 * rank, 4 * rank + 4)
+    x = a[rows].clone().requires_grad_()
+    if form == "self":
+        args = (x, y[rows])
+    else:
+        args = (x, b[rows].clone().requires_grad_(), pf.losses.clip_init(dtype=torch.float64))
+    objective = pf.distributed.global_objective(loss_fn, exchange="ring")
+    dist.batch_isend_irecv = counting
+    try:
+        objective(*args).backward()
+    finally:
+        dist.batch_isend_irecv = real
+    return len(calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss_fn", "form", "walks"),
+    [(pf.losses.clip, "pair", (True, True)), (pf.losses.ntxent, "self", (False, False, True))],
+    ids=["clip", "ntxent"],
+)
+def test_the_ring_moves_each_block_w_minus_1_times_and_what_travels_with_it_w_times(
+    loss_fn, form, walks
+):
+    """The module's walk on 3 ranks: in each walk a block makes W − 1 hops (it is not sent on
+    after the last step) and what travels with it (CLIP's column statistics forward, the
+    columns' gradient backward) W, the last one home. CLIP walks twice (forward, backward),
+    both with statistics; NT-Xent's forward walks twice without them (the terms need each
+    row's final log-sum-exp), its backward once with its columns' gradient."""
+    world = 3
+    want = sum(world - 1 + (world if travels else 0) for travels in walks)
+    got = pf.testing.spawn_ranks(_ring_transfers, loss_fn, form, world_size=world, timeout=120)
+    assert got == [want] * world
+
+
 @pytest.mark.parametrize(
     ("loss_fn", "exchange", "sizes"),
     [
