@@ -176,6 +176,8 @@ def test_bad_arguments():
         check_distributed(NTXENT, a, y, sizes=(17, -1))
     with pytest.raises(TypeError, match="first argument must be a tensor"):
         check_distributed(NTXENT, [1, 2], y)
+    with pytest.raises(TypeError, match="first argument must be a tensor with a batch dimension"):
+        check_distributed(NTXENT, torch.tensor(1.0), y)  # 0-d: no batch dimension
 
 
 def test_a_rank_that_raises_while_its_peer_waits_is_reported_within_seconds_with_its_traceback():
@@ -196,6 +198,35 @@ def test_a_rank_that_calls_sys_exit_is_reported_as_such():
     with pytest.raises(RuntimeError, match=r"rank 1 failed:\nsys.exit\(3\) called"):
         check_distributed(NTXENT, a, y, distributed_fn=_exiting_on_rank_1)
     assert time.monotonic() - start < 60.0
+
+
+def test_spawn_ranks_runs_two_ranks_by_default_and_returns_their_values_in_rank_order():
+    assert pf.testing.spawn_ranks(dist.get_rank, timeout=120) == [0, 1]
+
+
+def _ntxent_with_extras(emb, labels, unused, empty):
+    """NT-Xent, with a float argument it never reads and an empty one."""
+    return NTXENT(emb, labels)
+
+
+def test_an_input_the_loss_does_not_reach_and_an_empty_one_have_zero_differences():
+    a, _, y = _inputs()
+    unused, empty = torch.randn(3, dtype=torch.float64), torch.empty(0, dtype=torch.float64)
+    report = check_distributed(_ntxent_with_extras, a, y, unused, empty, rtol=1e-9)
+    assert report.grad_diffs["unused"] == 0.0 and report.grad_diffs["empty"] == 0.0
+    assert report.grad_diffs["emb"] < 1e-12
+
+
+def _slightly_off_ntxent(emb, labels):
+    """The global NT-Xent off by 1.5e-5 of itself: beyond the default rtol of 1e-5."""
+    return (1 + 1.5e-5) * pf.distributed.global_objective(NTXENT)(emb, labels)
+
+
+def test_a_loss_off_by_more_than_the_default_tolerance_fails():
+    a, _, y = _inputs()
+    with pytest.raises(DistributedMismatch, match="the loss on rank 0"):
+        check_distributed(NTXENT, a, y, distributed_fn=_slightly_off_ntxent)
+    check_distributed(NTXENT, a, y, distributed_fn=_slightly_off_ntxent, rtol=2e-5)
 
 
 def test_spawn_ranks_names_a_rank_that_dies_without_a_result():
@@ -294,7 +325,11 @@ def test_the_ring_inside_a_weighted_sum_receives_the_weight_as_its_cotangent(los
         functools.partial(_weighted, loss_fn, 0.3), *args, world_size=3,
         distributed_fn=functools.partial(_weighted_ring, loss_fn, 0.3), rtol=1e-10, atol=1e-12,
     )  # fmt: skip
-    assert len(report.grad_diffs) == (1 if form == "self" else 4)  # the labels: not a float
+    # positional arguments past the signature's named ones are named by their place
+    want = {"args[0]"} if form == "self" else {"args[0]", "args[1]"}
+    if form != "self":
+        want |= {"args[2]['logit_scale']", "args[2]['logit_bias']"}
+    assert set(report.grad_diffs) == want  # (the labels are no float: not differentiated)
     assert max(report.grad_diffs.values()) < 1e-12 and report.loss_diff < 1e-12
 
 
