@@ -292,6 +292,38 @@ def test_neighbor_relevance_from_ids_gathers_grades_without_dense_matrix():
     assert rel.ideal.tolist() == [[5.0, 2.0, 1.0], [4.0, 0.0, 0.0]]
 
 
+def test_neighbor_relevance_from_a_matrix_takes_the_reference_count_from_its_width():
+    """A dense ``(Q, R)`` matrix with no ``num_references``: R is its width; the grades are
+    the matrix's at the neighbours, the ideal list its sorted row."""
+    matrix = torch.tensor([[0.0, 3.0, 0.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    rel = neighbor_relevance(torch.tensor([[4, 0], [0, 1]]), relevance=matrix)
+    assert rel.retrieved.tolist() == [[2.0, 0.0], [1.0, 0.0]]
+    assert rel.num_relevant.tolist() == [3, 1]
+    assert rel.ideal.tolist() == [[3.0, 2.0], [1.0, 0.0]]
+    with pytest.raises(IndexError, match="indices"):  # 5 columns: index 5 is out of range
+        neighbor_relevance(torch.tensor([[5], [0]]), relevance=matrix)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 1)])
+def test_neighbor_relevance_takes_one_query_or_one_neighbour(shape):
+    labels = torch.tensor([0, 1, 0, 1])
+    idx = torch.tensor([[2, 1, 3], [3, 0, 2]])[: shape[0], : shape[1]]
+    rel = neighbor_relevance(idx, query_labels=labels[: shape[0]], reference_labels=labels)
+    want = [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    assert rel.retrieved.tolist() == [row[: shape[1]] for row in want[: shape[0]]]
+
+
+@pytest.mark.parametrize("shape", [(0, 2), (2, 0)], ids=["no-query", "no-neighbour"])
+def test_neighbor_relevance_refuses_empty_indices_by_name(shape):
+    with pytest.raises(
+        ValueError, match=r"indices must be 2-D of shape \(num_queries >= 1, k >= 1\)"
+    ):
+        neighbor_relevance(
+            torch.zeros(shape, dtype=torch.long), query_labels=torch.zeros(shape[0], dtype=torch.long),
+            reference_labels=torch.zeros(4, dtype=torch.long),
+        )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # cross-modal
 # ----------------------------------------------------------------------------------------------
