@@ -479,3 +479,17 @@ def test_no_evaluation_function_is_over_60_code_lines():
     sample = 'def f(x):\n    """Doc\n    string."""\n    # a comment\n\n    y = (x +\n         1)\n    return y\n'
     assert _code_lines(ast.parse(sample).body[0], sample.splitlines()) == 3  # the count itself
     assert {name: n for name, n in lengths.items() if n > 60} == {}
+
+
+def test_k_is_bounded_by_the_reference_rows_each_query_can_retrieve():
+    """Same set: a query's own row is not a candidate (5 of X's 6 rows); separate sets: every
+    reference row. The bound is retrieval_metrics' own check, before the search's."""
+    assert retrieval_metrics(X, Y, k=5)["precision_at_1"].isfinite()
+    with pytest.raises(ValueError, match="k=6 exceeds the 5 reference rows available"):
+        retrieval_metrics(X, Y, k=6)
+    assert retrieval_metrics(X, Y, R, RY, k=5)["precision_at_1"].isfinite()
+    with pytest.raises(ValueError, match="k=6 exceeds the 5 reference rows available"):
+        retrieval_metrics(X, Y, R, RY, k=6)
+    # two rows of one class: each retrieves the other, the only row it can
+    out = retrieval_metrics(X[:2], Y[:2])
+    assert all(float(v) == 1.0 for v in out.values())

@@ -928,3 +928,20 @@ def test_low_precision_embeddings_and_int32_ids(gen):
         emb, r, metrics=ALL, relevant_ids=ids.int(), relevant_grades=grades.half()
     )
     assert all(torch.equal(as64[m], as32[m]) for m in ALL)
+
+
+def test_metrics_k_is_bounded_by_the_reference_rows_each_query_can_retrieve():
+    """retrieval_scores' own bound: a same-set query has N - 1 candidates, a separate query
+    all M reference rows."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 4, generator=g), torch.tensor([0, 0, 1, 1, 2, 2])
+    refs, ref_y = torch.randn(5, 4, generator=g), torch.tensor([0, 1, 1, 2, 2])
+    got = retrieval_scores(x, metrics=("precision@5",), query_labels=y)
+    assert float(got["precision@5"]) == pytest.approx(0.2)  # one same-class row among 5
+    with pytest.raises(ValueError, match=r"k=6 neighbours but only 5 .* \(its own row excluded\)"):
+        retrieval_scores(x, metrics=("precision@6",), query_labels=y)
+    retrieval_scores(x, refs, metrics=("precision@5",), query_labels=y, reference_labels=ref_y)
+    with pytest.raises(
+        ValueError, match=r"k=6 neighbours but only 5 reference rows are available to each query$"
+    ):
+        retrieval_scores(x, refs, metrics=("precision@6",), query_labels=y, reference_labels=ref_y)
