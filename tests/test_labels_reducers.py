@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -380,3 +382,37 @@ def test_structured_losses_pml_parity_reducers(name, red, gen):
             )
             continue
         assert_same(got, want, **structured.TOL[F64])
+
+
+@pytest.mark.parametrize(
+    ("reducer", "text"),
+    [
+        (pfr.mean(), "mean()"),
+        (pfr.avg_nonzero(), "avg_nonzero()"),
+        (pfr.threshold(low=0.0), "avg_nonzero()"),  # loss > 0 is avg_nonzero's window
+        (pfr.threshold(low=0.0, high=1.0), "threshold(low=0.0, high=1.0)"),
+        (pfr.threshold(high=1.0), "threshold(low=None, high=1.0)"),
+        (pfr.threshold(low=0.5), "threshold(low=0.5, high=None)"),
+        (pfr.sum(), "sum()"),
+        (pfr.none(), "none()"),
+        (pfr.per_anchor(), "per_anchor(mean())"),
+        (pfr.per_anchor(pfr.avg_nonzero()), "per_anchor(avg_nonzero())"),
+        (pfr.class_weighted(torch.ones(3)), "class_weighted(<3 class weights>)"),
+    ],
+)
+def test_a_reducers_repr_names_what_it_computes(reducer, text):
+    """The repr is what the docs show and what the tiled engine reads (_tiled.tiled_reducer):
+    a window that is a plain mean or avg_nonzero says so."""
+    assert repr(reducer) == text
+
+
+@pytest.mark.parametrize("reducer", [pfr.none(), pfr.divisor()], ids=repr)
+def test_a_reducer_that_does_not_sum_over_anchors_is_refused_by_the_chunked_gradient(reducer):
+    """none() returns the terms, divisor() divides by the loss's own global count: neither is a
+    sum of per-chunk shares, so pf.chunked says so instead of computing another number."""
+    emb, labels = torch.randn(8, 4), torch.arange(8) % 2
+    loss = functools.partial(pf.losses.contrastive, reducer=reducer)
+    with pytest.raises(ValueError, match=rf"reducer {re.escape(repr(reducer))} does not split"):
+        pf.chunked.value_and_grad(loss, chunk_size=4)(emb, labels)
+    for r in (pfr.mean(), pfr.avg_nonzero(), pfr.sum(), pfr.threshold(low=0.1), pfr.per_anchor()):
+        assert r.chunkable, r
