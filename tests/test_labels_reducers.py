@@ -416,3 +416,24 @@ def test_a_reducer_that_does_not_sum_over_anchors_is_refused_by_the_chunked_grad
         pf.chunked.value_and_grad(loss, chunk_size=4)(emb, labels)
     for r in (pfr.mean(), pfr.avg_nonzero(), pfr.sum(), pfr.threshold(low=0.1), pfr.per_anchor()):
         assert r.chunkable, r
+
+
+def test_per_anchor_counts_a_repeated_triplet_as_often_as_it_is_listed():
+    """Pairs: PML writes each (anchor, other) into one cell, so a repeated pair counts once.
+    Triplets (which PML's PerAnchorReducer refuses): an anchor's mean over its listed triplets,
+    repeats included, then the mean over every row (0 for a row that anchors nothing)."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    a, p, n = torch.tensor([0, 0, 0, 3]), torch.tensor([1, 1, 2, 4]), torch.tensor([3, 3, 4, 0])
+    got = pf.losses.triplet_margin(
+        emb, labels, margin=0.5, indices_tuple=(a, p, n), reducer=pfr.per_anchor()
+    )
+    unit = torch.nn.functional.normalize(emb, dim=-1)
+    d = torch.cdist(unit, unit)
+    terms = (d[a, p] - d[a, n] + 0.5).clamp_min(0.0)
+    per_row = torch.zeros(6, dtype=torch.float64)
+    for row in (0, 3):
+        per_row[row] = terms[a == row].mean()
+    torch.testing.assert_close(got, per_row.mean(), rtol=1e-12, atol=1e-12)
+    assert terms[0] > 0  # the repeated triplet is active: counting it once would differ
