@@ -975,3 +975,48 @@ def test_low_precision_gives_a_finite_float32_loss_close_to_float64(name, mode):
     torch.testing.assert_close(got.double(), want, **LOW_PRECISION_TOL)
     for (k, v), g in zip(x.items(), grads, strict=True):
         assert g.dtype == v.dtype and torch.isfinite(g).all(), k
+
+
+# ----------------------------------------------------------------------------------------------
+# defaults: PML 2.9.0's, but where the docs' table of deliberate differences says otherwise
+# ----------------------------------------------------------------------------------------------
+# (function, parameter) -> why the default differs from PML 2.9.0's constructor (docs/losses.md)
+DELIBERATE_DEFAULTS = {
+    ("arcface", "margin"): "radians (0.5 = PML's 28.6 degrees)",
+    ("subcenter_arcface", "margin"): "radians (0.5 = PML's 28.6 degrees)",
+    ("triplet_margin", "margin"): "PML 3's 0.2 (PML 2.9.0: 0.05)",
+    ("soft_triple", "centers_per_class"): "read from the params' shape (PML's 10 sizes them)",
+}
+
+
+def _pml_defaults() -> list[tuple[str, str, Any, Any]]:
+    """``(function, parameter, pmlfunc default, PML default)`` for every scalar keyword of a
+    public loss or miner that PML's class of the same name also takes."""
+    from pytorch_metric_learning import losses as pml_losses
+    from pytorch_metric_learning import miners as pml_miners
+
+    rows = []
+    for module, pml, suffix in ((pf.losses, pml_losses, "loss"), (pf.miners, pml_miners, "miner")):
+        classes = {n.lower(): c for n, c in vars(pml).items() if inspect.isclass(c)}
+        for name in module.__all__:
+            cls = classes.get(name.replace("_", "") + suffix)
+            if cls is None:
+                continue
+            theirs = inspect.signature(cls.__init__).parameters
+            for p in inspect.signature(getattr(module, name)).parameters.values():
+                other = theirs.get(p.name)
+                if other is None or other.default is inspect.Parameter.empty:
+                    continue
+                if p.default is None or isinstance(p.default, (bool, int, float, str)):
+                    rows.append((name, p.name, p.default, other.default))
+    return rows
+
+
+def test_every_scalar_default_is_pmls_unless_listed_as_deliberate():
+    rows = _pml_defaults()
+    assert len(rows) > 80  # the scan found the losses' and miners' hyper-parameters
+    differ = {(f, p): (ours, theirs) for f, p, ours, theirs in rows if ours != theirs}
+    assert set(differ) == set(DELIBERATE_DEFAULTS), differ
+    for (fn, param), (ours, theirs) in differ.items():
+        if param == "margin" and "arcface" in fn:  # the same margin, in radians
+            assert ours == pytest.approx(math.radians(theirs), abs=1e-3)
