@@ -441,7 +441,9 @@ def test_shard_merge_of_non_finite_embeddings_carries_knns_nan_rows(gen, bad, wh
     assert marked.sum().item() == (1 if where == "query" else 30)
     assert torch.equal(val.isnan(), base_val.isnan())  # the same queries, whole rows
     assert torch.equal(idx[~marked], base_idx[~marked])
-    assert torch.equal(val[~marked], base_val[~marked])
+    # Gaussian rows: a shard's matmul may round differently from the whole one's (its own
+    # blocking on this CPU), so the values agree to float32 rounding, the order exactly.
+    torch.testing.assert_close(val[~marked], base_val[~marked])
     # The merged neighbours with their values score as the unsharded search, NaN included.
     kw = {"query_labels": labels, "reference_labels": r_labels, "reduction": "none"}
     merged = neighbor_scores(idx, values=val, metrics=("ndcg@6", "mrr@3"), **kw)
