@@ -352,6 +352,24 @@ def test_angular_matches_pml(layout, angle):
     assert_same_triplets(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_angular_of_a_negative_equal_to_its_anchor_and_positive_is_pmls_epsilon_angle(dtype):
+    """Three equal rows (anchor, positive, a negative of another class): both distances are
+    PML's ``F.pairwise_distance`` of ``ε = 1e-6`` added to a zero difference, ``√D·ε``, so the
+    angle is ``atan(1/2)`` ≈ 26.57° (not 90° as a zero centre distance would give): selected at
+    20°, not at 30°. The rows are exact (unit basis vectors), so the Gram form's ``D·ε²`` term
+    is the whole distance."""
+    emb = torch.tensor(
+        [[1.0, 0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]], dtype=dtype
+    )
+    labels = lab([0, 0, 1, 1])
+    for angle, selected in ((20, True), (30, False)):
+        ours = miners.angular(emb, labels, angle=angle)
+        theirs = pml_miners.AngularMiner(angle=angle)(emb, labels)
+        assert_same_triplets(ours, theirs)
+        assert bool(ours.mask[0, 1, 2]) is selected and bool(ours.mask[1, 0, 2]) is selected
+
+
 @pytest.mark.parametrize("batch", [3, 12])
 def test_packaged_triplets_match_pml(batch):
     emb = torch.randn(batch, 4, generator=seed(0), dtype=F64)
