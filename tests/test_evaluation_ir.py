@@ -725,6 +725,11 @@ IDS = torch.tensor([[0, -1]] * 6)
             "relevance",
         ),
         (
+            lambda: retrieval_scores(Q, RR, relevance=REL[:, 0], metrics=("mrr@1",)),
+            ValueError,
+            r"relevance must be 2-D of shape \(6, R\)",
+        ),
+        (
             lambda: retrieval_scores(Q, RR, relevant_ids=IDS.float(), metrics=("mrr@1",)),
             TypeError,
             "relevant_ids",

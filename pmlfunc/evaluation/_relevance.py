@@ -119,9 +119,12 @@ def _matrix_source(
         raise TypeError(f"relevance must be a torch.Tensor, got {type(relevance).__name__}")
     if relevance.dtype.is_complex:
         raise TypeError(f"relevance must be real (bool, int or float), got {relevance.dtype}")
-    n_ref = relevance.shape[1] if relevance.ndim == 2 else -1
-    if num_references is not None:
-        n_ref = num_references
+    if relevance.ndim != 2:
+        raise ValueError(
+            f"relevance must be 2-D of shape ({num_queries}, R) (queries × reference rows), "
+            f"got shape {tuple(relevance.shape)}"
+        )
+    n_ref = relevance.shape[1] if num_references is None else num_references
     if relevance.shape != (num_queries, n_ref):
         raise ValueError(
             f"relevance must have shape ({num_queries}, {n_ref}) (queries × reference rows), "
