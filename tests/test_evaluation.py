@@ -493,3 +493,16 @@ def test_k_is_bounded_by_the_reference_rows_each_query_can_retrieve():
     # two rows of one class: each retrieves the other, the only row it can
     out = retrieval_metrics(X[:2], Y[:2])
     assert all(float(v) == 1.0 for v in out.values())
+
+
+def test_the_default_k_is_bounded_by_the_rows_available_and_recall_ks_by_k():
+    """Without k: the most same-class rows of a query, the largest recall k, at most the
+    candidates (N - 1 in one set); a recall k above it is refused by name, as is a set whose
+    only row is the query."""
+    with pytest.raises(ValueError, match=r"recall_ks=\(6,\) has a value above k=5"):
+        retrieval_metrics(X, Y, recall_ks=(6,))
+    with pytest.raises(ValueError, match=r"recall_ks=\(4,\) has a value above k=3"):
+        retrieval_metrics(X, Y, k=3, recall_ks=(4,))
+    assert retrieval_metrics(X, Y, recall_ks=(5,))["recall_at_5"].isfinite()
+    with pytest.raises(ValueError, match="reference has no row to retrieve"):
+        retrieval_metrics(X[:1], Y[:1])

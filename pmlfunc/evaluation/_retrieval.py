@@ -149,11 +149,7 @@ def retrieval_metrics(
         k = _checks.integer(k, "k")
         if recall_ks and max(recall_ks) > k:
             raise ValueError(f"recall_ks={recall_ks} has a value above k={k}")
-        if k > available:
-            raise ValueError(
-                f"k={k} exceeds the {available} reference rows available to each query"
-            )
-        idx, val = knn(
+        idx, val = knn(  # which checks k against the rows available
             query, reference, k=k, distance=dist, chunk_size=chunk_size, exclude_self=exclude
         )
         rel = reference_labels[idx] == query_labels.unsqueeze(1)  # (Q, k)
