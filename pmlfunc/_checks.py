@@ -19,10 +19,16 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def embeddings(x: object, name: str = "embeddings") -> Tensor:
-    """Validate a ``(B, D)`` floating-point embedding matrix with ``B >= 1`` and ``D >= 1``."""
+def tensor(x: object, name: str) -> Tensor:
+    """``x``, refused with a ``TypeError`` naming ``name`` unless it is a tensor."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def embeddings(x: object, name: str = "embeddings") -> Tensor:
+    """Validate a ``(B, D)`` floating-point embedding matrix with ``B >= 1`` and ``D >= 1``."""
+    x = tensor(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}"

@@ -16,8 +16,7 @@ from ._relevance import Relevance
 
 def _ranked(retrieved: object, k: int | None, name: str = "retrieved") -> tuple[Tensor, int]:
     """The first ``k`` columns of a ``(Q, K)`` relevance-of-neighbours matrix, as float64."""
-    if not isinstance(retrieved, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(retrieved).__name__}")
+    retrieved = _checks.tensor(retrieved, name)
     if retrieved.ndim != 2 or retrieved.shape[1] == 0:
         raise ValueError(
             f"{name} must be 2-D of shape (num_queries, num_neighbors >= 1), "
@@ -31,8 +30,7 @@ def _ranked(retrieved: object, k: int | None, name: str = "retrieved") -> tuple[
 
 
 def _per_query(values: object, num_queries: int, name: str) -> Tensor:
-    if not isinstance(values, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    values = _checks.tensor(values, name)
     if values.shape != (num_queries,):
         raise ValueError(
             f"{name} must have shape ({num_queries},) (one value per query), "

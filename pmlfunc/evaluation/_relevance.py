@@ -23,8 +23,7 @@ class Relevance(NamedTuple):
 
 
 def _int_tensor(t: object, name: str, ndim: int) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    t = _checks.tensor(t, name)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
     if t.ndim != ndim:
@@ -96,10 +95,7 @@ def _label_source(
                 "the query set and each query is excluded from its own neighbours"
             )
         return ql, ql, num_queries, True
-    if not isinstance(reference_labels, Tensor):
-        raise TypeError(
-            f"reference_labels must be a torch.Tensor, got {type(reference_labels).__name__}"
-        )
+    reference_labels = _checks.tensor(reference_labels, "reference_labels")
     n_ref = reference_labels.shape[0] if reference_labels.ndim == 1 else -1
     if num_references is not None:
         n_ref = num_references
@@ -115,8 +111,7 @@ def _matrix_source(
     query_name: str,
 ) -> Tensor:
     """The checked ``(Q, R)`` relevance matrix."""
-    if not isinstance(relevance, Tensor):
-        raise TypeError(f"relevance must be a torch.Tensor, got {type(relevance).__name__}")
+    relevance = _checks.tensor(relevance, "relevance")
     if relevance.dtype.is_complex:
         raise TypeError(f"relevance must be real (bool, int or float), got {relevance.dtype}")
     if relevance.ndim != 2:
@@ -154,12 +149,10 @@ def _id_source(
         raise ValueError(f"relevant_ids is on {ids.device} but {query_name} is on {device}")
     if num_references is None:
         raise ValueError("relevant_ids needs num_references (the number of reference rows)")
+    _checks.in_range(ids, -1, num_references, "relevant_ids")
     if relevant_grades is None:
         return ids, None, num_references
-    if not isinstance(relevant_grades, Tensor):
-        raise TypeError(
-            f"relevant_grades must be a torch.Tensor, got {type(relevant_grades).__name__}"
-        )
+    relevant_grades = _checks.tensor(relevant_grades, "relevant_grades")
     if relevant_grades.shape != ids.shape:
         raise ValueError(
             f"relevant_grades must have relevant_ids' shape {tuple(ids.shape)}, "
@@ -185,7 +178,8 @@ def _source(
     exclude_self: bool | None,
     query_name: str = "indices",
 ) -> _Source:
-    """Check the relevance arguments (shapes, dtypes, devices; never values)."""
+    """Check the relevance arguments: shapes, dtypes, devices, and the range of relevant ids
+    (labels and grades are not read)."""
     _one_source(query_labels, reference_labels, relevance, relevant_ids, relevant_grades)
     ql = rl = dense = ids = grades = None
     if query_labels is not None:
@@ -300,8 +294,7 @@ def _gather_relevance(indices: Tensor, src: _Source, chunk_size: int) -> Relevan
 
 
 def _check_indices(indices: object) -> Tensor:
-    if not isinstance(indices, Tensor):
-        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    indices = _checks.tensor(indices, "indices")
     if indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must be an int64 (or int32) tensor, got {indices.dtype}")
     if indices.ndim != 2 or indices.shape[0] == 0 or indices.shape[1] == 0:
@@ -395,7 +388,5 @@ def neighbor_relevance(
             f"{src.num_references} reference rows"
         )
     _checks.in_range(idx, 0, src.num_references, "indices")
-    if src.relevant_ids is not None:
-        _checks.in_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
     with torch.no_grad():
         return _gather_relevance(idx, src, chunk_size)

@@ -164,8 +164,7 @@ def _unranked_from(values: object, indices: Tensor) -> Tensor:
     ``values`` is ``None``)."""
     if values is None:
         return torch.zeros(indices.shape[0], dtype=torch.bool, device=indices.device)
-    if not isinstance(values, Tensor):
-        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    values = _checks.tensor(values, "values")
     if not values.dtype.is_floating_point:
         raise TypeError(f"values must be a floating-point tensor, got {values.dtype}")
     if values.shape != indices.shape:
@@ -342,8 +341,6 @@ def retrieval_scores(
         exclude_self=exclude,
         query_name="query",
     )
-    if src.relevant_ids is not None:
-        _checks.in_range(src.relevant_ids, -1, src.num_references, "relevant_ids")
     k = max(k for _, _, k in parsed)
     available = ref.shape[0] - int(exclude)
     if k > available:

@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import _checks
+
 
 class ThresholdResult(NamedTuple):
     """The best threshold of :func:`select_threshold` and the metric value it reaches."""
@@ -66,14 +68,12 @@ def select_threshold(
         >>> select_threshold(d, same, metric="f1")
         ThresholdResult(threshold=tensor(0.9000), score=tensor(0.7500, dtype=torch.float64))
     """
-    if not isinstance(distances, Tensor):
-        raise TypeError(f"distances must be a torch.Tensor, got {type(distances).__name__}")
+    distances = _checks.tensor(distances, "distances")
     if not distances.dtype.is_floating_point:
         raise TypeError(f"distances must be a floating-point tensor, got {distances.dtype}")
     if distances.numel() == 0:
         raise ValueError("distances is empty; at least one pair is required")
-    if not isinstance(is_match, Tensor):
-        raise TypeError(f"is_match must be a torch.Tensor, got {type(is_match).__name__}")
+    is_match = _checks.tensor(is_match, "is_match")
     if is_match.dtype.is_floating_point or is_match.dtype.is_complex:
         raise TypeError(f"is_match must be a bool (or integer) tensor, got {is_match.dtype}")
     if is_match.shape != distances.shape:
