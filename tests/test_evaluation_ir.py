@@ -952,3 +952,26 @@ def test_metrics_k_is_bounded_by_the_reference_rows_each_query_can_retrieve():
         ValueError, match=r"k=6 neighbours but only 5 reference rows are available to each query$"
     ):
         retrieval_scores(x, refs, metrics=("precision@6",), query_labels=y, reference_labels=ref_y)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 1024])
+def test_chunk_size_changes_no_score_or_relevance(gen, chunk_size):
+    """retrieval_scores and neighbor_relevance read the same rows in chunks of any size: equal
+    to one chunk of every query, for labels, a graded matrix and id lists."""
+    emb, labels = labelled(gen, 23, 4)
+    r = torch.randn(17, 6, generator=gen)
+    rel = graded(gen, 23, 17)
+    ids = torch.randint(-1, 17, (23, 5), generator=gen)
+    for kw in (
+        {"query_labels": labels},
+        {"reference": r, "relevance": rel},
+        {"reference": r, "relevant_ids": ids, "relevant_grades": ids.clamp_min(0).double()},
+    ):
+        whole = retrieval_scores(emb, metrics=ALL, chunk_size=23, **kw)
+        got = retrieval_scores(emb, metrics=ALL, chunk_size=chunk_size, **kw)
+        assert all(torch.equal(got[m], whole[m]) for m in ALL)
+    idx = knn(emb, r, k=10)[0]
+    for kw in ({"relevance": rel}, {"relevant_ids": ids, "num_references": 17}):
+        whole_rel = neighbor_relevance(idx, chunk_size=23, **kw)
+        got_rel = neighbor_relevance(idx, chunk_size=chunk_size, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got_rel, whole_rel, strict=True))
