@@ -228,7 +228,9 @@ def merge_neighbors(
     for each), then merge: the result equals ``knn`` over the concatenated reference, ties in
     distance included (ordered by the lower global index, NaN farthest), provided each shard
     returned its ``min(k, R_s)`` nearest rows (``min(k + 1, R_s)`` with ``exclude``), with
-    ``knn``'s tie rule, in the distance given here.
+    ``knn``'s tie rule, in the distance given here, and the same distance values as the whole
+    search (a matmul over a shard can round an entry differently in the last bit: then the
+    values agree to float rounding, and only entries that close can swap).
 
     NaN propagates: a query with a NaN among its values in any shard gets NaN values throughout
     its merged row (its indices are still merged, NaN ranked farthest). :func:`knn` marks a query
