@@ -19,6 +19,14 @@ Modes:
 - ``cudagraph``: forward and backward captured in one CUDA graph and replayed (CUDA only;
   elsewhere ``status: skipped`` with the reason).
 
+Peers (``benchmarks/cases/bench_peers.py``, ``--case peers`` for all of them): a peer library's
+member (open_clip, sentence-transformers, lightly, optax) is skipped with the reason when its
+package is absent (``pip install -e '.[bench-peers]'``), and is measured eager only. Before it is
+timed its loss and every gradient are checked equal to its group's pmlfunc member
+(``Case.reference``, rtol 1e-4 in float32); an entry that differs is an error with the
+difference as its reason, and is not timed. optax computes under jax: its peak memory and FLOPs
+are not recorded (``null``). ``environment.peers`` records the peers' versions.
+
 ``--case distributed`` runs the DDP case of ``benchmarks.distributed`` (one process per device,
 under ``torchrun --standalone --nproc_per_node=2 -m benchmarks.run --case distributed``).
 
@@ -57,7 +65,17 @@ from typing import Any
 import torch
 
 from . import common as C
-from .cases import Case, library, pml_matrix_name, pml_pair_matrix_gib, registry
+from . import peers
+from .cases import (
+    Case,
+    Skip,
+    library,
+    pml_matrix_name,
+    pml_pair_matrix_gib,
+    reference_mismatch,
+    reference_rtol,
+    registry,
+)
 
 MODES = ("eager", "compile", "cudagraph")
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +239,8 @@ def prepare(case: Case, impl: str, args, mode: str) -> tuple[dict[str, Any], Tim
         return _skipped(record, f"PML 2.9.0 would build a {gib:,.0f} GiB {pml_matrix_name(case)}")
     if mode != "eager" and lib == "pml":
         return _skipped(record, f"PML is measured eager only ({mode})")
+    if mode != "eager" and lib not in ("pmlfunc", "floor"):
+        return _skipped(record, f"the peer libraries are measured eager only ({mode})")
     if mode == "cudagraph" and device.type != "cuda":
         return _skipped(record, "CUDA-graph capture needs CUDA")
     if mode == "cudagraph" and member.kind == "value_and_grad":
@@ -232,7 +252,10 @@ def prepare(case: Case, impl: str, args, mode: str) -> tuple[dict[str, Any], Tim
     )
     if member.kind == "mine":
         emb = emb.detach()
-    fn, params = member.make(emb, labels)
+    try:
+        fn, params = member.make(emb, labels)
+    except (peers.PeerUnavailable, Skip) as err:  # a peer not installed, inputs too large for it
+        return _skipped(record, str(err))
     step = _Step(member, fn, params, emb, labels)
     try:
         with C.set_threads(args.threads):
@@ -248,8 +271,18 @@ def prepare(case: Case, impl: str, args, mode: str) -> tuple[dict[str, Any], Tim
                     f"one step took {first:,.1f} s (> --max-step-seconds "
                     f"{args.max_step_seconds:g})",
                 )
-            record["flops"] = C.step_flops(_one_step(step))
-            record["peak_memory_mib"] = C.step_peak_mib(_one_step(step), device)
+            # A peer (a case with a reference member) equals its pmlfunc member, loss and every
+            # gradient, before it is timed.
+            bad = reference_mismatch(case, impl, emb, labels, reference_rtol(dtype))
+            if bad is not None:
+                return {**record, "status": "error", "reason": bad}, None
+            if case.reference is not None and impl not in (case.reference, "floor"):
+                record["checked_against"] = case.reference
+            if member.tracked_memory:
+                record["flops"] = C.step_flops(_one_step(step))
+                record["peak_memory_mib"] = C.step_peak_mib(_one_step(step), device)
+            else:  # computed outside torch: the counters would see nothing
+                record["flops"] = record["peak_memory_mib"] = None
             # A compiled or replayed step is compared with eager when eager repeats itself (a
             # member that draws a new subset every step cannot be compared).
             comparable = (
@@ -352,10 +385,19 @@ def time_rounds(prepared: list[tuple[dict[str, Any], Timer | None]], args) -> li
     return records
 
 
+PEER_CASES = "peers"  # --case peers: every peer case (benchmarks/cases/bench_peers.py)
+
+
 def select(cases_arg: str | None) -> list[tuple[Case, str]]:
-    """``(case, member name)`` of every member of the chosen cases (default: all)."""
+    """``(case, member name)`` of every member of the chosen cases (default: all; ``peers``:
+    every case with a peer library's member)."""
     table = registry()
     names = list(table) if not cases_arg or cases_arg == "all" else cases_arg.split(",")
+    if PEER_CASES in names:
+        from .cases import bench_peers
+
+        at = names.index(PEER_CASES)
+        names[at : at + 1] = [n for n in bench_peers.CASES if n not in names]
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {list(table)}")
@@ -374,7 +416,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--case", default=None, help="comma-separated case names (default: all)")
+    p.add_argument(
+        "--case",
+        default=None,
+        help="comma-separated case names (default: all; 'peers': the peer libraries' cases)",
+    )
     p.add_argument("--impl", default=None, help="comma-separated implementations (default: all)")
     p.add_argument("--mode", default="eager", help=f"comma-separated, from {MODES}")
     p.add_argument("--anchor-batch-size", type=int, default=256)
@@ -424,6 +470,7 @@ def environment() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "git_revision": git_revision(),
+        "peers": {name: peers.version(name) for name in peers.PEERS},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -449,9 +496,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse(argv)
     if args.case == "distributed":
         return _distributed(args)
-    from .cases import bench_anchor_batched
+    from .cases import bench_anchor_batched, bench_peers
 
     bench_anchor_batched.ANCHOR_BATCH = args.anchor_batch_size  # read when a member is made
+    bench_peers.OPTAX_THREADS = args.threads  # XLA's threads, set when jax is first imported
     C.settle_allocator()
     chosen = select(args.case)
     if args.impl:

@@ -16,6 +16,9 @@ Case files, each collected by pytest (the normal test run calls every body once,
 - ``bench_proxy_losses``: a proxy loss with its weight gradients;
 - ``bench_anchor_batched``: full-batch losses beside ``pf.chunked.value_and_grad``;
 - ``bench_tiled``: NT-Xent, CLIP and SigLIP dense beside their tiled path (``chunk_size=``);
+- ``bench_peers``: the peer libraries (open_clip, sentence-transformers, lightly, optax) beside
+  the pmlfunc member doing the same loss and the floor, each checked equal before it is timed
+  (optional: ``.[bench-peers]``; a member whose package is absent is skipped with the reason);
 - ``bench_chunked_ntxent``: chunked vs full NT-Xent at 8,192 rows and more, with memory (its
   own batch sizes, so not in :func:`registry`);
 - ``bench_compile_and_cudagraph``: the pmlfunc and floor members of every registry case,
@@ -48,6 +51,12 @@ Fn = Callable[[torch.Tensor, torch.Tensor], Any]  # (embeddings, labels) -> loss
 Make = Callable[[torch.Tensor, torch.Tensor], tuple[Fn, list[torch.Tensor]]]
 
 
+class Skip(Exception):
+    """Raised by a member's ``make`` when the member cannot run here (its inputs are too large
+    for it, say); ``str()`` is the reason. The pytest bodies that expect it skip with it;
+    ``benchmarks.run`` records the entry as skipped with it."""
+
+
 @dataclass(frozen=True)
 class Member:
     """One implementation in a case.
@@ -55,13 +64,16 @@ class Member:
     ``make(emb, labels)`` returns ``(fn, params)``: the measured function and the further
     tensors its backward differentiates (a proxy loss's weights). ``mined`` (mined cases): what
     the member's miner selects, for the untimed validity and parity checks. ``check``: one more
-    untimed check, given the inputs.
+    untimed check, given the inputs. ``tracked_memory``: whether the step's memory is torch
+    tensors, which the peak-memory and FLOP counters see (``False`` for a member computing in
+    another framework, such as optax under jax: its peak memory and FLOPs are not recorded).
     """
 
     make: Make
     kind: str = "loss"
     mined: Fn | None = None
     check: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    tracked_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,12 +84,15 @@ class Member:
 class Case:
     """One group: ``name`` (the group is ``{name}-b{B}``), its members in measuring order,
     settings recorded in every entry's ``extra_info``, and whether PML 2.9.0 builds a
-    (positive pairs) × (negative pairs) float matrix for it (see :func:`case_batch`)."""
+    (positive pairs) × (negative pairs) float matrix for it (see :func:`case_batch`).
+    ``reference``: the member every other non-floor member must equal, loss and every gradient
+    (:func:`reference_mismatch`), before it is timed (the peer cases: the pmlfunc member)."""
 
     name: str
     members: dict[str, Member]
     extra: dict[str, Any] = field(default_factory=dict)
     pml_pair_matrix: bool = False
+    reference: str | None = None
 
 
 def library(impl: str) -> str:
@@ -133,6 +148,7 @@ def registry() -> dict[str, Case]:
         bench_core_losses,
         bench_miners,
         bench_other_losses,
+        bench_peers,
         bench_proxy_losses,
         bench_tiled,
     )
@@ -144,6 +160,7 @@ def registry() -> dict[str, Case]:
         bench_proxy_losses,
         bench_anchor_batched,
         bench_tiled,
+        bench_peers,
     )
     return {name: case for module in modules for name, case in module.CASES.items()}
 
@@ -209,6 +226,75 @@ def make_step(member: Member, emb: torch.Tensor, labels: torch.Tensor) -> Callab
         return loss.detach()
 
     return step
+
+
+Result = tuple[torch.Tensor, list[torch.Tensor]]  # a loss and its gradients
+
+
+def result(member: Member, emb: torch.Tensor, labels: torch.Tensor) -> Result:
+    """One untimed step of ``member`` (a loss or value-and-gradient member): its loss and the
+    gradients of ``emb`` and the member's parameters (a value-and-gradient member: ``emb``'s),
+    detached."""
+    fn, params = member.make(emb, labels)
+    out = fn(emb, labels)
+    if member.kind == "value_and_grad":
+        loss, grads = out[0], [out[1]]
+    elif member.kind == "loss":
+        loss, grads = out, list(torch.autograd.grad(out, [emb, *params]))
+    else:
+        raise ValueError(f"a {member.kind!r} member has no loss to compare")
+    return loss.detach(), [g.detach() for g in grads]
+
+
+def mismatch(reference: Result, got: Result, rtol: float) -> str | None:
+    """How ``got`` differs from ``reference`` (``None``: equal within ``rtol``): the losses
+    relative to the reference's, each gradient's largest difference relative to the reference
+    gradient's largest entry. No absolute slack: a gradient of ``1e-6`` entries is compared at
+    its own scale."""
+    (ref_loss, ref_grads), (loss, grads) = reference, got
+    if len(ref_grads) != len(grads):
+        return f"{len(grads)} gradients, the reference has {len(ref_grads)}"
+    a, b = float(ref_loss), float(loss)
+    if not abs(a - b) <= rtol * abs(a):  # NaN fails too
+        return f"loss {b!r}, the reference's {a!r} (rtol {rtol:g})"
+    for i, (r, g) in enumerate(zip(ref_grads, grads, strict=True)):
+        if r.shape != g.shape:
+            return f"gradient {i} has shape {tuple(g.shape)}, the reference's {tuple(r.shape)}"
+        err = float((g.double() - r.double()).abs().max())
+        scale = float(r.double().abs().max())
+        if not err <= rtol * scale:
+            return (
+                f"gradient {i}: max |difference| {err:.3g} > rtol {rtol:g} x max |reference| "
+                f"{scale:.3g}"
+            )
+    return None
+
+
+def reference_rtol(dtype: torch.dtype) -> float:
+    """The tolerance of :func:`reference_mismatch` for ``dtype``: float32 rounding (float64:
+    tighter; the half types: theirs)."""
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 2e-2)
+
+
+# (the case, its reference's result) per (id of the case, input shape, dtype, device, labels):
+# the case is kept so that its id is not reused by another while the entry lives.
+_REFERENCE_RESULTS: dict[tuple, tuple[Case, Result]] = {}
+
+
+def reference_mismatch(
+    case: Case, impl: str, emb: torch.Tensor, labels: torch.Tensor, rtol: float
+) -> str | None:
+    """How ``impl``'s loss and gradients on ``(emb, labels)`` differ from ``case.reference``'s
+    (``None``: equal within ``rtol``, or nothing to compare: no reference, the reference itself,
+    the floor). The reference's result is computed once per case, inputs' shape, dtype, device
+    and labels (the embeddings are seeded)."""
+    if case.reference is None or impl in (case.reference, "floor"):
+        return None
+    key = (id(case), tuple(emb.shape), emb.dtype, str(emb.device), tuple(labels.tolist()))
+    if key not in _REFERENCE_RESULTS:
+        _REFERENCE_RESULTS[key] = (case, result(case.members[case.reference], emb, labels))
+    bad = mismatch(_REFERENCE_RESULTS[key][1], result(case.members[impl], emb, labels), rtol)
+    return None if bad is None else f"{impl} differs from {case.reference}: {bad}"
 
 
 # --- the suite's settings, inputs and groups -------------------------------------------------
