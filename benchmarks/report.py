@@ -1,7 +1,7 @@
 """Turn ``benchmarks.run`` JSON files into Markdown tables, a CSV and SVG charts.
 
     python -m benchmarks.report RUN.json [RUN.json ...] --output DIR [--name NAME] [--title T]
-        [--command "how the runs were made"]
+        [--command "how the runs were made"] [--peers]
 
 One run's JSON is enough; several (batch sizes, dtypes) go on one page. Writes:
 
@@ -18,6 +18,11 @@ One run's JSON is enough; several (batch sizes, dtypes) go on one page. Writes:
 - ``DIR/results.csv`` (``DIR/NAME.csv``): one row per measured entry, with the spread.
 - ``DIR/[NAME-]<case>.svg``: median time against batch size, log-log, one line per
   implementation; only for cases measured at several batch sizes.
+- ``DIR/[NAME-]peers.svg`` and a ``Peers`` section, when a run holds a peer library's member
+  (``benchmarks/cases/bench_peers.py``): per group and size, the peer's time over the pmlfunc
+  member's (the median over the runs of each run's ratio, the runs' range), the medians and the
+  peak memory. ``--peers`` writes only that (``DIR/NAME.md``, the CSV and the chart ``DIR/NAME.svg``), for runs
+  of the peer cases at several sizes and repeated (``docs/benchmarks/peers.md``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import csv
 import json
 import math
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 COLUMNS = ("case", "impl", "mode", "batch", "dtype", "median_ms", "q1_ms", "q3_ms", "min_ms",
            "max_ms", "forward_ms", "backward_ms", "first_step_ms", "peak_memory_mib", "flops",
-           "loss", "status", "reason")  # fmt: skip
+           "loss", "status", "reason", "dims", "run")  # fmt: skip
 
 
 def load(paths: list[Path]) -> list[dict[str, Any]]:
@@ -75,6 +81,8 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "loss": r.get("loss"),
                     "status": r["status"],
                     "reason": r.get("reason"),
+                    "dims": cfg.get("dimensions"),
+                    "run": run.get("path"),
                 }
             )
     return out
@@ -112,10 +120,13 @@ def markdown(
     command: str | None = None,
     preamble: list[str] | None = None,
     summary: str | None = None,
+    peers: str | None = None,
 ) -> str:
     """The Markdown page of ``runs``; ``preamble``: lines placed after the introduction, before
     the tables (``benchmarks.gpu_check`` puts its steps, tests and capacity there);
-    ``summary``: the file name of the summary chart (:func:`summary_chart`), shown first."""
+    ``summary``: the file name of the summary chart (:func:`summary_chart`), shown first;
+    ``peers``: that of the peers chart (:func:`peers_chart`), in the peers section (present when
+    a run holds a peer library's member)."""
     table = rows(runs)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in table:
@@ -180,9 +191,203 @@ def markdown(
         lines.append("")
     if skipped:
         lines += ["## Not measured", "", *skipped, ""]
-    lines += ["## Provenance", ""]
+    peer_lines = peers_markdown(runs, peers)
+    if peer_lines:
+        lines += ["## Peers", "", *peer_lines, ""]
+    lines += ["## Provenance", "", *_provenance(runs)]
+    return "\n".join(lines) + "\n"
+
+
+# --- peers: the peer libraries beside the pmlfunc member doing the same loss ----------------
+
+NOT_PEERS = ("pmlfunc", "floor", "pml")
+
+
+def is_peer(impl: str) -> bool:
+    """A peer library's member (``open_clip``, ``sentence_transformers``, ...): neither pmlfunc,
+    PML nor the floor."""
+    return impl.split("-")[0] not in NOT_PEERS
+
+
+Size = tuple[int, Any, str, str]  # (batch, dims, dtype, mode)
+
+
+def _size_label(size: Size, sizes: list[Size]) -> str:
+    batch, dims, dtype, mode = size
+    label = f"N = {batch:,}, D = {dims}"
+    if len({s[2] for s in sizes}) > 1:
+        label += f", {dtype}"
+    if len({s[3] for s in sizes}) > 1:
+        label += f", {mode}"
+    return label
+
+
+def peer_ratios(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[Size, list]]:
+    """Per ``(case, peer, pmlfunc member)`` of every case that holds a peer, and per size
+    ``(batch, dims, dtype, mode)``: the ratio ``peer median / pmlfunc median`` of each run that
+    timed both (below 1: the peer is faster), in the runs' order."""
+    by_run: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows(runs):
+        key = (row["run"], row["case"], (row["batch"], row["dims"], row["dtype"], row["mode"]))
+        by_run[key][row["impl"]] = row
+    out: dict[tuple[str, str, str], dict[Size, list]] = defaultdict(lambda: defaultdict(list))
+    for (_, case, size), impls in by_run.items():
+        ok = {i: r["median_ms"] for i, r in impls.items() if r["status"] == "ok" and r["median_ms"]}
+        for peer in (i for i in impls if is_peer(i)):
+            for ours in (i for i in impls if i.split("-")[0] == "pmlfunc"):
+                bucket = out[(case, peer, ours)][size]  # listed even where one was not timed
+                if peer in ok and ours in ok:
+                    bucket.append(ok[peer] / ok[ours])
+    return out
+
+
+def _spread(values: list[float], digits: int = 2) -> str:
+    """``median× [min–max]`` of per-run ratios (``median×`` alone for one run)."""
+    if not values:
+        return "—"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}×"
+    return f"{med:.{digits}f}× [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def _peer_cases(runs: list[dict[str, Any]]) -> dict[str, dict[Size, dict[str, list[dict]]]]:
+    """``{case: {size: {impl: [its row of each run]}}}`` of the cases that hold a peer."""
+    table = rows(runs)
+    cases = {r["case"] for r in table if is_peer(r["impl"])}
+    out: dict[str, dict[Size, dict[str, list[dict]]]] = {}
+    for r in table:
+        if r["case"] in cases:
+            size = (r["batch"], r["dims"], r["dtype"], r["mode"])
+            out.setdefault(r["case"], {}).setdefault(size, {}).setdefault(r["impl"], []).append(r)
+    return out
+
+
+def peers_markdown(runs: list[dict[str, Any]], chart: str | None = None) -> list[str]:
+    """The peers' tables (empty when no run holds a peer): ``peer / pmlfunc`` per group and size
+    (the median over the runs of each run's ratio of medians, the runs' range in brackets), the
+    members' median times and their peak memory; ``chart``: the file name of the peers chart
+    (:func:`peers_chart`), shown first."""
+    ratios = peer_ratios(runs)
+    if not ratios:
+        return []
+    per_case = _peer_cases(runs)
+    sizes = sorted({size for by_size in per_case.values() for size in by_size},
+                   key=lambda s: (s[2], s[3], s[1] or 0, s[0]))  # fmt: skip
+    labels = [_size_label(size, sizes) for size in sizes]
+    counts = sorted({len(v) for by_size in ratios.values() for v in by_size.values() if v})
+    n_runs = "–".join(str(c) for c in (counts[0], counts[-1]) if counts) if counts else "0"
+    if counts and counts[0] == counts[-1]:
+        n_runs = str(counts[0])
+    lines = []
+    if chart:
+        lines += [f"![peer time / pmlfunc time per group and size]({chart})", ""]
+    lines += [
+        "Peer time / pmlfunc time, forward + backward, each member's median over its timed steps, "
+        f"the ratio taken within each run (its members timed in interleaved rounds); the median "
+        f"over {n_runs} run(s), the runs' range in brackets. Below 1×: the peer is faster.",
+        "",
+        "| group | peer | pmlfunc member | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(sizes),
+    ]
+    for (case, peer, ours), by_size in ratios.items():
+        cells = [_spread(by_size[size]) if size in by_size else "" for size in sizes]
+        lines.append(f"| {case} | {peer} | {ours} | " + " | ".join(cells) + " |")
+    for title, field, fmt in (
+        ("Median ms per step (the median over the runs of each run's median)", "median_ms", _fmt),
+        ("Peak memory one step adds, MiB (live tensor storage; — where not measured)",
+         "peak_memory_mib", _fmt),
+    ):  # fmt: skip
+        lines += ["", f"{title}:", "", "| group | member | " + " | ".join(labels) + " |",
+                  "|---|---|" + "---|" * len(sizes)]  # fmt: skip
+        for case, by_size in per_case.items():
+            impls = list(dict.fromkeys(i for size in sizes for i in by_size.get(size, {})))
+            for impl in impls:
+                cells = []
+                for size in sizes:
+                    values = [r[field] for r in by_size.get(size, {}).get(impl, [])
+                              if r["status"] == "ok" and r[field] is not None]  # fmt: skip
+                    cells.append(fmt(statistics.median(values)) if values else "—")
+                lines.append(f"| {case} | {impl} | " + " | ".join(cells) + " |")
+    skipped = {}
+    for case, by_size in per_case.items():
+        for size, impls in by_size.items():
+            for impl, entries in impls.items():
+                for r in entries:
+                    if r["status"] != "ok":
+                        skipped.setdefault((case, impl, r["status"], r["reason"]), []).append(size)
+    if skipped:
+        lines += ["", "Not measured:", ""]
+        for (case, impl, status, reason), where in skipped.items():
+            at = ", ".join(_size_label(s, sizes) for s in sorted(set(where)))
+            lines.append(f"- `{case}` / `{impl}` ({at}): {status} ({reason})")
+    return lines
+
+
+def peers_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
+    """Peer time / pmlfunc time against the batch, log-log, one line per (group, peer, pmlfunc
+    member) with the runs' range as error bars, one panel per dimension; None without peers."""
+    ratios = peer_ratios(runs)
+    points = {k: {s: v for s, v in by_size.items() if v} for k, by_size in ratios.items()}
+    points = {k: v for k, v in points.items() if v}
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    panels = sorted({(s[1], s[2], s[3]) for v in points.values() for s in v},
+                    key=lambda p: (p[1], p[2], p[0] or 0))  # fmt: skip
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.6 * len(panels) + 1.5, 4.4), sharey=True, squeeze=False
+    )
+    colors = plt.get_cmap("tab10")
+    for ax, (dims, dtype, mode) in zip(axes[0], panels, strict=True):
+        for j, ((case, peer, ours), by_size) in enumerate(points.items()):
+            xs = sorted(s for s in by_size if (s[1], s[2], s[3]) == (dims, dtype, mode))
+            if not xs:
+                continue
+            med = [statistics.median(by_size[s]) for s in xs]
+            lo = [m - min(by_size[s]) for m, s in zip(med, xs, strict=True)]
+            hi = [max(by_size[s]) - m for m, s in zip(med, xs, strict=True)]
+            label = f"{case.removeprefix('peer-')}: {peer} / {ours}"
+            ax.errorbar([s[0] for s in xs], med, yerr=[lo, hi], marker="o", ms=4, capsize=3,
+                        color=colors(j % 10), label=label)  # fmt: skip
+        ax.axhline(1.0, color="black", lw=0.9)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N (rows per set)")
+        title = f"D = {dims}" + (
+            "" if (dtype, mode) == ("float32", "eager") else f", {dtype}, {mode}"
+        )
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        batches = sorted({s[0] for v in points.values() for s in v})
+        ax.set_xticks(batches, [f"{b:,}" for b in batches])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+        # label 0.2, 0.5, 2, 5, ... between the decades
+        ax.yaxis.set_minor_formatter(
+            FuncFormatter(lambda v, _: f"{v:g}×" if f"{v:.0e}"[0] in "25" else "")
+        )
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+    axes[0][0].set_ylabel("peer time / pmlfunc time (below 1×: the peer is faster)")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.68 if len(panels) > 1 else 0.55, 1))
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def _provenance(runs: list[dict[str, Any]]) -> list[str]:
+    lines = []
     for run in runs:
         env, cfg = run["environment"], run["config"]
+        peers = env.get("peers") or {}
+        with_peers = ", ".join(f"{k} {v}" for k, v in peers.items() if v)
         lines.append(
             f"- `{Path(run['path']).name}`: torch {env.get('torch')}, Python {env.get('python')}, "
             f"{env.get('platform')}, {env.get('cuda_device') or env.get('processor')}, git "
@@ -190,7 +395,33 @@ def markdown(
             f"{cfg['batch_size']}, {cfg['dimensions']} dims, {cfg['samples_per_class']} per class, "
             f"{cfg['dtype']}, {cfg['threads']} thread(s), {cfg['repeats']} repeats after "
             f"{cfg['warmup']} warmup steps, device {cfg['device']}"
+            + (f"; {with_peers}" if with_peers else "")
         )
+    return lines
+
+
+def peers_page(
+    runs: list[dict[str, Any]], title: str, command: str | None = None, chart: str | None = None
+) -> str:
+    """The page of ``--peers``: how the peers are compared, the command, the tables
+    (:func:`peers_markdown`) and the runs' provenance."""
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["Produced by:", "", "```bash", command.strip(), "```", ""]
+    lines += [
+        "Each group holds a peer library's loss, the pmlfunc member computing the same loss on",
+        "the same inputs, and the matmul floor `(E @ E.T).sum()` (one `N × N` product and its",
+        "backward); before a peer is timed its loss and every gradient are checked equal to the",
+        "pmlfunc member's (rtol 1e-4 in float32). What each group compares:",
+        "[`benchmarks/cases/bench_peers.py`](../../benchmarks/cases/bench_peers.py); how the peers",
+        "are loaded: [`benchmarks/peers.py`](../../benchmarks/peers.py).",
+        "",
+        *peers_markdown(runs, chart),
+        "",
+        "## Provenance",
+        "",
+        *_provenance(runs),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -423,21 +654,42 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("--name", default=None, help="file stem (default: README.md, results.csv)")
     p.add_argument("--title", default="pmlfunc benchmarks")
     p.add_argument("--command", default=None, help="the commands that made the runs (shown)")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="write the peers page only: peer / pmlfunc per group and size over several runs",
+    )
     args = p.parse_args(argv)
     runs = load(args.runs)
     args.output.mkdir(parents=True, exist_ok=True)
     md = args.output / (f"{args.name}.md" if args.name else "README.md")
     table = args.output / (f"{args.name}.csv" if args.name else "results.csv")
     prefix = f"{args.name}-" if args.name else ""
+    # the peers page's chart is NAME.svg; the main page's, [NAME-]peers.svg
+    chart_name = f"{args.name}.svg" if args.peers and args.name else f"{prefix}peers.svg"
+    chart = peers_chart(runs, args.output / chart_name)
+    if args.peers:
+        if chart is None:
+            raise SystemExit("no run holds a peer library's member (benchmarks.run --case peers)")
+        md.write_text(peers_page(runs, args.title, args.command, chart.name))
+        write_csv(runs, table)
+        print(f"wrote {md}, {table} and {chart}")
+        return [md, table, chart]
     summary = summary_chart(runs, args.output / f"{prefix}summary.svg")
-    text = markdown(runs, args.title, args.command, summary=summary.name if summary else None)
+    text = markdown(
+        runs,
+        args.title,
+        args.command,
+        summary=summary.name if summary else None,
+        peers=chart.name if chart else None,
+    )
     svgs = charts(runs, args.output, prefix)
     if svgs:
         text += "\n## Scaling\n\n" + "\n".join(f"![{s.stem}]({s.name})" for s in svgs) + "\n"
     md.write_text(text)
     write_csv(runs, table)
     print(f"wrote {md}, {table}, {'a summary chart and ' if summary else ''}{len(svgs)} chart(s)")
-    return [md, table, *([summary] if summary else []), *svgs]
+    return [md, table, *([summary] if summary else []), *([chart] if chart else []), *svgs]
 
 
 if __name__ == "__main__":
