@@ -429,3 +429,226 @@ def test_ratios_check_the_speed_targets_of_both_modes(tmp_path, capsys):
     assert medians[(512, "supcon", "compile")] == {"pmlfunc": 2.4e-3, "floor": 2e-3}
     verdicts = {(r["mode"], r["label"]): r["verdict"] for r in ratios.rows(medians)}
     assert verdicts == {("eager", "supcon"): "ok", ("compile", "supcon"): "ok"}
+
+
+# --- peers: the peer libraries' members (benchmarks/peers.py, benchmarks/cases/bench_peers.py) ---
+# None of these needs a peer package: absence is simulated with missing module names, and the
+# tests that load a real peer skip when it is not installed (CI does not install .[bench-peers]).
+
+
+@pytest.fixture
+def peers_absent(monkeypatch):
+    """Every peer's module name replaced by a missing one, the loaders' cache cleared (and
+    cleared again after, so that later tests load the real packages)."""
+    from benchmarks import peers
+
+    for name, peer in list(peers.PEERS.items()):
+        missing = peers.Peer(f"pmlfunc_test_no_{name}", peer.distribution)
+        monkeypatch.setitem(peers.PEERS, name, missing)
+    peers.forget()
+    yield peers
+    peers.forget()
+
+
+def test_the_peer_loaders_report_an_absent_package_with_the_reason(peers_absent):
+    peers = peers_absent
+    for name, load in peers.LOADERS.items():
+        with pytest.raises(peers.PeerUnavailable, match=r"is not installed \(pip install -e"):
+            load()
+        reason = peers.unavailable(name)
+        assert reason is not None and "bench-peers" in reason
+        assert peers.PEERS["jax" if name == "optax" else name].module in reason
+
+
+def test_the_peer_members_are_skipped_with_the_reason_when_absent(peers_absent, tmp_path):
+    """benchmarks.run records every peer entry as skipped with the reason and measures the
+    pmlfunc and floor members; the pytest body skips the peer with the same reason."""
+    from benchmarks.cases import bench_peers
+
+    out = tmp_path / "peers.json"
+    run.main([*TINY, "--case", "peers", "--output", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert {r["case"] for r in results} == set(bench_peers.CASES)
+    for r in results:
+        if report.is_peer(r["impl"]):
+            assert r["status"] == "skipped", r
+            assert "is not installed (pip install -e '.[bench-peers]')" in r["reason"], r
+        else:
+            assert r["status"] == "ok" and r["stats"]["median"] > 0, r
+    with pytest.raises(pytest.skip.Exception, match=r"open_clip.*is not installed"):
+        bench_peers.bench_peers(None, None, "peer-clip", "open_clip")
+
+
+def test_the_peer_loader_restores_sys_modules():
+    """``_aliased`` maps names for the duration only: an absent name is removed again, a
+    present one gets its module back."""
+    import sys
+    import types
+
+    from benchmarks import peers
+
+    before = sys.modules["json"]
+    stand_in = types.ModuleType("json")
+    with peers._aliased({"json": stand_in, "pmlfunc_test_alias": stand_in}):
+        assert sys.modules["json"] is stand_in and "pmlfunc_test_alias" in sys.modules
+    assert sys.modules["json"] is before and "pmlfunc_test_alias" not in sys.modules
+
+
+def test_a_peer_loss_file_is_loaded_without_its_package():
+    """open_clip's and lightly's loss files run without their packages' init (the inits
+    import torchvision), and leave no ``open_clip``/``lightly`` module behind."""
+    import sys
+
+    from benchmarks import peers
+
+    for name, load in (("open_clip", peers.open_clip_loss), ("lightly", peers.lightly_ntxent)):
+        reason = peers.unavailable(name)
+        if reason is not None:
+            pytest.skip(reason)
+        had = {m for m in sys.modules if m == name or m.startswith(f"{name}.")}
+        module = load()
+        assert module.__name__.startswith(peers.PRIVATE)
+        assert {m for m in sys.modules if m == name or m.startswith(f"{name}.")} == had
+    assert hasattr(peers.open_clip_loss(), "SigLipLoss")
+    assert hasattr(peers.lightly_ntxent(), "NTXentLoss")
+
+
+def _wrong_case(reference_member, wrong_member):
+    from benchmarks.cases import FLOOR, Case
+
+    return Case(
+        "peer-wrong",
+        {"pmlfunc": reference_member, "fake_peer": wrong_member, "floor": FLOOR},
+        reference="pmlfunc",
+    )
+
+
+def test_the_equality_check_fails_loudly_on_a_wrong_pairing(monkeypatch, tmp_path):
+    """A deliberately wrong pairing is caught before timing: by its loss (MNRL's scale 20
+    against a temperature of 0.07), and by its gradients alone (the same value with half the
+    gradient)."""
+    import torch
+
+    from benchmarks import common
+    from benchmarks.cases import bench_peers, reference_mismatch
+
+    emb, labels = common.make_inputs(64, 8)
+    right = bench_peers.CASES["peer-cached-mnrl"]  # its pmlfunc members need no peer
+    assert reference_mismatch(right, "pmlfunc-chunked", emb, labels, 1e-4) is None
+
+    def ntxent_at(t):
+        def make(e, y):
+            other, rows = common.make_paired(e).requires_grad_(), torch.arange(len(e))
+            return (
+                lambda e_, y_: bench_peers.pf.losses.ntxent(
+                    e_, rows, ref_emb=other, ref_labels=rows.clone(), temperature=t
+                )
+            ), [other]
+
+        return bench_peers.Member(make)
+
+    by_loss = _wrong_case(ntxent_at(1 / bench_peers.ST_SCALE), ntxent_at(0.07))
+    bad = reference_mismatch(by_loss, "fake_peer", emb, labels, 1e-4)
+    assert bad is not None and bad.startswith("fake_peer differs from pmlfunc: loss"), bad
+
+    def half_gradient(member):  # the same value, half of the embeddings' gradient
+        def make(e, y):
+            fn, params = member.make(e, y)
+            return (lambda e_, y_: fn(0.5 * (e_ + e_.detach()), y_)), params
+
+        return bench_peers.Member(make)
+
+    symmetric = bench_peers._pf_symmetric()
+    by_grad = _wrong_case(symmetric, half_gradient(symmetric))
+    bad = reference_mismatch(by_grad, "fake_peer", emb, labels, 1e-4)
+    assert bad is not None and "gradient 0: max |difference|" in bad, bad
+
+    # benchmarks.run: an error entry with the difference, not timed
+    monkeypatch.setattr(run, "registry", lambda: {"peer-wrong": by_loss})
+    out = tmp_path / "wrong.json"
+    run.main([*TINY, "--case", "peer-wrong", "--output", str(out)])
+    results = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["fake_peer"]["status"] == "error"
+    assert "differs from pmlfunc: loss" in results["fake_peer"]["reason"]
+    assert "stats" not in results["fake_peer"]
+    assert results["pmlfunc"]["status"] == results["floor"]["status"] == "ok"
+    # the pytest body: an assertion error before anything is measured
+    monkeypatch.setitem(bench_peers.CASES, "peer-wrong", by_grad)
+    with pytest.raises(AssertionError, match="fake_peer differs from pmlfunc: gradient 0"):
+        bench_peers.bench_peers(None, None, "peer-wrong", "fake_peer")
+
+
+def test_the_cached_loss_stage_wrapper_scales_its_gradients_by_the_cotangent():
+    """The GradCache-style members (ST's cached loss stage, ``pmlfunc-chunked``): the forward
+    does the work, the backward multiplies the collected gradients by the cotangent."""
+    import torch
+
+    from benchmarks import common
+    from benchmarks.cases import bench_peers, result
+
+    emb, labels = common.make_inputs(32, 8)
+    case = bench_peers.CASES["peer-cached-mnrl"]
+    _, grads = result(case.members["pmlfunc-tiled"], emb, labels)
+    fn, params = case.members["pmlfunc-chunked"].make(emb, labels)
+    scaled = torch.autograd.grad(3.0 * fn(emb, labels), [emb, *params])
+    for got, want in zip(scaled, grads, strict=True):
+        torch.testing.assert_close(got, 3.0 * want, rtol=1e-4, atol=1e-7)
+
+
+def test_optax_is_skipped_where_its_broadcast_is_too_large():
+    import torch
+
+    from benchmarks.cases import Skip, bench_peers
+
+    assert bench_peers.optax_broadcast_gib(2048, 128) == 2.0
+    member = bench_peers.CASES["peer-optax-ntxent"].members["optax"]
+    with pytest.raises(Skip, match=r"N x N x D = 2 GiB tensor \(> 1 GiB"):
+        member.make(torch.zeros(2048, 128), torch.zeros(2048, dtype=torch.long))
+
+
+def _peer_run(path, batch, dims, medians):
+    """A benchmarks.run file of the peer-clip case: ``medians`` maps impl to ms."""
+    results = [
+        {"case": "peer-clip", "impl": i, "mode": "eager", "status": "ok",
+         "stats": {"median": ms, "q1": ms, "q3": ms}, "peak_memory_mib": 2.0}
+        for i, ms in medians.items()
+    ]  # fmt: skip
+    results.append(
+        {"case": "peer-clip", "impl": "open_clip-x", "mode": "eager", "status": "skipped",
+         "reason": "not installed"}
+    )  # fmt: skip
+    config = {"batch_size": batch, "dimensions": dims, "dtype": "float32", "samples_per_class": 4,
+              "threads": 1, "repeats": 3, "warmup": 1, "device": "cpu"}  # fmt: skip
+    env = {"torch": "2.13", "peers": {"open_clip": "3.3.0"}}
+    path.write_text(json.dumps({"config": config, "environment": env, "results": results}))
+    return path
+
+
+def test_the_peers_report_gives_the_median_and_range_of_the_runs_ratios(tmp_path):
+    files = [
+        _peer_run(tmp_path / "a.json", 512, 128, {"pmlfunc": 2.0, "open_clip": 3.0, "floor": 1.0}),
+        _peer_run(tmp_path / "b.json", 512, 128, {"pmlfunc": 2.0, "open_clip": 2.0, "floor": 1.0}),
+        _peer_run(tmp_path / "c.json", 512, 128, {"pmlfunc": 4.0, "open_clip": 5.0, "floor": 1.0}),
+        _peer_run(tmp_path / "d.json", 2048, 512, {"pmlfunc": 8.0, "open_clip": 4.0, "floor": 2.0}),
+    ]
+    runs = report.load(files)
+    ratios = report.peer_ratios(runs)
+    assert ratios[("peer-clip", "open_clip", "pmlfunc")][(512, 128, "float32", "eager")] == [
+        1.5, 1.0, 1.25
+    ]  # fmt: skip
+    assert ratios[("peer-clip", "open_clip-x", "pmlfunc")][(512, 128, "float32", "eager")] == []
+    lines = report.peers_markdown(runs)
+    head = next(line for line in lines if line.startswith("| group | peer |"))
+    assert head == "| group | peer | pmlfunc member | N = 512, D = 128 | N = 2,048, D = 512 |"
+    assert "| peer-clip | open_clip | pmlfunc | 1.25× [1.00–1.50] | 0.50× |" in lines
+    assert any("`peer-clip` / `open_clip-x`" in line and "not installed" in line for line in lines)
+    written = report.main([*map(str, files), "--output", str(tmp_path / "out"), "--name",
+                           "peers", "--peers", "--command", "the one-liner"])  # fmt: skip
+    page = (tmp_path / "out" / "peers.md").read_text()
+    assert "the one-liner" in page and "](peers.svg)" in page and "open_clip 3.3.0" in page
+    assert (tmp_path / "out" / "peers.svg") in written
+    assert ET.parse(tmp_path / "out" / "peers.svg").getroot().tag.endswith("svg")
+    # the main page carries a peers section when a run holds a peer
+    report.main([*map(str, files), "--output", str(tmp_path / "main")])
+    main_page = (tmp_path / "main" / "README.md").read_text()
+    assert "## Peers" in main_page and "](peers.svg)" in main_page
