@@ -140,24 +140,31 @@ def _masks(rows, cols, r0: int, r1: int, m: int, device, diag: bool, exclude: bo
     return pos, neg
 
 
-def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
+def _row_lse_(s: Tensor, keep: Tensor | None, *, probs: bool = False):
     """Row-wise log-sum-exp over the kept entries (``None``: all), destroying ``s``: rows with
     nothing kept (or only −inf) give ``−finfo.max``, a kept +inf gives +inf, a kept NaN NaN (as
-    :func:`pmlfunc._ops.row_logsumexp`; an entry not kept is not read)."""
+    :func:`pmlfunc._ops.row_logsumexp`; an entry not kept is not read). ``probs``: also the
+    softmax over the kept entries (0 elsewhere, and on rows with nothing kept), in ``s``'s
+    buffer: ``(lse, probs)``, from the same exponentials."""
     low = -torch.finfo(s.dtype).max
     if s.shape[-1] == 0:  # a block without columns (an empty rank's, on the ring)
-        return s.new_full(s.shape[:-1], low)
-    if keep is not None:
-        s = s.masked_fill_(keep.logical_not(), low)
+        lse = s.new_full(s.shape[:-1], low)
+        return (lse, s) if probs else lse
+    drop = None if keep is None else keep.logical_not()
+    if drop is not None:
+        s = s.masked_fill_(drop, low)
     shift = s.amax(-1, keepdim=True)
     has = ~(shift <= low)
     shift = torch.where(has & (shift != torch.inf), shift, 0.0)  # inf − inf would be NaN
     # exp(max(x − shift, −80)): CPU exp of underflowing arguments is ~35× slower
     s = s.sub_(shift).clamp_min_(-80.0).exp_()
-    if keep is not None:
-        s = s.masked_fill_(keep.logical_not(), 0.0)
+    if drop is not None:
+        s = s.masked_fill_(drop, 0.0)
     total = s.sum(-1, keepdim=True)
-    return torch.where(has, torch.log(torch.where(has, total, 1.0)) + shift, low).squeeze(-1)
+    lse = torch.where(has, torch.log(torch.where(has, total, 1.0)) + shift, low).squeeze(-1)
+    if not probs:
+        return lse
+    return lse, s.div_(torch.where(total > 0, total, 1.0))
 
 
 def _exp_(s: Tensor, shift: float | Tensor) -> Tensor:
@@ -165,19 +172,11 @@ def _exp_(s: Tensor, shift: float | Tensor) -> Tensor:
     return s.sub_(shift).clamp_min_(-80.0).exp_()
 
 
-def _ntxent_terms_(s: Tensor, lse: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """A tile's NT-Xent terms summed, and per row ``Σ_P q`` with ``q = −∂term/∂S`` (what the
-    backward spreads over the row's negatives), destroying ``s``."""
-    r = s.sub_(lse.unsqueeze(-1)).sigmoid_()
-    q = _ntxent_q_(r, pos)  # r is now σ + ε
-    terms = r.log_().neg_().masked_fill_(pos.logical_not(), 0.0)
-    return terms.sum(), q.sum(-1)
-
-
-def _ntxent_q_(r: Tensor, pos: Tensor) -> Tensor:
-    """``q = −∂term/∂z`` on the positives (0 elsewhere) from ``r = σ(z)``: ``d/dz −log(σ(z) + ε)
-    = −σ(z)(1 − σ(z)) / (σ(z) + ε)``, the dense loss's autograd chain. One new tile; ``r`` is
-    left holding ``σ(z) + ε`` (whose log is the term).
+def _ntxent_q_(z: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """``q = −∂term/∂z`` on the positives (0 elsewhere) of ``z = S − lse_neg``, and ``σ(z) + ε``
+    there (1 elsewhere: its log is the term, 0 off the positives), two new tiles: ``d/dz
+    −log(σ(z) + ε) = −σ(z)(1 − σ(z)) / (σ(z) + ε)``, the dense loss's autograd chain. Off the
+    positives ``z`` is read as 100, where ``σ = 1`` exactly: no mask to apply after.
 
     No ``Tensor.addcmul_(..., value=)`` (nor ``addcdiv_(value=)``, ``add_(alpha=tensor)``):
     dynamo rewrites those into ``torch._inductor.inductor_prims.fma``, a prim without a
@@ -186,71 +185,201 @@ def _ntxent_q_(r: Tensor, pos: Tensor) -> Tensor:
     scalar ``value`` came with pytorch/pytorch#176871, the prim's autograd formula with #184629,
     which covers plain autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in
     eager mode too)."""
+    r = torch.where(pos, z, 100.0).sigmoid_()
     q = torch.rsub(r, 1.0).mul_(r)  # σ(1 − σ)
-    return q.div_(r.add_(torch.finfo(r.dtype).tiny)).masked_fill_(pos.logical_not(), 0.0)
+    return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
+
+
+def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
+    """One tile of NT-Xent's terms ``−log(σ(S − lse_neg) + ε)`` on the positives, destroying
+    ``s``: ``(Σ terms, lse, Σ_P q per row, ∂L/∂S or None)``. ``lse``: the rows' negatives'
+    log-sum-exp when known (the ring's second walk), else computed here; ``grad`` (only then):
+    also the tile's ``∂L/∂S`` for a unit weight, the softmax over the negatives from the same
+    exponentials as the log-sum-exp."""
+    soft = None
+    if lse is None and grad:
+        lse, soft = _row_lse_(s.clone(), neg, probs=True)
+    elif lse is None:
+        lse = _row_lse_(s.clone(), neg)
+    q, r = _ntxent_q_(s.sub_(lse.unsqueeze(-1)), pos)
+    q_sum = q.sum(-1)
+    ds = None
+    if soft is not None:  # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q
+        ds = soft.mul_(q_sum.unsqueeze(-1)).sub_(q)
+    return r.log_().sum().neg(), lse, q_sum, ds
+
+
+def _supcon_fold_(s: Tensor, pos, cand, local):
+    """One tile of SupCon's row statistics, destroying ``s``: ``(lse over the candidates,
+    |P|, Σ_P S, ∂L/∂S or None)``; ``cand`` ``None`` when every entry is one. ``local``: the
+    rule giving each row's weight from its statistics (:func:`_weights`), or ``None`` for no
+    gradient; the gradient ``w_i (softmax_C − [P]/|P(i)|)`` takes its softmax from the same
+    exponentials as the log-sum-exp."""
+    n_pos = count_true(pos, -1).to(s.dtype)
+    if local is None:
+        lse, soft = _row_lse_(s.clone(), cand), None
+    else:
+        lse, soft = _row_lse_(s.clone(), cand, probs=True)
+    pos_sum = s.masked_fill_(pos.logical_not(), 0.0).sum(-1)  # the positives' logits
+    ds = None
+    if soft is not None:
+        w = local({"row_lse": lse, "row_pos": n_pos, "row_pos_sum": pos_sum})
+        w_pos = (w / n_pos.clamp_min(1.0)).unsqueeze(-1)
+        w_soft = torch.where(n_pos > 0, w, torch.zeros_like(w)).unsqueeze(-1)
+        ds = soft.mul_(w_soft).sub_(torch.where(pos, w_pos, 0.0))
+    return lse, n_pos, pos_sum, ds
+
+
+def _siglip_fold_(s: Tensor, pos, eye: int | None, grad: bool):
+    """One tile of SigLIP's ``Σ softplus(−z S)``, destroying ``s``: ``(the sum, ∂L/∂S or
+    None)``. ``eye``: the positives are the diagonal at this offset (aligned sets on their own
+    block, no labels): then ``softplus(−S) = softplus(S) − S`` turns the tile into one
+    ``softplus`` pass corrected on the diagonal, and ``∂/∂S = σ(S)`` corrected there."""
+    if eye is None:  # labels: z = ±1 read from the mask
+        sign = torch.where(pos, -1.0, 1.0)  # −z
+        total = F.softplus(s.mul_(sign)).sum()
+        ds = s.sigmoid_().mul_(sign) if grad else None
+        return total, ds
+    d = s.diagonal(offset=eye, dim1=-2, dim2=-1).clone()
+    sp = F.softplus(s)
+    total = sp.sum() - sp.diagonal(offset=eye, dim1=-2, dim2=-1).sum() + F.softplus(-d).sum()
+    if not grad:
+        return total, None
+    ds = s.sigmoid_()
+    ds.diagonal(offset=eye, dim1=-2, dim2=-1).copy_(torch.sigmoid(-d).neg_())
+    return total, ds
 
 
 def block_forward(
-    kind, x, y, rows, cols, scale, bias, chunk, *, diag, exclude, lse=None, final=True
+    kind, x, y, rows, cols, scale, bias, chunk, *, diag, exclude, lse=None, final=True, grads=None
 ) -> dict[str, Tensor]:
     """Partial statistics of ``kind`` over one block of columns ``y`` (labels ``cols``), in
     tiles of ``chunk`` rows of ``x``. NT-Xent: ``lse=None, final=False`` gives the negatives'
     log-sum-exp only; ``lse`` (the rows' final one) gives the terms; ``final=True`` (one block)
-    both. Each tile is worked on in place: a few tile-sized buffers live at a time."""
+    both. Each tile is worked on in place: a few tile-sized buffers live at a time.
+
+    ``grads`` (a :class:`_GradSums`, one block only): also form each tile's ``∂L/∂S`` while it
+    is held and add its products to ``grads`` (:func:`fused_loss`), so that no tile is computed
+    twice."""
     n, m = x.shape[-2], y.shape[-2]
-    total = count = x.new_zeros(())
-    parts: dict[str, list[Tensor]] = {k: [] for k in ("row_lse", "row_pos", "row_pos_sum", "row_q")}
-    col_max = x.new_full((m,), -torch.finfo(x.dtype).max)
-    col_sum = col_pos = col_pos_sum = x.new_zeros(m)
+    acc = _Partials(kind, x, m)
     for r0, r1 in _tiles(n, chunk):
         s = _logits(x, y, r0, r1, scale, bias)
         pos, neg = _masks(rows, cols, r0, r1, m, x.device, diag, exclude)
-        if kind == "siglip":  # Σ softplus(−z·S), z = ±1
-            total = total + F.softplus(s.mul_(torch.where(pos, -1.0, 1.0))).sum()
-            count = count + count_true(pos) + count_true(neg)
-            continue
-        if kind == "ntxent":  # −log(σ(S − lse_neg) + ε) on the positives
-            tile_lse = lse[r0:r1] if lse is not None else _row_lse_(s.clone() if final else s, neg)
-            if lse is None and not final:
-                parts["row_lse"].append(tile_lse)
-                continue
-            t, q = _ntxent_terms_(s, tile_lse, pos)
-            total, count = total + t, count + count_true(pos)
-            parts["row_lse"].append(tile_lse)
-            parts["row_q"].append(q)
-            continue
-        if kind == "supcon":
-            parts["row_lse"].append(_row_lse_(s.clone(), pos | neg))
-            count = count + count_true(neg)
-        else:  # clip: every entry is a candidate, along rows and along columns (online)
-            new_max = torch.maximum(col_max, s.amax(0))
-            part = _exp_(s - new_max, 0.0).sum(0)
-            col_sum = col_sum * (col_max - new_max).clamp_min(-80.0).exp() + part
-            col_max = new_max
-            parts["row_lse"].append(torch.logsumexp(s, -1))
-            col_pos = col_pos + count_true(pos, 0)
-        parts["row_pos"].append(count_true(pos, -1).to(x.dtype))
-        s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
-        parts["row_pos_sum"].append(s.sum(-1))
-        if kind == "clip":
-            col_pos_sum = col_pos_sum + s.sum(0)
-    if kind == "siglip":
-        keys: tuple[str, ...] = ()
-    elif kind == "ntxent":  # a given lse is not a partial: not returned
-        keys = ("row_q",) if lse is not None else ("row_lse", "row_q") if final else ("row_lse",)
-    else:
-        keys = ("row_lse", "row_pos", "row_pos_sum")
-    # every key, also without a tile (an empty rank's rows, on the ring)
-    out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
-    if kind != "clip":
-        out.update(total=total, count=count.to(x.dtype))
-    else:
-        out.update(
-            col_lse=torch.log(col_sum) + col_max,
-            col_pos=col_pos.to(x.dtype),
-            col_pos_sum=col_pos_sum,
-        )
-    return out
+        at = _tile_at(rows, r0, r1, m, diag, exclude)
+        tile_lse = None if lse is None else lse[r0:r1]
+        if grads is None:
+            _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
+        elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
+            grads.held = (s.clone(), pos, neg)
+            _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
+        else:
+            local = functools.partial(_local_weight, kind, grads.reducer)
+            ds = _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at, local)
+            grads.add(ds, r0, r1)
+    return acc.result(lse is not None, final)
+
+
+class _Partials:
+    """What :func:`block_forward` folds its tiles into: the totals, the per-row parts (one
+    entry per tile, in order) and CLIP's online column statistics."""
+
+    ROW = ("row_lse", "row_pos", "row_pos_sum", "row_q")
+
+    def __init__(self, kind: str, x: Tensor, m: int):
+        self.kind = kind
+        self.total = self.count = x.new_zeros(())
+        self.parts: dict[str, list[Tensor]] = {k: [] for k in self.ROW}
+        self.col_max = x.new_full((m,), -torch.finfo(x.dtype).max)
+        self.col_sum = self.col_pos = self.col_pos_sum = x.new_zeros(m)
+        self.x = x
+
+    def last(self) -> dict[str, Tensor]:
+        """The latest tile's per-row statistics."""
+        return {k: v[-1] for k, v in self.parts.items() if v}
+
+    def result(self, given_lse: bool, final: bool) -> dict[str, Tensor]:
+        kind, x = self.kind, self.x
+        if kind == "siglip":
+            keys: tuple[str, ...] = ()
+        elif kind == "ntxent":  # a given lse is not a partial: not returned
+            keys = ("row_q",) if given_lse else ("row_lse", "row_q") if final else ("row_lse",)
+        else:
+            keys = ("row_lse", "row_pos", "row_pos_sum")
+        # every key, also without a tile (an empty rank's rows, on the ring)
+        parts = self.parts
+        out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
+        if kind != "clip":
+            out.update(total=self.total, count=self.count.to(x.dtype))
+        else:
+            out.update(
+                col_lse=torch.log(self.col_sum) + self.col_max,
+                col_pos=self.col_pos.to(x.dtype),
+                col_pos_sum=self.col_pos_sum,
+            )
+        return out
+
+
+def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, local=None):
+    """Fold one tile ``s`` (destroyed) with its masks into ``acc``; ``lse``: the tile rows'
+    final NT-Xent log-sum-exp, when known. ``local`` (the row-complete kinds in one block: the
+    row weights' rule, :func:`_weights`): also return the tile's ``∂L/∂S`` for those weights,
+    formed from the same exponentials as the statistics."""
+    parts = acc.parts
+    grad = local is not None
+    if kind == "siglip":  # Σ softplus(−z·S), z = ±1
+        t, ds = _siglip_fold_(s, pos, where.eye, grad)
+        acc.total = acc.total + t
+        cells = where.cells if where.cells is not None else count_true(pos) + count_true(neg)
+        acc.count = acc.count + cells
+        return ds
+    if kind == "ntxent":  # −log(σ(S − lse_neg) + ε) on the positives
+        if lse is None and not final:
+            parts["row_lse"].append(_row_lse_(s, neg))
+            return None
+        t, tile_lse, q, ds = _ntxent_fold_(s, pos, neg, lse, grad)
+        acc.total, acc.count = acc.total + t, acc.count + count_true(pos)
+        parts["row_lse"].append(tile_lse)
+        parts["row_q"].append(q)
+        return ds
+    if kind == "supcon":
+        cand = (pos | neg) if where.excluded else None
+        row_lse, n_pos, pos_sum, ds = _supcon_fold_(s, pos, cand, local)
+        acc.count = acc.count + count_true(neg)
+        parts["row_lse"].append(row_lse)
+        parts["row_pos"].append(n_pos)
+        parts["row_pos_sum"].append(pos_sum)
+        return ds
+    # clip: every entry is a candidate, along rows and along columns (online)
+    new_max = torch.maximum(acc.col_max, s.amax(0))
+    part = _exp_(s - new_max, 0.0).sum(0)
+    acc.col_sum = acc.col_sum * (acc.col_max - new_max).clamp_min(-80.0).exp() + part
+    acc.col_max = new_max
+    parts["row_lse"].append(torch.logsumexp(s, -1))
+    acc.col_pos = acc.col_pos + count_true(pos, 0)
+    parts["row_pos"].append(count_true(pos, -1).to(s.dtype))
+    s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
+    parts["row_pos_sum"].append(s.sum(-1))
+    acc.col_pos_sum = acc.col_pos_sum + s.sum(0)
+    return None
+
+
+@dataclass(frozen=True)
+class _TileAt:
+    """Where a tile lies, for the shortcuts that read it: ``eye``, the diagonal offset of the
+    positives when they are exactly a diagonal (aligned sets, own block), else ``None``;
+    ``excluded``, whether the tile holds self pairs left out; ``cells``, the number of
+    candidate pairs when no entry is left out (else ``None``: counted from the masks)."""
+
+    eye: int | None
+    excluded: bool
+    cells: int | None
+
+
+def _tile_at(rows, r0: int, r1: int, m: int, diag: bool, exclude: bool) -> _TileAt:
+    excluded = exclude and diag
+    eye = r0 if rows is None and diag and not excluded else None
+    return _TileAt(eye, excluded, None if excluded else (r1 - r0) * m)
 
 
 def merge(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -285,29 +414,52 @@ def counts(kind: str, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return {f"{s}_has": (st[f"{s}_pos"] > 0).sum().to(zero.dtype) for s in ("row", "col")}
 
 
+def _local_weight(kind: str, reducer: str, st: dict[str, Tensor]) -> Tensor | float:
+    return _weights(kind, st, reducer)[0]
+
+
+def _weights(kind: str, st: dict[str, Tensor], reducer: str, total=None):
+    """``(local, global)``: the row-complete kinds weigh row ``i``'s loss by ``local_i × global``,
+    ``local`` from these rows' own statistics (a tile's: SupCon's ``avg_nonzero`` window, the
+    row's loss ``> 0``), ``global`` a scalar from the whole batch's :func:`counts` (``total``;
+    ``None`` before they are known). The forward walk that forms the gradient as it goes
+    (:func:`block_forward` with ``grads``) weighs each tile by ``local`` and scales the sums by
+    ``global`` once at the end; :func:`reduce` multiplies the two."""
+    local: float | Tensor = 1.0
+    if kind == "supcon":
+        if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
+            local = _supcon_losses(st).sign().clamp_min(0.0)
+        else:
+            local = torch.ones_like(st["row_lse"])
+    if total is None:
+        return local, None
+    one = next(iter(total.values())).new_ones(())
+    if kind == "siglip":
+        glob = {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
+    elif kind == "ntxent":
+        glob = ratio(one, total["count"]) if reducer == "mean" else one
+    else:  # supcon: 0 unless the batch has a positive and a negative pair
+        glob = {"avg_nonzero": ratio(one, total["nonzero"]), "mean": one / total["n"]}.get(
+            reducer, one
+        )
+        glob = torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
+    return local, glob
+
+
 def reduce(kind: str, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
     if kind == "siglip":
-        one = st["total"].new_ones(())
-        coef = {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
+        coef = _weights(kind, st, reducer, total)[1]
         return st["total"] * coef, (coef,)
     if kind == "ntxent":
-        one = st["total"].new_ones(())
-        coef = ratio(one, total["count"]) if reducer == "mean" else one
+        coef = _weights(kind, st, reducer, total)[1]
         return st["total"] * coef, (st["row_lse"], st["row_q"], coef)
     if kind == "supcon":
-        losses = _supcon_losses(st)
         active = (total["pos"] > 0) & (total["count"] > 0)
-        losses = torch.where(active, losses, torch.zeros_like(losses))
-        if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
-            sel = losses.sign().clamp_min(0.0)
-            coef = ratio(sel, total["nonzero"].expand_as(sel))
-        elif reducer == "mean":
-            coef = torch.ones_like(losses) / total["n"]
-        else:
-            coef = torch.ones_like(losses)
-        coef = torch.where(active, coef, torch.zeros_like(coef))
+        losses = torch.where(active, _supcon_losses(st), 0.0)
+        local, glob = _weights(kind, st, reducer, total)
+        coef = torch.where(active, local * glob, 0.0)
         return matmul(coef, losses), (st["row_lse"], st["row_pos"], coef)
     # clip: (R(rows) + R(columns)) / 2 over the rows / columns that have a positive
     loss, out = None, []
@@ -334,7 +486,7 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col) -> Tensor:
         lse, q_sum, coef = row[0][r0:r1], row[1][r0:r1], row[2]
         z = s.sub_(lse.unsqueeze(-1))
         # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q, spread by softmax
-        q = _ntxent_q_(torch.sigmoid(z), pos)
+        q = _ntxent_q_(z, pos)[0]
         soft = _exp_(z, 0.0).masked_fill_(neg.logical_not(), 0.0)
         return soft.mul_(q_sum.unsqueeze(-1)).sub_(q).mul_(coef)
     if kind == "supcon":
@@ -353,48 +505,77 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col) -> Tensor:
     return ds.sub_(w_pos.masked_fill_(pos.logical_not(), 0.0))
 
 
+class _GradSums:
+    """The gradient sums of one block for a unit cotangent, before the scale: ``∂S y`` (the
+    rows'), ``∂Sᵀ x`` (the block's), ``Σ ∂S ⊙ x yᵀ`` (the scale's) and ``Σ ∂S`` (the bias's),
+    each kept only when ``needs = (rows, cols, scale, bias)`` asks. ``into``: a buffer that the
+    rows' *and* the columns' parts are added to (self mode with one block: ``x`` is both
+    sides), returned in place of both.
+
+    :meth:`add` takes one tile's ``∂L/∂S``: the backward's recomputed tiles, or the forward's
+    when it forms the gradient as it goes (:func:`block_forward` with ``grads``: each row's
+    weight local, :func:`_weights`, the global factor applied once after the walk). ``held``:
+    CLIP's one tile, kept by the forward until the columns' statistics are complete."""
+
+    def __init__(self, x: Tensor, y: Tensor, needs, into: Tensor | None = None, reducer=None):
+        self.x, self.y, self.needs, self.reducer = x, y, needs, reducer
+        self.rows: list[Tensor] = []
+        self.gy, self.x_dot, self.sum_ds = into, None, None
+        self.into = into
+        self.held: tuple | None = None
+
+    def add(self, ds: Tensor, r0: int, r1: int) -> None:
+        need_rows, need_cols, need_scale, need_bias = self.needs
+        x, y = self.x, self.y
+        if need_bias:
+            part = ds.sum()
+            self.sum_ds = part if self.sum_ds is None else self.sum_ds + part
+        if need_cols:  # ∂Sᵀ x
+            part = matmul(ds.transpose(-1, -2), x[r0:r1])
+            self.gy = part if self.gy is None else self.gy.add_(part)  # a buffer of ours
+        if need_rows or need_scale:  # ∂S y
+            part = matmul(ds, y)
+            if need_scale:  # Σ ∂S ⊙ x yᵀ = Σ_i x_i · (∂S y)_i
+                dot = (x[r0:r1] * part).sum()
+                self.x_dot = dot if self.x_dot is None else self.x_dot + dot
+            if need_rows and self.into is not None:
+                assert self.gy is not None  # into, or into plus the columns' parts
+                self.gy[r0:r1] += part
+            elif need_rows:
+                self.rows.append(part)
+
+    def result(self):
+        need_rows, need_cols, need_scale, need_bias = self.needs
+        x, y = self.x, self.y
+        # what was asked for also without a tile (an empty rank's rows, on the ring): zeros
+        gx = torch.cat(self.rows, dim=-2) if self.rows else None
+        if gx is None and need_rows and self.into is None:
+            gx = torch.zeros_like(x)
+        gy = self.gy
+        if gy is None and need_cols:
+            gy = torch.zeros_like(y)
+        x_dot, sum_ds = self.x_dot, self.sum_ds
+        if x_dot is None and need_scale:
+            x_dot = x.new_zeros(())
+        if sum_ds is None and need_bias:
+            sum_ds = x.new_zeros(())
+        return gx, gy, x_dot, sum_ds
+
+
 def block_backward(
     kind, x, y, rows, cols, scale, bias, chunk, row, col, needs, *, diag, exclude, into=None
 ):
-    """One block's gradient sums for a unit cotangent, before the scale: ``(∂S y, ∂Sᵀ x,
-    Σ ∂S ⊙ x yᵀ, Σ ∂S)``, each ``None`` unless ``needs = (rows, cols, scale, bias)`` asks.
-    ``into``: a buffer that the rows' *and* the columns' parts are added to (self mode with one
-    block: ``x`` is both sides), returned in place of both."""
-    need_rows, need_cols, need_scale, need_bias = needs
+    """One block's gradient sums for a unit cotangent, before the scale (:class:`_GradSums`),
+    from the forward's statistics: every tile recomputed."""
     m = y.shape[-2]
-    row_parts, gy, x_dot, sum_ds = [], into, None, None
+    sums = _GradSums(x, y, needs, into)
     for r0, r1 in _tiles(x.shape[-2], chunk):
         s = _logits(x, y, r0, r1, scale, bias)
         pos, neg = _masks(rows, cols, r0, r1, m, x.device, diag, exclude)
         ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col)
         del s, pos, neg
-        if need_bias:
-            part = ds.sum()
-            sum_ds = part if sum_ds is None else sum_ds + part
-        if need_cols:  # ∂Sᵀ x
-            part = matmul(ds.transpose(-1, -2), x[r0:r1])
-            gy = part if gy is None else gy + part
-        if need_rows or need_scale:  # ∂S y
-            part = matmul(ds, y)
-            if need_scale:  # Σ ∂S ⊙ x yᵀ = Σ_i x_i · (∂S y)_i
-                dot = (x[r0:r1] * part).sum()
-                x_dot = dot if x_dot is None else x_dot + dot
-            if need_rows and into is not None:
-                assert gy is not None  # into, or into plus the columns' parts
-                gy[r0:r1] += part
-            elif need_rows:
-                row_parts.append(part)
-    # what was asked for also without a tile (an empty rank's rows, on the ring): zeros
-    gx = torch.cat(row_parts, dim=-2) if row_parts else None
-    if gx is None and need_rows and into is None:
-        gx = torch.zeros_like(x)
-    if gy is None and need_cols:
-        gy = torch.zeros_like(y)
-    if x_dot is None and need_scale:
-        x_dot = x.new_zeros(())
-    if sum_ds is None and need_bias:
-        sum_ds = x.new_zeros(())
-    return gx, gy, x_dot, sum_ds
+        sums.add(ds, r0, r1)
+    return sums.result()
 
 
 class _TiledGrads(torch.autograd.Function):
@@ -446,14 +627,84 @@ class _TiledGrads(torch.autograd.Function):
         )
 
 
-class _TiledLoss(torch.autograd.Function):
-    """The loss over tiles of one block. Inputs ``(x, y, rows, cols, scale, bias, chunk, kind,
-    reducer)``; outputs ``(loss, *statistics)``, the statistics non-differentiable and saved."""
+class _Scaled(torch.autograd.Function):
+    """The gradients the forward walk formed (:func:`fused_loss`), ``None`` for those not
+    formed, times the cotangent ``g`` (``x``'s and ``y``'s also times the logit scale): the
+    backward of the row-complete
+    kinds, a Function of the loss's inputs ``x, y, scale, bias`` (which it does not read) so
+    that, as :class:`_TiledGrads`, it records no graph and a second differentiation raises."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y, rows, cols, scale, bias, chunk, kind, reducer):
+    def forward(x, y, scale, bias, g, gx, gy, g_scale, g_bias):
+        out = [t * (scale * g) for t in (gx, gy) if t is not None]
+        out += [t * g for t in (g_scale, g_bias) if t is not None]
+        return tuple(fresh(t) for t in out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _TiledGrads.backward(ctx, *grads)
+
+
+def _fused(kind: str, n: int, chunk: int, needs) -> bool:
+    """Whether the forward walk forms the gradient (``needs`` known): the row-complete kinds,
+    whose every term lies in one tile of rows, and CLIP in one tile."""
+    return needs is not None and (kind != "clip" or chunk >= n)
+
+
+def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
+    """The loss of one block, its statistics and the gradient sums ``needs`` asks for (each
+    times its global weight, before the cotangent and the logit scale), in one walk: each tile
+    is computed once, its ``∂L/∂S`` formed while it is held (three products a tile, the dense
+    floor's). ``y=None``: self mode."""
+    self_mode = y is None
+    yy, cc = x if self_mode else y, rows if cols is None else cols
+    need_x, need_y, need_scale, need_bias = needs
+    into = torch.zeros_like(x) if self_mode and need_x else None
+    sums = _GradSums(
+        x, yy, (need_x, need_y or into is not None, need_scale, need_bias), into, reducer
+    )
+    st = block_forward(
+        kind, x, yy, rows, cc, scale, bias, chunk, diag=True, exclude=self_mode, grads=sums
+    )
+    total = counts(kind, st, x.shape[-2])
+    loss, stats = reduce(kind, st, reducer, total)
+    glob: float | Tensor = 1.0
+    if sums.held is not None:  # CLIP's one tile, now that its columns are complete
+        s, pos, neg = sums.held
+        sums.held = None
+        n = x.shape[-2]
+        sums.add(_tile_ds_(kind, s, pos, neg, 0, n, stats[:3], stats[3:]), 0, n)
+    elif kind != "clip":
+        glob = _weights(kind, st, reducer, total)[1]
+    gx, gy, x_dot, sum_ds = sums.result()
+    grads = (gy if self_mode else gx, gy, x_dot, sum_ds)
+    # the sums are buffers of this walk: scaled in place
+    return loss, stats, tuple(t.mul_(glob) for t, need in zip(grads, needs, strict=True) if need)
+
+
+class _TiledLoss(torch.autograd.Function):
+    """The loss over tiles of one block. Inputs ``(x, y, rows, cols, scale, bias, chunk, kind,
+    reducer, needs)``; outputs ``(loss, *statistics, *gradients)``, all but the loss
+    non-differentiable and saved. ``needs``: which of ``(x, y, scale, bias)`` the backward will
+    differentiate, when known before the walk (:func:`tiled_loss`); the walk then forms their
+    gradients as it goes (:func:`fused_loss`) and the backward scales them (:class:`_Scaled`);
+    ``None``, or a backward that asks for more, recomputes the tiles (:class:`_TiledGrads`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, rows, cols, scale, bias, chunk, kind, reducer, needs):
+        if _fused(kind, x.shape[-2], chunk, needs):
+            loss, stats, grads = fused_loss(
+                kind, x, y, rows, cols, scale, bias, chunk, reducer, needs
+            )
+            return (loss, *stats, *grads)
         self_mode = y is None
         yy, cc = x if self_mode else y, rows if cols is None else cols
         st = block_forward(kind, x, yy, rows, cc, scale, bias, chunk, diag=True, exclude=self_mode)
@@ -462,29 +713,41 @@ class _TiledLoss(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, y, rows, cols, scale, bias, chunk, kind, _ = inputs
-        stats = output[1:]
-        ctx.mark_non_differentiable(*stats)
-        ctx.chunk, ctx.kind, ctx.n_stats = chunk, kind, len(stats)
+        x, y, rows, cols, scale, bias, chunk, kind, _, needs = inputs
+        fused = _fused(kind, x.shape[-2], chunk, needs)
+        n_grads = sum(needs) if fused else 0
+        rest = output[1:]
+        ctx.mark_non_differentiable(*rest)
+        ctx.chunk, ctx.kind, ctx.n_stats = chunk, kind, len(rest) - n_grads
+        ctx.needs = needs if fused else None
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
-        saved = (x, y, rows, cols, scale if isinstance(scale, Tensor) else None, bias, *stats)
+        saved = (x, y, rows, cols, scale if isinstance(scale, Tensor) else None, bias, *rest)
         ctx.save_for_backward(*saved)
 
     @staticmethod
     def backward(ctx, g, *_):
-        x, y, rows, cols, scale, bias, *stats = ctx.saved_tensors
+        x, y, rows, cols, scale, bias, *rest = ctx.saved_tensors
+        stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 4, 5))
         if not any(needs):
-            return (None,) * 9
+            return (None,) * 10
         scale = ctx.scale_float if scale is None else scale
-        padded = (*stats, *(None,) * (6 - len(stats)))
-        grads = iter(
-            apply(
-                _TiledGrads, x, y, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind, needs
-            )
-        )
-        out = [next(grads) if need else None for need in needs]
-        return out[0], out[1], None, None, out[2], out[3], None, None, None
+        if ctx.needs is not None and all(f or not n for f, n in zip(ctx.needs, needs, strict=True)):
+            it = iter(formed)
+            slots = [next(it) if formed_need else None for formed_need in ctx.needs]
+            grads = iter(apply(_Scaled, x, y, scale, bias, g, *slots))
+            out = [next(grads) if formed_need else None for formed_need in ctx.needs]
+            out = [o if need else None for o, need in zip(out, needs, strict=True)]
+        else:
+            padded = (*stats, *(None,) * (6 - len(stats)))
+            grads = iter(
+                apply(
+                    _TiledGrads, x, y, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind,
+                    needs,
+                )
+            )  # fmt: skip
+            out = [next(grads) if need else None for need in needs]
+        return out[0], out[1], None, None, out[2], out[3], None, None, None, None
 
 
 def tiled_loss(
@@ -504,10 +767,20 @@ def tiled_loss(
     ``x``, ``y``: ``(N, D)``, ``(M, D)`` rows in the compute dtype, already normalised where the
     loss normalises (``y=None``: self mode, the diagonal excluded). ``rows``/``cols``: the labels
     of ``x``'s and ``y``'s rows (``cols=None``: ``rows`` label both, as in self mode), or both
-    ``None`` for two aligned sets (row ``i`` pairs with column ``i``). ``scale``: a number or a 0-d tensor (its gradient
-    is returned); ``bias``: ``None`` or a 0-d tensor. ``reducer`` one of ``KINDS[kind]``.
+    ``None`` for two aligned sets (row ``i`` pairs with column ``i``). ``scale``: a number or a
+    0-d tensor (its gradient is returned); ``bias``: ``None`` or a 0-d tensor. ``reducer`` one
+    of ``KINDS[kind]``.
+
+    Where autograd records (``torch.is_grad_enabled()``) and an input requires its gradient,
+    the walk forms the gradients of those that do as it goes: the forward costs the three
+    products of a forward and backward, and the backward is a scale. Without grad mode (an
+    evaluation) it is one product a tile.
     """
-    return apply(_TiledLoss, x, y, rows, cols, scale, bias, chunk, kind, reducer)[0]
+    needs = None
+    if torch.is_grad_enabled():
+        wants = tuple(isinstance(t, Tensor) and t.requires_grad for t in (x, y, scale, bias))
+        needs = wants if any(wants) else None
+    return apply(_TiledLoss, x, y, rows, cols, scale, bias, chunk, kind, reducer, needs)[0]
 
 
 @dataclass(frozen=True)
