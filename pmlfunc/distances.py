@@ -327,6 +327,119 @@ class _TiedMatmul(torch.autograd.Function):
         return gx, gy, None, None, None
 
 
+# ---------------------------------------------------------------------------------------------
+# Listed row pairs: d(x_{i_k}, y_{j_k}) without the matrix
+# ---------------------------------------------------------------------------------------------
+
+
+def _index_add_(buf: Tensor, index: Tensor, src: Tensor, alpha: float = 1.0) -> Tensor:
+    """``buf.index_add_(0, index, src, alpha=alpha)`` in place on a fresh buffer where the
+    transforms allow (out of place inside ``torch.func`` transforms, whose batched ``index`` or
+    ``src`` cannot be added into an unbatched buffer in place; as :func:`~pmlfunc._ops.scatter_`)."""
+    if torch.compiler.is_compiling() or not _ops.inside_transform():
+        return buf.index_add_(0, index, src, alpha=alpha)
+    return buf.index_add(0, index, src, alpha=alpha)
+
+
+def _scatter_rows(
+    x: Tensor,
+    y: Tensor | None,
+    i: Tensor,
+    j: Tensor,
+    gi: Tensor | None,
+    gj: Tensor | None,
+    alpha: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """The gradients of ``x`` and ``y`` from those of their gathered rows: ``alpha·gi`` of
+    ``x[i]`` (``(L, D)``, or ``(K, L, D)``: ``x[i]`` used ``K`` times) and ``gj`` of ``y[j]``
+    (``(*j.shape, D)``; ``None``: no gradient). One zero buffer per input, the rows added into
+    it (``y is None``: both sides into ``x``'s buffer); a ``(K, L, D)`` ``gi`` is added
+    one ``(L, D)`` block at a time (on a CPU cheaper than summing the blocks first)."""
+    gx = torch.zeros_like(x)
+    if gi is not None:
+        for block in (gi.flatten(0, -3) if gi.ndim > 2 else gi.unsqueeze(0)).unbind(0):
+            gx = _index_add_(gx, i, block, alpha)
+    gy = gx if y is None else torch.zeros_like(y)
+    if gj is not None:
+        gy = _index_add_(gy, j.reshape(-1), gj.reshape(-1, gj.shape[-1]))
+    return (gy, None) if y is None else (gx, gy)
+
+
+def _gather(x: Tensor, y: Tensor | None, i: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x[i], y[j])``, ``(L, D)`` and ``(*j.shape, D)`` (``y=None``: ``x[j]``), by
+    ``index_select`` (far faster than advanced indexing on a CPU)."""
+    src = x if y is None else y
+    return x.index_select(0, i), src.index_select(0, j.reshape(-1)).view(*j.shape, src.shape[-1])
+
+
+class _GatherRows(torch.autograd.Function):
+    """``(x[i], y[j])`` (``y=None``: ``x[j]``) as one node whose backward adds both gathered
+    gradients into one zero buffer per input: autograd's ``x[i]`` and ``x[j]`` fill a zero
+    buffer of ``x``'s shape each, then add them (on a CPU a fresh buffer's page faults cost
+    more than the gather itself). Written in differentiable ops: higher derivatives work."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, y: Tensor | None, i: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
+        return _gather(x, y, i, j)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, i, j = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, y, i, j)
+
+    @staticmethod
+    def backward(ctx, gu, gv):
+        x, y, i, j = ctx.saved_tensors
+        gx, gy = _scatter_rows(x, y, i, j, gu, gv)
+        return gx, gy, None, None
+
+
+class _ListedEuclidean(torch.autograd.Function):
+    """``(‖x_i − y_j‖, y_j − x_i)`` of listed row pairs (``squared``: the squared norm), with
+    ``i`` of shape ``(L,)`` and ``j`` of shape ``(L,)`` or ``(K, L)`` (each ``x_{i_l}`` against
+    ``K`` rows ``y_{j_{k,l}}``: an anchor's row is gathered once for its positive and its
+    negative); ``y=None``: ``y = x``.
+
+    The row differences are an output of their own (differentiable, usually unused) so that
+    the backward reads them instead of gathering again; it scales them by ``∂L/∂d / d`` (0, not
+    NaN, at ``d = 0``: :func:`_euclid_weights`) and adds them into one zero buffer per input:
+    ``O(K·L·D)`` each way, no matrix. Written in differentiable ops: higher derivatives work."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, y: Tensor | None, i: Tensor, j: Tensor, squared: bool
+    ) -> tuple[Tensor, Tensor]:
+        xi, yj = _gather(x, y, i, j)
+        diff = yj.sub_(xi)  # in place on the fresh gather
+        d = (diff * diff).sum(-1) if squared else torch.linalg.vector_norm(diff, dim=-1)
+        return d, _ops.fresh(diff)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, i, j, squared = inputs
+        ctx.squared = squared
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, y, i, j, *output)
+
+    @staticmethod
+    def backward(ctx, g, g_diff):
+        x, y, i, j, d, diff = ctx.saved_tensors
+        rows = g_diff
+        if g is not None:
+            rows = diff * _euclid_weights(g, d, ctx.squared).unsqueeze(-1)
+            rows = rows if g_diff is None else rows + g_diff
+        if rows is None:  # neither output reached the loss
+            return None, None, None, None, None
+        # ∂/∂y_j = rows, ∂/∂x_i = −rows (summed over the K partners of x_i)
+        gx, gy = _scatter_rows(x, y, i, j, rows, rows, -1.0)
+        return gx, gy, None, None, None
+
+
 def safe_euclidean(
     x: Tensor, y: Tensor | None = None, *, squared: bool = False, exact_budget: int = 8
 ) -> Tensor:
@@ -410,6 +523,52 @@ class Distance:
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def indexed_pairs(self, x: Tensor, i: Tensor, j: Tensor, y: Tensor | None = None) -> Tensor:
+        """Distances ``d(x_{i_l}, y_{j_l})`` of ``L`` listed row pairs, in the compute dtype;
+        ``y=None`` means ``y = x`` (pairs within one batch). ``j`` may also be ``(K, L)``: each
+        row ``x_{i_l}`` against ``K`` rows ``y_{j_{k,l}}`` (a triplet's anchor against its
+        positive and its negative), result ``(K, L)``.
+
+        The values of :meth:`pairs` of the gathered rows, ``self.pairs(x[i], y[j])``, for
+        ``O(K·L·D)`` work each way and no ``B × M`` matrix. The rows are gathered inside one
+        autograd node whose backward adds every row's gradient into one zero buffer per input
+        (autograd's ``x[i]`` fills one per gather); the Euclidean distance (``p = 2``, ``power``
+        1 or 2) writes its backward out: the row differences scaled by ``∂L/∂d / d``, 0 (not
+        NaN) at ``d = 0``.
+
+        Args:
+            x: ``(B, D)`` rows.
+            i: ``(L,)`` integer indices into ``x``.
+            j: ``(L,)`` or ``(K, L)`` integer indices into ``y`` (``x`` when ``y`` is ``None``).
+            y: ``(M, D)`` rows, or ``None``.
+
+        Returns:
+            ``j.shape`` distances.
+
+        Example:
+            >>> x = torch.eye(3)
+            >>> lp(normalize=False).indexed_pairs(x, torch.tensor([0, 1]), torch.tensor([1, 1]))
+            tensor([1.4142, 0.0000])
+        """
+        _checks.embeddings(x, "x")
+        if y is not None:
+            _checks.embeddings(y, "y")
+            _checks.same_space(x, y, "y", "x")
+        for name, t in (("i", i), ("j", j)):
+            if not isinstance(t, Tensor) or t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be an int32 or int64 index tensor")
+        if i.ndim != 1 or j.ndim not in (1, 2) or j.shape[-1] != i.shape[0]:
+            raise ValueError(
+                f"i must be (L,) and j (L,) or (K, L) indices, got {tuple(i.shape)} and "
+                f"{tuple(j.shape)}"
+            )
+        cd = _checks.compute_dtype(x.dtype)
+        return self._indexed_pairs(x.to(cd), None if y is None else y.to(cd), i, j)
+
+    def _indexed_pairs(self, x: Tensor, y: Tensor | None, i: Tensor, j: Tensor) -> Tensor:
+        u, v = _ops.apply(_GatherRows, x, y, i, j)
+        return self._pairs(u, v)
 
     def rows(
         self,
@@ -521,6 +680,13 @@ class _Lp(_Budgeted):
         if self.power != 1:
             mat = mat**self.power
         return mat
+
+    def _indexed_pairs(self, x: Tensor, y: Tensor | None, i: Tensor, j: Tensor) -> Tensor:
+        if self.p != 2 or self.power not in (1, 2):
+            return super()._indexed_pairs(x, y, i, j)
+        x, y = self._normalized(x, y)
+        d, _ = _ops.apply(_ListedEuclidean, x, y, i, j, self.power == 2)
+        return d
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:
         x, y = self._normalized(x, y)

@@ -568,6 +568,131 @@ def test_pairs_on_meta_and_under_compile():
 
 
 # ---------------------------------------------------------------------------------------------
+# Listed row pairs by index (what a loss reads for listed triplets, without the matrix)
+# ---------------------------------------------------------------------------------------------
+
+ROW_DISTANCES = [ours for ours, _ in PML_PAIRS[:-1]] + [pf.distances.lp(power=3)]
+_I = torch.tensor([0, 1, 1, 3, 9, 2, 9])  # repeated indices, and (1, 1): a zero distance
+_J = torch.tensor([1, 1, 5, 3, 0, 5, 0])
+_J2 = torch.stack([_J, torch.tensor([4, 2, 1, 3, 5, 0, 1])])  # each i against two rows
+
+
+def _indexed_case(with_ref: bool, two: bool):
+    x = torch.randn(10, 6, generator=_gen(21), dtype=torch.float64)
+    y = torch.randn(7, 6, generator=_gen(22), dtype=torch.float64) if with_ref else None
+    return x, y, (_J2 if two else _J)
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["L", "KxL"])
+@pytest.mark.parametrize("with_ref", [False, True])
+@pytest.mark.parametrize("d", ROW_DISTANCES, ids=lambda v: repr(v))
+def test_indexed_pairs_equal_pairs_of_the_gathered_rows(d, with_ref, two):
+    """Values and the gradients of both inputs equal those of ``pairs(x[i], y[j])`` (autograd
+    through advanced indexing), also for repeated indices, a zero distance and ``(K, L)``."""
+    x, y, j = _indexed_case(with_ref, two)
+    w = torch.randn(j.shape, generator=_gen(23), dtype=torch.float64)
+    inputs = (x,) if y is None else (x, y)
+
+    def ours(x, *ys):
+        return (d.indexed_pairs(x, _I, j, ys[0] if ys else None) * w).sum()
+
+    def theirs(x, *ys):
+        ref = ys[0] if ys else x
+        rows = ref[j]
+        return (
+            d.pairs(
+                x[_I].expand_as(rows).reshape(-1, x.shape[-1]), rows.reshape(-1, x.shape[-1])
+            ).view(j.shape)
+            * w
+        ).sum()
+
+    got = [t.clone().requires_grad_() for t in inputs]
+    want = [t.clone().requires_grad_() for t in inputs]
+    a, b = ours(*got), theirs(*want)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for ga, gb in zip(torch.autograd.grad(a, got), torch.autograd.grad(b, want), strict=True):
+        assert torch.isfinite(ga).all()
+        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("with_ref", [False, True])
+@pytest.mark.parametrize(
+    "d", [pf.distances.lp(), pf.distances.lp(power=2), pf.distances.cosine()], ids=repr
+)
+def test_indexed_pairs_gradcheck_and_second_derivatives(d, with_ref):
+    x, y, _ = _indexed_case(with_ref, True)
+    i, j = _I[:4], _J2[:, :4].clone()
+    j[0, 1] = 5  # no zero distance: the second derivative of ‖·‖ is singular there
+    inputs = (x.requires_grad_(),) if y is None else (x.requires_grad_(), y.requires_grad_())
+
+    def f(x, *ys):
+        return d.indexed_pairs(x, i, j, ys[0] if ys else None)
+
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("d", [pf.distances.lp(), pf.distances.lp(normalize=False)])
+def test_indexed_pairs_gradient_is_zero_not_nan_for_identical_rows(d):
+    x = torch.randn(4, 5, generator=_gen(24), requires_grad=True)
+    i = torch.arange(4)
+    out = d.indexed_pairs(x, i, torch.stack([i, i]))
+    assert torch.equal(out.detach(), torch.zeros(2, 4))
+    (g,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize(
+    "d", [pf.distances.lp(), pf.distances.cosine(), pf.distances.snr()], ids=repr
+)
+def test_indexed_pairs_under_vmap_grad_compile_and_on_meta(d):
+    x = torch.randn(10, 6, generator=_gen(25))
+    xs = torch.stack([x, 2 * x + 1])
+
+    def loss(x, i=_I, j=_J2):
+        return d.indexed_pairs(x, i, j).square().sum()
+
+    def grad_loop(x, i=_I, j=_J2):
+        x = x.clone().requires_grad_()
+        return torch.autograd.grad(loss(x, i, j), x)[0]
+
+    # batched rows, shared indices; shared rows, batched indices (a miner's result per problem)
+    got = torch.func.vmap(torch.func.grad(loss))(xs)
+    torch.testing.assert_close(got, torch.stack([grad_loop(x) for x in xs]))
+    js = torch.stack([_J2, _J2.flip(0)])
+    got = torch.func.vmap(lambda j: torch.func.grad(loss)(x, _I, j))(js)
+    torch.testing.assert_close(got, torch.stack([grad_loop(x, _I, j) for j in js]))
+    xc = x.clone().requires_grad_()
+    value = torch.compile(loss, fullgraph=True)(xc)
+    torch.testing.assert_close(value, loss(x))
+    torch.testing.assert_close(torch.autograd.grad(value, xc)[0], grad_loop(x))
+    xm = torch.randn(10, 6, device="meta", requires_grad=True)
+    out = d.indexed_pairs(xm, _I.to("meta"), _J2.to("meta"))
+    assert out.shape == (2, 7) and out.device.type == "meta"
+    (gm,) = torch.autograd.grad(out.sum(), xm)
+    assert gm.shape == xm.shape
+
+
+def test_indexed_pairs_low_precision_computes_in_float32():
+    x = torch.randn(10, 4, generator=_gen(26)).to(torch.bfloat16)
+    out = pf.distances.lp().indexed_pairs(x, _I, _J)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, pf.distances.lp().indexed_pairs(x.float(), _I, _J))
+
+
+def test_indexed_pairs_bad_input():
+    x = torch.randn(10, 4)
+    with pytest.raises(TypeError, match="i must be an int32 or int64"):
+        pf.distances.lp().indexed_pairs(x, _I.float(), _J)
+    with pytest.raises(ValueError, match=r"i must be \(L,\) and j"):
+        pf.distances.lp().indexed_pairs(x, _I, _J[:3])
+    with pytest.raises(ValueError, match=r"i must be \(L,\) and j"):
+        pf.distances.lp().indexed_pairs(x, _I, _J2.unsqueeze(0))
+    with pytest.raises(ValueError):
+        pf.distances.lp().indexed_pairs(x, _I, _J, torch.randn(7, 5))
+
+
+# ---------------------------------------------------------------------------------------------
 # One-sided and asymmetric near pairs (issue 36)
 # ---------------------------------------------------------------------------------------------
 #

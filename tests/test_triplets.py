@@ -321,3 +321,247 @@ def test_all_triplets_with_few_positives_per_anchor_match_pml(mined, margin_, ge
     pml = pml_losses.TripletMarginLoss(margin=margin_)
     want = value_and_grads(lambda e: pml(e, labels, pml_pairs), emb)
     assert_same(got, want, **core.TOL[F64])
+
+
+# ----------------------------------------------------------------------------------------------
+# triplet_margin and margin on given triplets: the row path (issue 30, item 4)
+# ----------------------------------------------------------------------------------------------
+ROW, MATRIX = 0.0, 1e30  # ROW_PATH_COST forcing each path
+
+
+def _given(gen, with_ref: bool, t: int = 9, d: int = 6, dtype=F64, ap_tie: bool = True):
+    """Rows and a PML triplet tuple over them with exact ties: triplet 0's positive equals its
+    anchor (d_ap = 0; not ``ap_tie``: no such triplet), triplet 1's negative equals its anchor
+    (d_an = 0), triplet 2's negative equals its positive (d_pn = 0, what swap reads), triplet
+    3 is listed three times and the order is shuffled. Self mode: the rows are packaged
+    (3k, 3k+1, 3k+2); with a reference set, anchors index ``emb`` and positives and negatives
+    ``ref``."""
+    if with_ref:
+        emb, ref = randn(gen, t, d, dtype=dtype), randn(gen, 2 * t, d, dtype=dtype)
+        a, p, n = torch.arange(t), torch.arange(0, 2 * t, 2), torch.arange(1, 2 * t, 2)
+        ref[n[1]], ref[n[2]] = emb[1], ref[p[2]]
+        if ap_tie:
+            ref[p[0]] = emb[0]
+    else:
+        emb, ref = randn(gen, 3 * t, d, dtype=dtype), None
+        a = torch.arange(0, 3 * t, 3)
+        p, n = a + 1, a + 2
+        emb[p[0]], emb[n[1]], emb[n[2]] = emb[a[0]], emb[a[1]], emb[p[2]]
+    order = torch.cat([torch.randperm(t, generator=gen), torch.tensor([3, 3])])
+    return emb, ref, (a[order], p[order], n[order])
+
+
+def _run_given(monkeypatch, cost, emb, ref, tup, dist, **kw):
+    import pmlfunc.losses.triplets as tr
+
+    monkeypatch.setattr(tr, "ROW_PATH_COST", cost)
+    labels = torch.arange(emb.shape[0])
+    if ref is None:
+        return value_and_grads(
+            lambda e: triplet_margin(e, labels, distance=dist, indices_tuple=tup, **kw), emb
+        )
+    ref_labels = torch.arange(ref.shape[0])
+    return value_and_grads(
+        lambda e, r: triplet_margin(
+            e, labels, ref_emb=r, ref_labels=ref_labels, distance=dist, indices_tuple=tup, **kw
+        ),
+        emb,
+        ref,
+    )
+
+
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("smooth_loss", [False, True], ids=["hinge", "smooth"])
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
+@pytest.mark.parametrize("dist", list(core.DISTANCES))
+def test_given_triplets_row_path_equals_matrix_path_and_pml(
+    dist, swap, smooth_loss, with_ref, monkeypatch, gen
+):
+    """Every distance, swap, smooth loss, self and reference mode, with zero distances and a
+    repeated triplet: values and gradients of the row path equal the matrix path's and PML
+    2.9.0's (with a reference set and swap PML reads the query-by-reference matrix at
+    ``[p, n]``: deviation (c), checked against the loop reference instead)."""
+    # with a reference set, d_ap = 0 makes d_pn = d(ref_p, ref_n) = d(emb_a, ref_n) = d_an: a
+    # tie of swap's minimum that the row path keeps exact (torch.minimum splits the gradient,
+    # as in PML), where the matrix path reads d_an from the matrix and d_pn from the rows,
+    # whose roundings break it either way
+    emb, ref, tup = _given(gen, with_ref, ap_tie=not (with_ref and swap))
+    pf_dist, pml_dist, ref_dist = core.DISTANCES[dist]
+    kw = {"margin": 0.4, "swap": swap, "smooth_loss": smooth_loss}
+    row = _run_given(monkeypatch, ROW, emb, ref, tup, pf_dist(), **kw)
+    mat = _run_given(monkeypatch, MATRIX, emb, ref, tup, pf_dist(), **kw)
+    for g in row[1]:
+        assert torch.isfinite(g).all()
+    assert_same(row, mat, **core.TOL[F64])
+    labels = torch.arange(emb.shape[0])
+    ref_labels = None if ref is None else torch.arange(ref.shape[0])
+    if with_ref and swap:  # the loop reference's value (its gradient is NaN at d = 0: sqrt)
+        want = core.run_ref(
+            "triplet_margin",
+            emb,
+            labels,
+            ref=ref,
+            ref_labels=ref_labels,
+            distance=ref_dist,
+            indices_tuple=tup,
+            **kw,
+        )
+        torch.testing.assert_close(row[0], want[0], **core.TOL[F64])
+        return
+    else:
+        want = core.run_pml(
+            "triplet_margin",
+            emb,
+            labels,
+            ref=ref,
+            ref_labels=ref_labels,
+            distance=pml_dist(),
+            indices_tuple=tup,
+            **kw,
+        )
+    assert_same(row, want, **core.TOL[F64])
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
+@pytest.mark.parametrize("dist", ["lp", "lp_sq", "cosine"])
+def test_given_triplets_row_path_matches_pml_in_float32(dist, swap, gen):
+    """Packaged triplets at the default rule (the row path: 2T·D ≪ B·M) in float32, without
+    exact ties (whose float32 rounding PML's matrix breaks its own way): PML's values and
+    gradients to float32 rounding."""
+    emb = randn(gen, 3 * 40, 16, dtype=F32)
+    mined = pf.miners.embeddings_already_packaged_as_triplets(emb)
+    pf_dist, pml_dist, _ = core.DISTANCES[dist]
+    kw = {"margin": 0.3, "swap": swap}
+    got = value_and_grads(
+        lambda e: triplet_margin(e, distance=pf_dist(), indices_tuple=mined, **kw), emb
+    )
+    labels = torch.arange(emb.shape[0])
+    want = core.run_pml(
+        "triplet_margin", emb, labels, distance=pml_dist(), indices_tuple=mined.to_indices(), **kw
+    )
+    assert_same(got, want, **core.TOL[F32])
+
+
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
+def test_given_triplets_take_the_row_path_when_few(swap, with_ref, gen):
+    """66 triplets on 192 rows (2T·D = 1,056 ≪ B·M = 36,864; with a reference set 64 × 128
+    rows): no tensor of a quarter of B·M entries, forward or backward; 400 random triplets on
+    12 rows (2T·D = 6,400 > 2·B·M = 288) read the matrix: no (2, T, D) tensor of gathered rows.
+    Either assertion fails on the other path."""
+    d = 8
+    emb, ref, tup = _given(gen, with_ref, t=64, d=d, ap_tie=False)
+    kw = {"swap": swap}
+    if with_ref:
+        kw.update(ref_emb=ref.requires_grad_(), ref_labels=torch.arange(ref.shape[0]))
+    emb.requires_grad_()
+    b, m = emb.shape[0], (emb if ref is None else ref).shape[0]
+    with LargestTensor() as rec:
+        loss = triplet_margin(emb, torch.arange(b), indices_tuple=tup, **kw)
+        torch.autograd.grad(loss, [emb] + ([ref] if with_ref else []))
+    assert rec.largest < b * m / 4
+
+    rows = randn(gen, 12, d).requires_grad_()
+    g = torch.Generator().manual_seed(1)
+    many = tuple(torch.randint(0, 12, (400,), generator=g) for _ in range(3))
+    with LargestTensor() as rec:
+        loss = triplet_margin(rows, torch.arange(12), indices_tuple=many, swap=swap)
+        torch.autograd.grad(loss, rows)
+    assert rec.largest < 400 * d
+
+
+def test_given_triplets_row_path_rule_at_its_boundary(monkeypatch, gen):
+    """The rule is ``pairs · D · ROW_PATH_COST ≤ B · M`` on shapes: with B = M = 16, D = 8 and
+    the cost 1/2, 32 triplets (64 pairs) are read from their rows, 33 from the matrix, and 22
+    with swap (66 pairs: (a, p), (a, n), (p, n)) from the matrix, 21 from the rows."""
+    import pmlfunc.losses.triplets as tr
+
+    calls = []
+    original = pf.distances.Distance.indexed_pairs
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pf.distances.Distance, "indexed_pairs", spy)
+    assert tr.ROW_PATH_COST == 0.5
+    emb = randn(gen, 16, 8)
+    g = torch.Generator().manual_seed(2)
+    for t, swap, row in (
+        (32, False, True),
+        (33, False, False),
+        (21, True, True),
+        (22, True, False),
+    ):
+        calls.clear()
+        tup = tuple(torch.randint(0, 16, (t,), generator=g) for _ in range(3))
+        triplet_margin(emb, indices_tuple=tup, swap=swap)
+        assert bool(calls) == row, (t, swap)
+
+
+def test_given_triplets_empty_tuple(monkeypatch, gen):
+    """No triplet: a zero loss and zero gradients on both paths, as PML."""
+    emb = randn(gen, 9, 4)
+    empty = (torch.empty(0, dtype=torch.long),) * 3
+    for cost in (ROW, MATRIX):
+        for swap in (False, True):
+            value, (g,) = _run_given(
+                monkeypatch, cost, emb, None, empty, pf.distances.lp(), swap=swap
+            )
+            assert value == 0 and torch.equal(g, torch.zeros_like(g))
+    want = core.run_pml("triplet_margin", emb, torch.arange(9), indices_tuple=empty)
+    assert want[0] == 0
+
+
+def test_given_triplets_row_path_on_meta_compiled_and_under_torch_func(gen):
+    """The row path (swap, self mode, packaged triplets) runs on device="meta", compiles in one
+    graph and equals autograd under torch.func.grad and vmap."""
+    emb = randn(gen, 3 * 8, 6, dtype=F32)
+
+    def loss(e):
+        mined = pf.miners.embeddings_already_packaged_as_triplets(e)
+        return triplet_margin(e, indices_tuple=mined, swap=True, margin=0.5)
+
+    meta = torch.randn(3 * 8, 6, device="meta", requires_grad=True)
+    out = loss(meta)
+    (g,) = torch.autograd.grad(out, meta)
+    assert out.device.type == "meta" and out.shape == () and g.shape == meta.shape
+    torch._dynamo.reset()
+    assert_same(
+        value_and_grads(torch.compile(loss, fullgraph=True), emb),
+        value_and_grads(loss, emb),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.func.grad(loss)(emb), value_and_grads(loss, emb)[1][0])
+    assert_vmap_equals_a_loop(loss, emb)
+    assert_vmap_equals_a_loop(torch.func.grad(loss), emb)
+
+
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_margin_given_triplets_row_path_equals_matrix_path(learnable, with_ref, monkeypatch, gen):
+    """margin on listed triplets reads them from their rows as well: the same values and
+    gradients (of the embeddings and a learnable beta) as the matrix path."""
+    import pmlfunc.losses.triplets as tr
+
+    emb, ref, tup = _given(gen, with_ref)
+    params = margin_init(1.0) if learnable else None
+    inputs = (emb,) if ref is None else (emb, ref)
+    extra = () if params is None else (params["beta"],)
+
+    def run(cost):
+        monkeypatch.setattr(tr, "ROW_PATH_COST", cost)
+
+        def fn(e, *rest):
+            kw = {}
+            if ref is not None:
+                kw = {"ref_emb": rest[0], "ref_labels": torch.arange(ref.shape[0])}
+            p = None if params is None else {"beta": rest[-1]}
+            labels = torch.arange(e.shape[0])
+            return margin(e, labels, p, indices_tuple=tup, nu=0.1, **kw)
+
+        return value_and_grads(fn, *inputs, *extra)
+
+    assert_same(run(ROW), run(MATRIX), **core.TOL[F64])
