@@ -28,13 +28,27 @@ import pmlfunc.distances as pfd
 import pmlfunc.losses as pfl
 import pmlfunc.losses._tiled as _tiled
 import pmlfunc.reducers as pfr
+from pmlfunc.losses._batch import spec
 
 F64 = torch.float64
 B, M, D = 11, 9, 5
 
 # the tiled path is the public loss given chunk_size (every call below passes one)
 STREAMING = {"ntxent": pfl.ntxent, "supcon": pfl.supcon}
-DENSE = {"ntxent": pfl.ntxent, "supcon": pfl.supcon}
+
+
+def _batch_path(fn):
+    """``fn``'s general batch path (the one that takes ``mat=``, ``indices_tuple`` and any
+    distance), which the engine's dense calls skip: the tiled results' independent check."""
+
+    def call(emb, labels, *, temperature=None, **inputs):
+        hyper = {} if temperature is None else {"temperature": temperature}
+        return spec(fn)(emb, labels, inputs, **hyper)
+
+    return call
+
+
+DENSE = {"ntxent": _batch_path(pfl.ntxent), "supcon": _batch_path(pfl.supcon)}
 REDUCERS = {"ntxent": ("mean", "sum"), "supcon": ("avg_nonzero", "mean", "sum")}
 DISTANCES = {"cosine": pfd.cosine, "dot": pfd.dot}
 

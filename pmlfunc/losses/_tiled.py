@@ -66,6 +66,8 @@ __all__ = [
     "builder_of",
     "builds",
     "counts",
+    "dense_rows",
+    "dense_runs",
     "engine_call",
     "merge",
     "reduce",
@@ -622,8 +624,10 @@ class _TiledGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError(
-            "the tiled (chunk_size=...) contrastive gradient is not differentiable (double "
-            "backward, torch.func.hessian); use the dense loss (chunk_size=None)"
+            "the tiled engine's gradient (clip, siglip, and ntxent/supcon given labels, dense or "
+            "chunk_size=...) is not differentiable (double backward, torch.func.hessian); for "
+            "ntxent/supcon, pass the similarity matrix as mat= (the general batch path, "
+            "differentiable twice)"
         )
 
 
@@ -803,11 +807,43 @@ class EngineCall:
     finish: Callable[[Tensor], Tensor] | None = None
 
 
+# The entries of one tile when the engine runs a dense call (``chunk_size=None``): 16 MiB of
+# float32, under glibc's 32 MiB mmap threshold, so that a walk's tile buffers come back from
+# the heap instead of being mapped and faulted in again for every tile.
+DENSE_TILE = 2**22
+
+
+def dense_rows(kind: str, n: int, m: int) -> int:
+    """Rows a tile for a dense call of ``kind`` over ``n × m`` logits: CLIP takes one tile (its
+    columns' statistics are then complete in the forward, which forms the gradient too); the
+    row-complete kinds tiles of at most :data:`DENSE_TILE` entries (the memory of a tiled call,
+    at no cost: no tile is computed twice)."""
+    if kind == "clip":
+        return max(n, 1)
+    return max(1, min(n, DENSE_TILE // max(m, 1)))
+
+
+def dense_runs(kind: str, labels: Tensor | None, inputs: Mapping) -> bool:
+    """Whether the engine runs the dense call of ``ntxent``/``supcon`` with these inputs (else
+    the general batch path does): labels given, no ``indices_tuple`` nor ``mat``, a matmul
+    similarity (``cosine()``, ``dot()``) and a reducer of :data:`KINDS`."""
+    if labels is None or inputs.get("indices_tuple") is not None or inputs.get("mat") is not None:
+        return False
+    distance, reducer = inputs.get("distance"), inputs.get("reducer")
+    if distance is not None and not isinstance(distance, _Dot):
+        return False
+    return reducer is None or (isinstance(reducer, Reducer) and repr(reducer)[:-2] in KINDS[kind])
+
+
 def run_local(call: EngineCall) -> Tensor:
-    """The loss of ``call`` in this process (:func:`tiled_loss`)."""
+    """The loss of ``call`` in this process (:func:`tiled_loss`); a dense call (``chunk``
+    ``None``) in tiles of :func:`dense_rows`."""
+    n = call.x.shape[-2]
+    m = n if call.y is None else call.y.shape[-2]
+    chunk = call.chunk or dense_rows(call.kind, n, m)
     loss = tiled_loss(
         call.x, call.y, call.rows, call.cols, scale=call.scale, bias=call.bias,
-        chunk=call.chunk or call.x.shape[-2], kind=call.kind, reducer=call.reducer,
+        chunk=chunk, kind=call.kind, reducer=call.reducer,
     )  # fmt: skip
     return loss if call.finish is None else call.finish(loss)
 

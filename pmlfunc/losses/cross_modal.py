@@ -14,8 +14,11 @@ when ``params`` has none), every loss here reads the ``N × N`` logits
 | :func:`siglip` | ``Σ_ij softplus(−z_ij S_ij) / N``, ``z = +1`` for positives, ``−1`` otherwise | none |
 
 The positives of row ``i`` are ``P(i) = {j : labels_j = labels_i}`` (``labels=None``: only
-``j = i``). ``chunk_size=k`` runs the tiled engine (:mod:`pmlfunc.losses._tiled`): the same numbers
-in ``O(k·N)`` memory in both passes, a plain ``loss.backward()``. Float16/bfloat16 embeddings are
+``j = i``). Both losses run on the tiled engine (:mod:`pmlfunc.losses._tiled`), dense or tiled:
+``chunk_size=k`` sets its tile (``O(k·N)`` memory in both passes; without it CLIP takes one
+``N × N`` tile, SigLIP tiles of ``2²²`` entries), a plain ``loss.backward()``; the forward forms the
+gradient where autograd will ask for it (CLIP with ``chunk_size``: its backward recomputes the
+tiles), and that gradient is not differentiable again. Float16/bfloat16 embeddings are
 computed in float32 and the loss is float32; the logit scale and bias enter in log space, so a
 large scale or bias does not overflow.
 """
@@ -31,7 +34,6 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import matmul
 from ..reducers import Reducer
 from ._tiled import EngineCall, builds, run_local, tiled_reducer
 
@@ -73,7 +75,8 @@ def clip(
         max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp`` (CLIP and
             open_clip clamp the parameter at ``math.log(100)`` after each step; passing it here
             clamps inside the loss instead, with a zero gradient above the bound).
-        chunk_size: if given, the tiled path (``O(chunk_size × N)`` memory in both passes).
+        chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
+            ``None``: one ``N × N`` tile.
         reducer: ``mean()`` (default) or ``sum()`` over rows and columns (``R`` above).
 
     Returns:
@@ -86,19 +89,11 @@ def clip(
     References: Radford et al., "Learning Transferable Visual Models From Natural Language
     Supervision" (CLIP), ICML 2021; Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
-    call = _pair_call(
-        "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+    return run_local(
+        _pair_call(
+            "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+        )
     )
-    if call.chunk is not None:
-        return run_local(call)
-    assert call.y is not None  # a pair's call: y is emb_b
-    s = _logits(call.x, call.y, call.scale, call.bias)
-    pos = _positives(labels, s)
-    n_pos = pos.sum(-1)  # every row and column has itself: no empty set
-    rows = torch.logsumexp(s, -1) - (pos * s).sum(-1) / n_pos
-    cols = torch.logsumexp(s, 0) - (pos * s).sum(0) / n_pos
-    reduce = torch.mean if call.reducer == "mean" else torch.sum
-    return (reduce(rows) + reduce(cols)) / 2
 
 
 def siglip(
@@ -132,7 +127,8 @@ def siglip(
         labels: ``(N,)`` integer class ids of the pairs, or ``None`` (each pair its own class).
         normalize: L2-normalise the rows first (default ``True``).
         max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp``.
-        chunk_size: if given, the tiled path (``O(chunk_size × N)`` memory in both passes).
+        chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
+            ``None``: tiles of ``2²²`` entries.
         reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ / N²``) or
             ``sum()``.
 
@@ -146,16 +142,11 @@ def siglip(
     Reference: Zhai, Mustafa, Kolesnikov, Beyer, "Sigmoid Loss for Language Image Pre-Training"
     (SigLIP), ICCV 2023.
     """
-    call = _pair_call(
-        "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+    return run_local(
+        _pair_call(
+            "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+        )
     )
-    if call.chunk is not None:
-        return run_local(call)
-    assert call.y is not None  # a pair's call: y is emb_b
-    s = _logits(call.x, call.y, call.scale, call.bias)
-    z = 1.0 - 2.0 * _positives(labels, s)  # −z: −1 on positives, +1 elsewhere
-    total = F.softplus(z * s).sum()
-    return {"batch": total / s.shape[0], "mean": total / s.numel(), "sum": total}[call.reducer]
 
 
 def clip_init(
@@ -243,19 +234,6 @@ def _pair_call(
     red = tiled_reducer(name, reducer, what)
     chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
     return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
-
-
-def _logits(a: Tensor, b: Tensor, t: float | Tensor, bias: Tensor | None) -> Tensor:
-    s = matmul(a, b.transpose(-1, -2)) * t
-    return s if bias is None else s + bias
-
-
-def _positives(labels: Tensor | None, s: Tensor) -> Tensor:
-    """The ``(N, N)`` 0/1 float positives: equal labels, or the diagonal."""
-    n = s.shape[0]
-    if labels is None:
-        return torch.eye(n, dtype=s.dtype, device=s.device)
-    return (labels.unsqueeze(-1) == labels.unsqueeze(-2)).to(s.dtype)
 
 
 def _engine_call(kind: str, a, what: str | None) -> EngineCall:

@@ -9,7 +9,10 @@ r"""Softmax (InfoNCE-style) losses: a positive scored against a log-sum-exp of i
 
 ``z = s/τ`` for a similarity ``s`` (a distance enters as ``−d``). Every loss needs per-row
 log-sum-exps only: no positive-pair × negative-pair matrix is built. ``ntxent`` and ``supcon``
-also take ``chunk_size=`` for the tiled path (``O(chunk × M)`` memory in both passes).
+run on the tiled engine (:mod:`pmlfunc.losses._tiled`) whenever it can (labels, no
+``indices_tuple``/``mat``, ``cosine()``/``dot()``, a reducer it supports): ``chunk_size=`` sets its
+tile (``O(chunk × M)`` memory in both passes; without it, tiles of ``2²²`` entries), the forward
+forms the gradient and the backward scales it. Other calls take the general batch path.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
 from ..tuples import check_mined, is_mined
 from ._batch import Batch, BatchInputs, batch_loss, check_shared, regularized, spec
-from ._tiled import builds, run_local, softmax_call
+from ._tiled import builds, dense_runs, run_local, softmax_call
 
 __all__ = ["decoupled_contrastive", "multi_supcon", "ntxent", "supcon"]
 
@@ -57,9 +60,11 @@ def ntxent(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
         temperature: ``τ > 0`` (default ``0.07``); a 0-d tensor may be learnable.
-        chunk_size: if given, the tiled path: rows in chunks, keeping per-row log-sum-exps,
-            the backward recomputing each ``chunk_size × M`` tile (a plain ``loss.backward()``
-            works). Needs labels, ``cosine()``/``dot()``, ``mean()``/``sum()``.
+        chunk_size: if given, the tiled engine's tile: rows in chunks of ``chunk_size``,
+            keeping per-row log-sum-exps; the forward forms each ``chunk_size × M`` tile's
+            gradient and the backward scales it (a plain ``loss.backward()`` works). Needs
+            labels, ``cosine()``/``dot()``, ``mean()``/``sum()``. Without it, calls the engine
+            can run (those) take tiles of ``2²²`` entries; the others the general batch path.
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
             default ``cosine()``; ``reducer``: default ``mean()`` over positive pairs.
 
@@ -75,7 +80,7 @@ def ntxent(
     Loss Objective", NeurIPS 2016; van den Oord et al., "Representation Learning with Contrastive
     Predictive Coding", 2018.
     """
-    if chunk_size is not None:
+    if chunk_size is not None or dense_runs("ntxent", labels, inputs):
         return run_local(
             softmax_call("ntxent", embeddings, labels, temperature, chunk_size, inputs)
         )
@@ -118,7 +123,7 @@ def supcon(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (may be ``None`` when ``indices_tuple`` is given).
         temperature: ``τ > 0`` (default ``0.1``).
-        chunk_size: if given, the tiled path (as in :func:`ntxent`); reducers
+        chunk_size: if given, the tiled engine's tile (as in :func:`ntxent`); reducers
             ``avg_nonzero()``, ``mean()``, ``sum()``.
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
             default ``cosine()``; ``reducer``: default ``avg_nonzero()`` over anchors.
@@ -132,7 +137,7 @@ def supcon(
 
     Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
-    if chunk_size is not None:
+    if chunk_size is not None or dense_runs("supcon", labels, inputs):
         return run_local(
             softmax_call("supcon", embeddings, labels, temperature, chunk_size, inputs)
         )
