@@ -477,13 +477,13 @@ def test_given_triplets_row_path_rule_at_its_boundary(monkeypatch, gen):
     import pmlfunc.losses.triplets as tr
 
     calls = []
-    original = pf.distances.Distance.indexed_pairs
+    original = pf.distances._Lp._indexed_pairs  # what the row path calls (lp(): the default)
 
     def spy(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pf.distances.Distance, "indexed_pairs", spy)
+    monkeypatch.setattr(pf.distances._Lp, "_indexed_pairs", spy)
     assert tr.ROW_PATH_COST == 0.5
     emb = randn(gen, 16, 8)
     g = torch.Generator().manual_seed(2)

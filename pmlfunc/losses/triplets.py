@@ -58,6 +58,7 @@ from ..reducers import (
     mean,
 )
 from ..tuples import (
+    MinedTriplets,
     TripletMask,
     TripletWindow,
     as_triplets,
@@ -146,7 +147,11 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
         x = e_ap - e_an + scalar_like(margin, e_ap)
         losses = F.softplus(x) if smooth_loss else F.relu(x)
         weights = t.valid.to(losses.dtype)
-        terms: Terms = DenseTerms(losses, weights, "triplet", batch.num_anchors, anchor_index=a)
+        # a PML tuple's slots are all valid (a miner's result says so only in its values)
+        unit = batch.rows is None and not isinstance(batch.indices_tuple, MinedTriplets)
+        terms: Terms = DenseTerms(
+            losses, weights, "triplet", batch.num_anchors, anchor_index=a, unit_weights=unit
+        )
         return {"loss": terms}
     e = sign * batch.mat
     margin = scalar_like(margin, e)
@@ -229,13 +234,14 @@ def listed_distances(
     else:  # each anchor against its positive and its negative
         i, j = a, torch.stack([p, n])
     if row_path(batch, 3 * t if self_swap else 2 * t):
+        # (the batch's inputs are checked: the distance's own part, without its checks)
         x, ref, plain = batch._unit_rows()
         values = _guarded(
-            batch, plain.indexed_pairs(x, i, j, None if batch.ref_emb is None else ref)
+            batch, plain._indexed_pairs(x, None if batch.ref_emb is None else ref, i, j)
         )
         d_pn = None
         if swap and batch.ref_emb is not None:
-            d_pn = _guarded(batch, plain.indexed_pairs(ref, p, n))
+            d_pn = _guarded(batch, plain._indexed_pairs(ref, None, p, n))
     else:
         values = batch.mat[i, j]
         d_pn = None
