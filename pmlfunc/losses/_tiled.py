@@ -142,6 +142,14 @@ def _masks(rows, cols, r0: int, r1: int, m: int, device, diag: bool, exclude: bo
     return pos, neg
 
 
+def _tile_masks(rows, cols, r0, r1, m, device, diag, exclude, at: _TileAt):
+    """:func:`_masks`, or ``(None, None)`` where the positives are a diagonal (``at.eye``), which
+    the kinds read without masks."""
+    if at.eye is not None:
+        return None, None
+    return _masks(rows, cols, r0, r1, m, device, diag, exclude)
+
+
 def _row_lse_(s: Tensor, keep: Tensor | None, *, probs: bool = False):
     """Row-wise log-sum-exp over the kept entries (``None``: all), destroying ``s``: rows with
     nothing kept (or only −inf) give ``−finfo.max``, a kept +inf gives +inf, a kept NaN NaN (as
@@ -267,13 +275,13 @@ def block_forward(
     acc = _Partials(kind, x, m)
     for r0, r1 in _tiles(n, chunk):
         s = _logits(x, y, r0, r1, scale, bias)
-        pos, neg = _masks(rows, cols, r0, r1, m, x.device, diag, exclude)
         at = _tile_at(rows, r0, r1, m, diag, exclude)
+        pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
         tile_lse = None if lse is None else lse[r0:r1]
         if grads is None:
             _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
         elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
-            grads.held = (s.clone(), pos, neg)
+            grads.held = (s.clone(), pos, neg, at.eye)
             _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
         else:
             local = functools.partial(_local_weight, kind, grads.reducer)
@@ -353,11 +361,19 @@ def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, l
         parts["row_pos_sum"].append(pos_sum)
         return ds
     # clip: every entry is a candidate, along rows and along columns (online)
+    eye_pos = None if where.eye is None else s.diagonal(offset=where.eye, dim1=-2, dim2=-1).clone()
     new_max = torch.maximum(acc.col_max, s.amax(0))
     part = _exp_(s - new_max, 0.0).sum(0)
     acc.col_sum = acc.col_sum * (acc.col_max - new_max).clamp_min(-80.0).exp() + part
     acc.col_max = new_max
     parts["row_lse"].append(torch.logsumexp(s, -1))
+    if eye_pos is not None:  # one positive a row, on the diagonal: no masks
+        c0, c1 = where.eye, where.eye + eye_pos.shape[-1]
+        parts["row_pos"].append(torch.ones_like(eye_pos))
+        parts["row_pos_sum"].append(eye_pos)
+        acc.col_pos = acc.col_pos + F.pad(torch.ones_like(eye_pos), (c0, s.shape[-1] - c1))
+        acc.col_pos_sum = acc.col_pos_sum + F.pad(eye_pos, (c0, s.shape[-1] - c1))
+        return None
     acc.col_pos = acc.col_pos + count_true(pos, 0)
     parts["row_pos"].append(count_true(pos, -1).to(s.dtype))
     s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
@@ -476,12 +492,17 @@ def reduce(kind: str, st: dict[str, Tensor], reducer: str, total: Mapping[str, T
     return loss, tuple(out)
 
 
-def _tile_ds_(kind, s, pos, neg, r0, r1, row, col) -> Tensor:
+def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
     """``∂L/∂S`` of one tile (for a unit cotangent) from the statistics of its rows (``row``)
     and its block's columns (``col``), computed in ``s``'s buffer (destroyed) and at most one or
-    two more."""
+    two more. ``eye``: the positives are this diagonal (:class:`_TileAt`; no masks given)."""
     if kind == "siglip":  # ∂ softplus(−zS)/∂S = −z σ(−zS)
         (coef,) = row
+        if eye is not None:  # σ(S), and −σ(−S) on the diagonal
+            d = s.diagonal(offset=eye, dim1=-2, dim2=-1).clone()
+            ds = s.sigmoid_()
+            ds.diagonal(offset=eye, dim1=-2, dim2=-1).copy_(torch.sigmoid(-d).neg_())
+            return ds.mul_(coef)
         sign = torch.where(pos, -1.0, 1.0)  # −z
         return s.mul_(sign).sigmoid_().mul_(sign).mul_(coef)
     if kind == "ntxent":
@@ -503,6 +524,11 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col) -> Tensor:
     cr, cc = row_coef[r0:r1].unsqueeze(-1), col_coef.unsqueeze(0)
     ds = _exp_(s - row_lse[r0:r1].unsqueeze(-1), 0.0).mul_(cr)
     ds = ds.add_(_exp_(s, col_lse.unsqueeze(0)).mul_(cc))  # s is free after this
+    if eye is not None:  # one positive a row and a column, on the diagonal
+        ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(
+            cr.squeeze(-1) + col_coef[eye : eye + r1 - r0]
+        )
+        return ds
     w_pos = s.copy_(cr / row_pos[r0:r1].clamp_min(1.0).unsqueeze(-1) + cc / col_pos.clamp_min(1.0))
     return ds.sub_(w_pos.masked_fill_(pos.logical_not(), 0.0))
 
@@ -573,8 +599,9 @@ def block_backward(
     sums = _GradSums(x, y, needs, into)
     for r0, r1 in _tiles(x.shape[-2], chunk):
         s = _logits(x, y, r0, r1, scale, bias)
-        pos, neg = _masks(rows, cols, r0, r1, m, x.device, diag, exclude)
-        ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col)
+        at = _tile_at(rows, r0, r1, m, diag, exclude)
+        pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
+        ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col, at.eye)
         del s, pos, neg
         sums.add(ds, r0, r1)
     return sums.result()
@@ -680,10 +707,10 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     loss, stats = reduce(kind, st, reducer, total)
     glob: float | Tensor = 1.0
     if sums.held is not None:  # CLIP's one tile, now that its columns are complete
-        s, pos, neg = sums.held
+        s, pos, neg, eye = sums.held
         sums.held = None
         n = x.shape[-2]
-        sums.add(_tile_ds_(kind, s, pos, neg, 0, n, stats[:3], stats[3:]), 0, n)
+        sums.add(_tile_ds_(kind, s, pos, neg, 0, n, stats[:3], stats[3:], eye), 0, n)
     elif kind != "clip":
         glob = _weights(kind, st, reducer, total)[1]
     gx, gy, x_dot, sum_ds = sums.result()
