@@ -150,31 +150,39 @@ def _tile_masks(rows, cols, r0, r1, m, device, diag, exclude, at: _TileAt):
     return _masks(rows, cols, r0, r1, m, device, diag, exclude)
 
 
-def _row_lse_(s: Tensor, keep: Tensor | None, *, probs: bool = False):
+def _row_lse_(s: Tensor, keep: Tensor | None) -> Tensor:
     """Row-wise log-sum-exp over the kept entries (``None``: all), destroying ``s``: rows with
     nothing kept (or only −inf) give ``−finfo.max``, a kept +inf gives +inf, a kept NaN NaN (as
-    :func:`pmlfunc._ops.row_logsumexp`; an entry not kept is not read). ``probs``: also the
-    softmax over the kept entries (0 elsewhere, and on rows with nothing kept), in ``s``'s
-    buffer: ``(lse, probs)``, from the same exponentials."""
+    :func:`pmlfunc._ops.row_logsumexp`; an entry not kept is not read)."""
     low = -torch.finfo(s.dtype).max
     if s.shape[-1] == 0:  # a block without columns (an empty rank's, on the ring)
-        lse = s.new_full(s.shape[:-1], low)
-        return (lse, s) if probs else lse
-    drop = None if keep is None else keep.logical_not()
-    if drop is not None:
-        s = s.masked_fill_(drop, low)
+        return s.new_full(s.shape[:-1], low)
+    if keep is not None:
+        s = s.masked_fill_(keep.logical_not(), low)
     shift = s.amax(-1, keepdim=True)
     has = ~(shift <= low)
     shift = torch.where(has & (shift != torch.inf), shift, 0.0)  # inf − inf would be NaN
     # exp(max(x − shift, −80)): CPU exp of underflowing arguments is ~35× slower
     s = s.sub_(shift).clamp_min_(-80.0).exp_()
-    if drop is not None:
-        s = s.masked_fill_(drop, 0.0)
+    if keep is not None:
+        s = s.masked_fill_(keep.logical_not(), 0.0)
     total = s.sum(-1, keepdim=True)
-    lse = torch.where(has, torch.log(torch.where(has, total, 1.0)) + shift, low).squeeze(-1)
-    if not probs:
-        return lse
-    return lse, s.div_(torch.where(total > 0, total, 1.0))
+    return torch.where(has, torch.log(torch.where(has, total, 1.0)) + shift, low).squeeze(-1)
+
+
+def _row_softmax(s: Tensor, keep: Tensor | None, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """``(lse, probs)`` along ``dim`` over the kept entries (``None``: all), ``s`` left as it
+    is: one fused softmax kernel, the log-sum-exp read back from it as ``max − log max(probs)``
+    (the largest entry's probability is ``1 / Σ e^{s − max}``, at least ``1/M``: no underflow).
+    Entries not kept get probability 0; a row with nothing kept gets ``lse = −finfo.max`` (as
+    :func:`_row_lse_`) and probabilities its callers weigh by 0; a kept +inf or NaN gives NaN."""
+    low = -torch.finfo(s.dtype).max
+    e = s if keep is None else torch.where(keep, s, low)
+    if s.shape[dim] == 0:  # a block without columns (an empty rank's, on the ring)
+        return e.sum(dim).fill_(low), e
+    probs = torch.softmax(e, dim)
+    lse = e.amax(dim) - torch.log(probs.amax(dim))
+    return lse, probs
 
 
 def _exp_(s: Tensor, shift: float | Tensor) -> Tensor:
@@ -208,7 +216,7 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
     exponentials as the log-sum-exp."""
     soft = None
     if lse is None and grad:
-        lse, soft = _row_lse_(s.clone(), neg, probs=True)
+        lse, soft = _row_softmax(s, neg)
     elif lse is None:
         lse = _row_lse_(s.clone(), neg)
     q, r = _ntxent_q_(s.sub_(lse.unsqueeze(-1)), pos)
@@ -229,7 +237,7 @@ def _supcon_fold_(s: Tensor, pos, cand, local):
     if local is None:
         lse, soft = _row_lse_(s.clone(), cand), None
     else:
-        lse, soft = _row_lse_(s.clone(), cand, probs=True)
+        lse, soft = _row_softmax(s, cand)
     pos_sum = s.masked_fill_(pos.logical_not(), 0.0).sum(-1)  # the positives' logits
     ds = None
     if soft is not None:
