@@ -451,6 +451,88 @@ def test_p2s_grad_weight_gradient_is_straight_through(gen):
     assert torch.autograd.gradcheck(lambda e: p2s_grad(e, labels, params), (e,))
 
 
+def _p2s_composite(emb, labels, w):
+    """p2s_grad written in autograd ops (the straight-through renormalisation, the clamp and
+    the one-hot target): what its autograd Function's first and second derivatives must be."""
+    from pmlfunc.losses.proxies import _renorm
+
+    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)
+    norm = torch.linalg.vector_norm(emb, dim=-1, keepdim=True).clamp_min(1e-12)
+    cos = (emb @ w_hat.t() / norm).clamp(-1.0, 1.0)
+    err = cos - torch.nn.functional.one_hot(labels, w.shape[0]).to(cos.dtype)
+    return (err * err).mean()
+
+
+def test_p2s_grad_second_derivatives_equal_autograd_of_the_composite(gen):
+    """The backward formed in the forward is recomputed in differentiable ops where a higher
+    derivative may follow: Hessian-vector products by autograd (create_graph=True) and the
+    full Hessian by torch.func.jacrev twice equal the composite's, also for an embedding
+    parallel to a weight row (cos = 1 − 4e-8, the renormalisation's 1e-7)."""
+    labels = lab(UNEVEN)
+    emb, params = make("p2s_grad", gen, labels, scale=2.5)
+    emb[0] = 3.0 * params["weight"][labels[0]]
+    w = params["weight"]
+
+    def ours(e, w):
+        return p2s_grad(e, labels, {"weight": w})
+
+    def hvp(f):
+        e, p = emb.clone().requires_grad_(), w.clone().requires_grad_()
+        ge, gp = torch.autograd.grad(f(e, p), (e, p), create_graph=True)
+        return torch.autograd.grad((ge * ge).sum() + (gp**3).sum(), (e, p))
+
+    def composite(e, w):
+        return _p2s_composite(e, labels, w)
+
+    for a, b in zip(hvp(ours), hvp(composite), strict=True):
+        torch.testing.assert_close(a, b, **REF_TOL)
+    hess = torch.func.jacrev(torch.func.jacrev(ours, argnums=(0, 1)), argnums=(0, 1))
+    want = torch.func.jacrev(torch.func.jacrev(composite, argnums=(0, 1)), argnums=(0, 1))
+    for row_a, row_b in zip(hess(emb, w), want(emb, w), strict=True):
+        for a, b in zip(row_a, row_b, strict=True):
+            torch.testing.assert_close(a, b, **REF_TOL)
+    first = value_and_grads(ours, emb, w)
+    assert_same(first, value_and_grads(composite, emb, w), **REF_TOL)
+
+
+def test_p2s_grad_clamped_cosines_pass_no_gradient_like_autograd():
+    """Embeddings parallel to another class's unit weight: in float32 some cosines round
+    above 1 and are clamped. The clamp passes no gradient there (inclusive at ±1, as
+    torch.clamp's): the weight gradient, where a clamped entry's error 1 would otherwise add
+    2/(B·C)·x̂, equals autograd's through the composite, and the value and embedding gradient
+    too."""
+    from pmlfunc.losses.proxies import _renorm
+
+    g = torch.Generator().manual_seed(0)
+    w = p2s_grad_init(6, 64, generator=g)["weight"]
+    w_hat = _renorm(w, 0)
+    emb = torch.randn(6, 1, generator=g).abs() * 10 * w_hat  # row i parallel to ŵ_i
+    labels = (torch.arange(6) + 1) % 6  # ... and labelled with another class
+    cos = emb @ w_hat.t() / torch.linalg.vector_norm(emb, dim=-1, keepdim=True)
+    assert (cos > 1).any(), "the case must clamp a cosine"
+    got = value_and_grads(lambda e, p: p2s_grad(e, labels, {"weight": p}), emb, w)
+    want = value_and_grads(lambda e, p: _p2s_composite(e, labels, p), emb, w)
+    assert_same(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [1.0, torch.tensor(3.0, dtype=F64)], ids=["1", "tensor3"])
+def test_proxy_nca_default_distance_is_one_product_of_unit_rows(scale, gen):
+    """With the default squared Euclidean distance of unit rows, −σ‖x̂ − p̂‖² = 2σ x̂·p̂ − 2σ:
+    the logits proxy_nca takes (one product) give the loss and gradients of the distance's
+    own matrix, a per-row constant apart, to float64 rounding; so does another exact budget."""
+    labels = lab(UNEVEN)
+    emb, params = make("proxy_nca", gen, labels, scale=2.0)
+
+    def by_matrix(e, p):
+        z = -scale * pfd.lp(power=2).matrix(e, p)
+        return -torch.log_softmax(z, -1).gather(1, labels[:, None]).mean()
+
+    want = value_and_grads(by_matrix, emb, params["proxies"])
+    for dist in (None, pfd.lp(power=2, exact_budget=0)):
+        got = run_pf("proxy_nca", emb, labels, params, softmax_scale=scale, distance=dist)
+        assert_same(got, want, **REF_TOL)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_vmap_over_independent_problems(name, gen):
     labels = lab(UNEVEN)

@@ -31,8 +31,19 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import cross_entropy, masked_logsumexp, matmul, scalar_like, unit_rows
-from ..distances import Distance, cosine, lp, resolve
+from .._ops import (
+    apply,
+    cross_entropy,
+    fresh,
+    indicator,
+    inside_transform,
+    masked_logsumexp,
+    matmul,
+    scalar_like,
+    scatter_,
+    unit_rows,
+)
+from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize, regularize_params
@@ -252,8 +263,7 @@ def proxy_nca(
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
     distance = resolve(distance, lp(power=2))
     x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
-    mat = distance.matrix(x, proxies, ties=False)  # (B, C); smooth in it: no exact ties
-    z = scalar_like(softmax_scale, mat) * (mat if distance.is_similarity else -mat)
+    z = _nca_logits(distance, x, proxies, softmax_scale)
     log_p = -cross_entropy(z, labels)
     keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops samples whose p is exactly 0
     losses = _weighted(
@@ -271,6 +281,23 @@ def proxy_nca(
         weight_regularizer,
         weight_reg_weight,
     )
+
+
+def _nca_logits(distance: Distance, x: Tensor, proxies: Tensor, scale: float | Tensor) -> Tensor:
+    """``(B, C)`` logits ``z = −σ·d(x_i, p_c)`` (``σ·s`` for a similarity), up to a per-row
+    constant, which the softmax over classes ignores; the scale folded into the product where
+    the distance is one (no pass over the matrix for it either way), no exact ties (the loss is
+    smooth in ``z``).
+
+    The default, the squared Euclidean distance of unit rows, is ``‖x̂ − p̂‖² = 2 − 2 x̂·p̂``:
+    ``z = 2σ·x̂·p̂`` (dropping ``−2σ``), one product of the normalised rows, where the distance
+    takes its own product, the exact-budget search and a pass per term, both ways. The
+    softmax's rounding is of the same size either way: both forms are exact to a few ulp of the
+    ``O(1)`` terms."""
+    if isinstance(distance, _Lp) and distance.p == 2 and distance.power == 2 and distance.normalize:
+        return cosine().matrix(x, proxies, ties=False, scale=2.0 * scale)
+    sigma = scale if distance.is_similarity else -scale
+    return distance.matrix(x, proxies, ties=False, scale=sigma)
 
 
 def proxy_nca_init(
@@ -543,6 +570,80 @@ def _renorm(w: Tensor, dim: int) -> Tensor:
     return (w * factor) * (1.0 / _RENORM_MAX)
 
 
+_NORM_FLOOR = 1e-12  # F.normalize's eps: the floor of ‖x‖ that P2SGrad divides by
+
+
+class _P2SGrad(torch.autograd.Function):
+    r"""Per-sample P2SGrad terms ``ℓ_i = mean_c (k_ic − [c = y_i])²`` with
+    ``k = clamp(c, −1, 1)``, ``c_ic = x_i·ŵ_c / ‖x_i‖`` and ``ŵ = renorm(w)``, the gradient of
+    ``w`` straight through the renormalisation (see :func:`p2s_grad`).
+
+    The backward is formed in the forward, where the clamped error is at hand: with
+    ``E = (k − Y)·[−1 ≤ c ≤ 1]`` (saved; clamp's gradient mask, inclusive as torch's), the
+    cotangent ``g`` and ``h = E ŵ``,
+
+        ∂/∂x_i = 2g_i/(C‖x_i‖)·(h_i − x̂_i (h_i·x̂_i)),   ∂/∂ŵ = Eᵀ (x ⊙ 2g/(C‖x‖)),
+
+    (``h_i·x̂_i = Σ_c E_ic c_ic``; no projection where ``‖x_i‖`` is below its floor, as autograd
+    through ``clamp_min``): two products and ``B × D`` work, where autograd's backward makes
+    some ten passes over the ``B × C`` matrix, and the forward makes five (the product's
+    scale, the clamp, its mask, the norm and the mask's fill) instead of eight, with the
+    one-hot target applied at the ``B`` labelled entries only. Where a higher derivative may
+    follow (the backward runs with grad mode on, ``create_graph=True``, or inside a
+    ``torch.func`` transform) ``E``, ``ŵ`` and ``‖x‖`` are recomputed in differentiable ops
+    (:func:`_p2s_parts`) and the same formulas differentiate through them."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        w_hat = _renorm(w, 0)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        cos = matmul(x, w_hat.t()).div_(norm.clamp_min(_NORM_FLOOR))
+        err = cos.clamp(-1.0, 1.0)
+        outside = err != cos  # clamped: no gradient
+        idx = labels.unsqueeze(-1)
+        err = scatter_(err, idx, err.gather(-1, idx) - 1.0)  # k − Y at the labels only
+        rms = torch.linalg.vector_norm(err, dim=-1)
+        losses = (rms * rms).div_(err.shape[-1])
+        return losses, fresh(err.masked_fill_(outside, 0.0)), w_hat, norm
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, labels = inputs
+        _, e, w_hat, norm = output
+        ctx.mark_non_differentiable(e, w_hat, norm)
+        ctx.set_materialize_grads(False)  # no zero cotangents for the saved outputs
+        ctx.save_for_backward(x, w, labels, e, w_hat, norm)
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        x, w, labels, e, w_hat, norm = ctx.saved_tensors
+        if g is None:  # the loss did not reach the terms
+            return None, None, None
+        if torch.is_grad_enabled() or inside_transform():  # a higher derivative may follow
+            e, w_hat, norm = _p2s_parts(x, w, labels)
+        n = norm.clamp_min(_NORM_FLOOR)
+        scale = g.unsqueeze(-1) * (2.0 / e.shape[-1]) / n  # 2g/(C‖x‖), (B, 1)
+        h = matmul(e, w_hat)
+        x_hat = x / n
+        along = (h * x_hat).sum(-1, keepdim=True) * indicator(norm - _NORM_FLOOR, strict=False)
+        gx = torch.addcmul(h, x_hat, along, value=-1.0) * scale
+        gw = matmul(e.transpose(-1, -2), x * scale)
+        return gx, gw, None
+
+
+def _p2s_parts(x: Tensor, w: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`_P2SGrad`'s saved ``(E, ŵ, ‖x‖)`` in differentiable ops of ``x`` and ``w`` (``ŵ``
+    straight through to ``w``; ``E``'s clamp mask is a constant, as its derivative)."""
+    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    cos = matmul(x, w_hat.t()) / norm.clamp_min(_NORM_FLOOR)
+    k = cos.clamp(-1.0, 1.0)
+    inside = (k.detach() == cos.detach()).to(k.dtype)
+    return (k - _one_hot(labels, w.shape[0], k.dtype)) * inside, w_hat, norm
+
+
 def p2s_grad(
     embeddings: Tensor,
     labels: Tensor,
@@ -589,13 +690,7 @@ def p2s_grad(
     CVPR 2019.
     """
     x, w, labels = _proxy_inputs(embeddings, labels, params, "weight")
-    num_classes = w.shape[0]
-    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)  # forward: ŵ; backward: identity
-    # PML divides by ‖x‖; the floor (F.normalize's eps) keeps a zero embedding's gradient finite.
-    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
-    cos = (matmul(x, w_hat.t()) / x_norm).clamp(-1.0, 1.0)
-    err = cos - _one_hot(labels, num_classes, cos.dtype)
-    losses = (err * err).mean(-1)
+    losses = apply(_P2SGrad, x, w, labels)[0]
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
