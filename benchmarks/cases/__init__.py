@@ -146,6 +146,7 @@ def registry() -> dict[str, Case]:
     from . import (
         bench_anchor_batched,
         bench_core_losses,
+        bench_given_triplets,
         bench_miners,
         bench_other_losses,
         bench_peers,
@@ -161,6 +162,7 @@ def registry() -> dict[str, Case]:
         bench_anchor_batched,
         bench_tiled,
         bench_peers,
+        bench_given_triplets,
     )
     return {name: case for module in modules for name, case in module.CASES.items()}
 
