@@ -230,7 +230,7 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
 def _supcon_fold_(s: Tensor, pos, cand, local):
     """One tile of SupCon's row statistics, destroying ``s``: ``(lse over the candidates,
     |P|, Σ_P S, ∂L/∂S or None)``; ``cand`` ``None`` when every entry is one. ``local``: the
-    rule giving each row's weight from its statistics (:func:`_weights`), or ``None`` for no
+    rule giving each row's weight from its statistics (:func:`_row_weight`), or ``None`` for no
     gradient; the gradient ``w_i (softmax_C − [P]/|P(i)|)`` takes its softmax from the same
     exponentials as the log-sum-exp."""
     n_pos = count_true(pos, -1).to(s.dtype)
@@ -240,7 +240,7 @@ def _supcon_fold_(s: Tensor, pos, cand, local):
         lse, soft = _row_softmax(s, cand)
     pos_sum = s.masked_fill_(pos.logical_not(), 0.0).sum(-1)  # the positives' logits
     ds = None
-    if soft is not None:
+    if local is not None and soft is not None:
         w = local({"row_lse": lse, "row_pos": n_pos, "row_pos_sum": pos_sum})
         w_pos = (w / n_pos.clamp_min(1.0)).unsqueeze(-1)
         w_soft = torch.where(n_pos > 0, w, torch.zeros_like(w)).unsqueeze(-1)
@@ -292,7 +292,7 @@ def block_forward(
             grads.held = (s.clone(), pos, neg, at.eye)
             _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
         else:
-            local = functools.partial(_local_weight, kind, grads.reducer)
+            local = functools.partial(_row_weight, kind, grads.reducer)
             ds = _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at, local)
             grads.add(ds, r0, r1)
     return acc.result(lse is not None, final)
@@ -341,7 +341,7 @@ class _Partials:
 def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, local=None):
     """Fold one tile ``s`` (destroyed) with its masks into ``acc``; ``lse``: the tile rows'
     final NT-Xent log-sum-exp, when known. ``local`` (the row-complete kinds in one block: the
-    row weights' rule, :func:`_weights`): also return the tile's ``∂L/∂S`` for those weights,
+    row weights' rule, :func:`_row_weight`): also return the tile's ``∂L/∂S`` for those weights,
     formed from the same exponentials as the statistics."""
     parts = acc.parts
     grad = local is not None
@@ -375,7 +375,7 @@ def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, l
     acc.col_sum = acc.col_sum * (acc.col_max - new_max).clamp_min(-80.0).exp() + part
     acc.col_max = new_max
     parts["row_lse"].append(torch.logsumexp(s, -1))
-    if eye_pos is not None:  # one positive a row, on the diagonal: no masks
+    if eye_pos is not None and where.eye is not None:  # one positive a row, the diagonal
         c0, c1 = where.eye, where.eye + eye_pos.shape[-1]
         parts["row_pos"].append(torch.ones_like(eye_pos))
         parts["row_pos_sum"].append(eye_pos)
@@ -440,52 +440,47 @@ def counts(kind: str, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return {f"{s}_has": (st[f"{s}_pos"] > 0).sum().to(zero.dtype) for s in ("row", "col")}
 
 
-def _local_weight(kind: str, reducer: str, st: dict[str, Tensor]) -> Tensor | float:
-    return _weights(kind, st, reducer)[0]
+def _row_weight(kind: str, reducer: str, st: dict[str, Tensor]) -> float | Tensor:
+    """The row-complete kinds weigh row ``i``'s loss by ``row_weight_i × batch_weight``: this
+    is the first factor, from these rows' own statistics (a tile's: SupCon's ``avg_nonzero``
+    window, the row's loss ``> 0``). The forward walk that forms the gradient as it goes
+    (:func:`block_forward` with ``grads``) weighs each tile by it and scales the sums by
+    :func:`_batch_weight` once at the end; :func:`reduce` multiplies the two."""
+    if kind != "supcon":
+        return 1.0
+    if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
+        return _supcon_losses(st).sign().clamp_min(0.0)
+    return torch.ones_like(st["row_lse"])
 
 
-def _weights(kind: str, st: dict[str, Tensor], reducer: str, total=None):
-    """``(local, global)``: the row-complete kinds weigh row ``i``'s loss by ``local_i × global``,
-    ``local`` from these rows' own statistics (a tile's: SupCon's ``avg_nonzero`` window, the
-    row's loss ``> 0``), ``global`` a scalar from the whole batch's :func:`counts` (``total``;
-    ``None`` before they are known). The forward walk that forms the gradient as it goes
-    (:func:`block_forward` with ``grads``) weighs each tile by ``local`` and scales the sums by
-    ``global`` once at the end; :func:`reduce` multiplies the two."""
-    local: float | Tensor = 1.0
-    if kind == "supcon":
-        if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
-            local = _supcon_losses(st).sign().clamp_min(0.0)
-        else:
-            local = torch.ones_like(st["row_lse"])
-    if total is None:
-        return local, None
+def _batch_weight(kind: str, reducer: str, total: Mapping[str, Tensor]) -> Tensor:
+    """The second factor of :func:`_row_weight`: a scalar from the whole batch's
+    :func:`counts` (``total``)."""
     one = next(iter(total.values())).new_ones(())
     if kind == "siglip":
-        glob = {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
-    elif kind == "ntxent":
-        glob = ratio(one, total["count"]) if reducer == "mean" else one
-    else:  # supcon: 0 unless the batch has a positive and a negative pair
-        glob = {"avg_nonzero": ratio(one, total["nonzero"]), "mean": one / total["n"]}.get(
-            reducer, one
-        )
-        glob = torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
-    return local, glob
+        return {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
+    if kind == "ntxent":
+        return ratio(one, total["count"]) if reducer == "mean" else one
+    # supcon: 0 unless the batch has a positive and a negative pair
+    glob = {"avg_nonzero": ratio(one, total["nonzero"]), "mean": one / total["n"]}.get(reducer, one)
+    return torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
 
 
 def reduce(kind: str, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
     if kind == "siglip":
-        coef = _weights(kind, st, reducer, total)[1]
+        coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (coef,)
     if kind == "ntxent":
-        coef = _weights(kind, st, reducer, total)[1]
+        coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (st["row_lse"], st["row_q"], coef)
     if kind == "supcon":
         active = (total["pos"] > 0) & (total["count"] > 0)
         losses = torch.where(active, _supcon_losses(st), 0.0)
-        local, glob = _weights(kind, st, reducer, total)
-        coef = torch.where(active, local * glob, 0.0)
+        coef = torch.where(
+            active, _row_weight(kind, reducer, st) * _batch_weight(kind, reducer, total), 0.0
+        )
         return matmul(coef, losses), (st["row_lse"], st["row_pos"], coef)
     # clip: (R(rows) + R(columns)) / 2 over the rows / columns that have a positive
     loss, out = None, []
@@ -550,13 +545,15 @@ class _GradSums:
 
     :meth:`add` takes one tile's ``∂L/∂S``: the backward's recomputed tiles, or the forward's
     when it forms the gradient as it goes (:func:`block_forward` with ``grads``: each row's
-    weight local, :func:`_weights`, the global factor applied once after the walk). ``held``:
+    weight local, :func:`_row_weight`, the global factor applied once after the walk). ``held``:
     CLIP's one tile, kept by the forward until the columns' statistics are complete."""
 
     def __init__(self, x: Tensor, y: Tensor, needs, into: Tensor | None = None, reducer=None):
         self.x, self.y, self.needs, self.reducer = x, y, needs, reducer
         self.rows: list[Tensor] = []
-        self.gy, self.x_dot, self.sum_ds = into, None, None
+        self.gy: Tensor | None = into
+        self.x_dot: Tensor | None = None
+        self.sum_ds: Tensor | None = None
         self.into = into
         self.held: tuple | None = None
 
@@ -720,11 +717,20 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
         n = x.shape[-2]
         sums.add(_tile_ds_(kind, s, pos, neg, 0, n, stats[:3], stats[3:], eye), 0, n)
     elif kind != "clip":
-        glob = _weights(kind, st, reducer, total)[1]
+        glob = _batch_weight(kind, reducer, total)
     gx, gy, x_dot, sum_ds = sums.result()
     grads = (gy if self_mode else gx, gy, x_dot, sum_ds)
     # the sums are buffers of this walk: scaled in place
-    return loss, stats, tuple(t.mul_(glob) for t, need in zip(grads, needs, strict=True) if need)
+    return (
+        loss,
+        stats,
+        tuple(_scaled_(t, glob) for t, need in zip(grads, needs, strict=True) if need),
+    )
+
+
+def _scaled_(t: Tensor | None, factor: float | Tensor) -> Tensor:
+    assert t is not None  # every gradient asked for is formed (_GradSums.result)
+    return t.mul_(factor)
 
 
 class _TiledLoss(torch.autograd.Function):
