@@ -289,8 +289,7 @@ def block_forward(
         if grads is None:
             _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
         elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
-            grads.held = (s.clone(), pos, neg, at.eye)
-            _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
+            grads.held = (*_clip_whole_(s, pos, at.eye, acc), pos, at.eye)
         else:
             local = functools.partial(_row_weight, kind, grads.reducer)
             ds = _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at, local)
@@ -310,6 +309,7 @@ class _Partials:
         self.parts: dict[str, list[Tensor]] = {k: [] for k in self.ROW}
         self.col_max = x.new_full((m,), -torch.finfo(x.dtype).max)
         self.col_sum = self.col_pos = self.col_pos_sum = x.new_zeros(m)
+        self.col_lse: Tensor | None = None  # set by CLIP's one whole tile (_clip_whole_)
         self.x = x
 
     def last(self) -> dict[str, Tensor]:
@@ -331,7 +331,9 @@ class _Partials:
             out.update(total=self.total, count=self.count.to(x.dtype))
         else:
             out.update(
-                col_lse=torch.log(self.col_sum) + self.col_max,
+                col_lse=torch.log(self.col_sum) + self.col_max
+                if self.col_lse is None
+                else self.col_lse,
                 col_pos=self.col_pos.to(x.dtype),
                 col_pos_sum=self.col_pos_sum,
             )
@@ -388,6 +390,38 @@ def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, l
     parts["row_pos_sum"].append(s.sum(-1))
     acc.col_pos_sum = acc.col_pos_sum + s.sum(0)
     return None
+
+
+def _clip_whole_(s: Tensor, pos, eye: int | None, acc: _Partials) -> tuple[Tensor, Tensor]:
+    """CLIP over one tile that holds the whole matrix (every row and column complete),
+    destroying ``s``: its statistics into ``acc``, and its row and its column softmax (one
+    fused kernel each, :func:`_row_softmax`) for :func:`_clip_whole_ds_`."""
+    lse_r, p_r = _row_softmax(s, None, -1)
+    lse_c, p_c = _row_softmax(s, None, 0)
+    if eye is not None:  # aligned sets: one positive a row and a column, on the diagonal
+        pos_r = pos_c = s.diagonal(offset=eye, dim1=-2, dim2=-1).clone()
+        n_r, n_c = torch.ones_like(lse_r), torch.ones_like(lse_c)
+    else:
+        n_r, n_c = count_true(pos, -1).to(s.dtype), count_true(pos, 0).to(s.dtype)
+        s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
+        pos_r, pos_c = s.sum(-1), s.sum(0)
+    acc.parts["row_lse"].append(lse_r)
+    acc.parts["row_pos"].append(n_r)
+    acc.parts["row_pos_sum"].append(pos_r)
+    acc.col_lse, acc.col_pos, acc.col_pos_sum = lse_c, n_c, pos_c
+    return p_r, p_c
+
+
+def _clip_whole_ds_(p_r: Tensor, p_c: Tensor, pos, eye: int | None, row, col) -> Tensor:
+    """CLIP's ``∂L/∂S`` over its one whole tile from its two softmaxes (destroyed):
+    ``c_i softmax_row + c_j softmax_col − [P](c_i/|P(i)| + c_j/|P(j)|)``."""
+    (_, row_pos, row_coef), (_, col_pos, col_coef) = row, col
+    ds = p_r.mul_(row_coef.unsqueeze(-1)).add_(p_c.mul_(col_coef.unsqueeze(0)))
+    if eye is not None:
+        ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(row_coef + col_coef)
+        return ds
+    w = (row_coef / row_pos.clamp_min(1.0)).unsqueeze(-1) + col_coef / col_pos.clamp_min(1.0)
+    return ds.sub_(torch.where(pos, w, 0.0))
 
 
 @dataclass(frozen=True)
@@ -712,10 +746,9 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     loss, stats = reduce(kind, st, reducer, total)
     glob: float | Tensor = 1.0
     if sums.held is not None:  # CLIP's one tile, now that its columns are complete
-        s, pos, neg, eye = sums.held
+        p_r, p_c, pos, eye = sums.held
         sums.held = None
-        n = x.shape[-2]
-        sums.add(_tile_ds_(kind, s, pos, neg, 0, n, stats[:3], stats[3:], eye), 0, n)
+        sums.add(_clip_whole_ds_(p_r, p_c, pos, eye, stats[:3], stats[3:]), 0, x.shape[-2])
     elif kind != "clip":
         glob = _batch_weight(kind, reducer, total)
     gx, gy, x_dot, sum_ds = sums.result()
