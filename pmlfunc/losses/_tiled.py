@@ -190,9 +190,10 @@ def _exp_(s: Tensor, shift: float | Tensor) -> Tensor:
     return s.sub_(shift).clamp_min_(-80.0).exp_()
 
 
-def _ntxent_q_(z: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+def _ntxent_q_(z: Tensor, pos: Tensor, *, reuse: bool = False) -> tuple[Tensor, Tensor]:
     """``q = −∂term/∂z`` on the positives (0 elsewhere) of ``z = S − lse_neg``, and ``σ(z) + ε``
-    there (1 elsewhere: its log is the term, 0 off the positives), two new tiles: ``d/dz
+    there (1 elsewhere: its log is the term, 0 off the positives), two new tiles (``reuse``:
+    one, the second in ``z``'s buffer): ``d/dz
     −log(σ(z) + ε) = −σ(z)(1 − σ(z)) / (σ(z) + ε)``, the dense loss's autograd chain. Off the
     positives ``z`` is read as 100, where ``σ = 1`` exactly: no mask to apply after.
 
@@ -203,7 +204,8 @@ def _ntxent_q_(z: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
     scalar ``value`` came with pytorch/pytorch#176871, the prim's autograd formula with #184629,
     which covers plain autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in
     eager mode too)."""
-    r = torch.where(pos, z, 100.0).sigmoid_()
+    r = z.masked_fill_(pos.logical_not(), 100.0) if reuse else torch.where(pos, z, 100.0)
+    r = r.sigmoid_()
     q = torch.rsub(r, 1.0).mul_(r)  # σ(1 − σ)
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
@@ -219,7 +221,7 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
         lse, soft = _row_softmax(s, neg)
     elif lse is None:
         lse = _row_lse_(s.clone(), neg)
-    q, r = _ntxent_q_(s.sub_(lse.unsqueeze(-1)), pos)
+    q, r = _ntxent_q_(s.sub_(lse.unsqueeze(-1)), pos, reuse=True)
     q_sum = q.sum(-1)
     ds = None
     if soft is not None:  # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q
