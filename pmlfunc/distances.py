@@ -332,15 +332,6 @@ class _TiedMatmul(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _index_add_(buf: Tensor, index: Tensor, src: Tensor, alpha: float = 1.0) -> Tensor:
-    """``buf.index_add_(0, index, src, alpha=alpha)`` in place on a fresh buffer where the
-    transforms allow (out of place inside ``torch.func`` transforms, whose batched ``index`` or
-    ``src`` cannot be added into an unbatched buffer in place; as :func:`~pmlfunc._ops.scatter_`)."""
-    if torch.compiler.is_compiling() or not _ops.inside_transform():
-        return buf.index_add_(0, index, src, alpha=alpha)
-    return buf.index_add(0, index, src, alpha=alpha)
-
-
 def _scatter_rows(
     x: Tensor,
     y: Tensor | None,
@@ -354,14 +345,20 @@ def _scatter_rows(
     ``x[i]`` (``(L, D)``, or ``(K, L, D)``: ``x[i]`` used ``K`` times) and ``gj`` of ``y[j]``
     (``(*j.shape, D)``; ``None``: no gradient). One zero buffer per input, the rows added into
     it (``y is None``: both sides into ``x``'s buffer); a ``(K, L, D)`` ``gi`` is added
-    one ``(L, D)`` block at a time (on a CPU cheaper than summing the blocks first)."""
+    one ``(L, D)`` block at a time (on a CPU cheaper than summing the blocks first).
+
+    In place on the fresh buffers where the transforms allow; out of place inside ``torch.func``
+    transforms, whose batched ``index`` or ``src`` cannot be added into an unbatched buffer in
+    place (as :func:`~pmlfunc._ops.scatter_`)."""
+    in_place = torch.compiler.is_compiling() or not _ops.inside_transform()
+    add = Tensor.index_add_ if in_place else Tensor.index_add
     gx = torch.zeros_like(x)
     if gi is not None:
-        for block in (gi.flatten(0, -3) if gi.ndim > 2 else gi.unsqueeze(0)).unbind(0):
-            gx = _index_add_(gx, i, block, alpha)
+        for block in gi.unbind(0) if gi.ndim > 2 else (gi,):
+            gx = add(gx, 0, i, block, alpha=alpha)
     gy = gx if y is None else torch.zeros_like(y)
     if gj is not None:
-        gy = _index_add_(gy, j.reshape(-1), gj.reshape(-1, gj.shape[-1]))
+        gy = add(gy, 0, j.reshape(-1), gj.reshape(-1, gj.shape[-1]))
     return (gy, None) if y is None else (gx, gy)
 
 

@@ -565,3 +565,26 @@ def test_margin_given_triplets_row_path_equals_matrix_path(learnable, with_ref, 
         return value_and_grads(fn, *inputs, *extra)
 
     assert_same(run(ROW), run(MATRIX), **core.TOL[F64])
+
+
+def test_given_triplets_mean_over_a_miners_valid_slots(gen):
+    """mean() over a miner's triplets is the mean over its valid slots: with every slot valid
+    (CPU eager reads it and takes the unweighted mean) and with an invalid one (weighted), the
+    same value and gradient as the static weighted path under torch.func.grad."""
+    emb = randn(gen, 3 * 6, 5)
+    packaged = pf.miners.embeddings_already_packaged_as_triplets(emb)
+    holed = packaged._replace(valid=packaged.valid * (torch.arange(6) != 2).to(F64))
+    for mined, slots in ((packaged, 6), (holed, 5)):
+
+        def loss(e, mined=mined):
+            return triplet_margin(e, indices_tuple=mined, reducer=pfr.mean(), margin=2.0)
+
+        value, (g,) = value_and_grads(loss, emb)
+        terms = triplet_margin(emb, indices_tuple=mined, reducer=pfr.none(), margin=2.0)
+        terms = terms["loss"]
+        assert int((terms["weights"] > 0).sum()) == slots
+        want = (terms["losses"] * terms["weights"]).sum() / slots
+        torch.testing.assert_close(value, want, **core.TOL[F64])
+        grads, static = torch.func.grad_and_value(loss)(emb)
+        torch.testing.assert_close(value, static, **core.TOL[F64])
+        torch.testing.assert_close(g, grads, **core.TOL[F64])

@@ -41,6 +41,7 @@ from .._ops import (
     argsort_rows,
     masked,
     matmul,
+    readable,
     scalar_like,
     scalar_tensor,
     scatter_,
@@ -147,8 +148,12 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
         x = e_ap - e_an + scalar_like(margin, e_ap)
         losses = F.softplus(x) if smooth_loss else F.relu(x)
         weights = t.valid.to(losses.dtype)
-        # a PML tuple's slots are all valid (a miner's result says so only in its values)
-        unit = batch.rows is None and not isinstance(batch.indices_tuple, MinedTriplets)
+        # a PML tuple's slots are all valid; a miner's result says so in its values, which
+        # CPU eager reads for free (the weighted mean's eight ops each way become one)
+        unit = batch.rows is None and (
+            not isinstance(batch.indices_tuple, MinedTriplets)
+            or (readable(weights) and weights.numel() > 0 and bool(weights.amin() == 1.0))
+        )
         terms: Terms = DenseTerms(
             losses, weights, "triplet", batch.num_anchors, anchor_index=a, unit_weights=unit
         )
@@ -248,8 +253,10 @@ def listed_distances(
         if swap and batch.ref_emb is not None:
             d_pn = batch.distance.indexed_pairs(batch.ref_emb, p, n)
     if self_swap:
-        return values[:t], values[t : 2 * t], values[2 * t :]
-    return values[0], values[1], d_pn
+        d_ap, d_an, d_pn = values.view(3, t).unbind(0)
+        return d_ap, d_an, d_pn
+    d_ap, d_an = values.unbind(0)  # one node each way (two selects: three)
+    return d_ap, d_an, d_pn
 
 
 def _guarded(batch: Batch, values: Tensor) -> Tensor:
