@@ -242,12 +242,12 @@ def peer_ratios(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[S
 
 
 def _spread(values: list[float], digits: int = 2) -> str:
-    """``median× [min–max]`` of per-run ratios (``median×`` alone for one run)."""
+    """``median× [min–max]`` of per-run ratios (``median× (1 run)`` for one)."""
     if not values:
         return "—"
     med = statistics.median(values)
     if len(values) == 1:
-        return f"{med:.{digits}f}×"
+        return f"{med:.{digits}f}× (1 run)"
     return f"{med:.{digits}f}× [{min(values):.{digits}f}–{max(values):.{digits}f}]"
 
 
@@ -340,8 +340,10 @@ def peers_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
 
     panels = sorted({(s[1], s[2], s[3]) for v in points.values() for s in v},
                     key=lambda p: (p[1], p[2], p[0] or 0))  # fmt: skip
+    legend_rows = math.ceil(len(points) / 2)
+    height = 4.0 + 0.22 * legend_rows
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(4.6 * len(panels) + 1.5, 4.4), sharey=True, squeeze=False
+        1, len(panels), figsize=(max(4.6 * len(panels), 7.0), height), sharey=True, squeeze=False
     )
     colors = plt.get_cmap("tab10")
     for ax, (dims, dtype, mode) in zip(axes[0], panels, strict=True):
@@ -373,10 +375,11 @@ def peers_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
             FuncFormatter(lambda v, _: f"{v:g}×" if f"{v:.0e}"[0] in "25" else "")
         )
         ax.tick_params(axis="y", which="minor", labelsize=7)
-    axes[0][0].set_ylabel("peer time / pmlfunc time (below 1×: the peer is faster)")
+    axes[0][0].set_ylabel("peer time / pmlfunc time")
+    fig.suptitle("Peer time / pmlfunc time per step (below 1×: the peer is faster)", fontsize=10)
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.68 if len(panels) > 1 else 0.55, 1))
+    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, (0.15 + 0.2 * legend_rows) / height, 1, 1))
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
     return path
@@ -407,14 +410,17 @@ def peers_page(
     (:func:`peers_markdown`) and the runs' provenance."""
     lines = [f"# {title}", ""]
     if command:
-        lines += ["Produced by:", "", "```bash", command.strip(), "```", ""]
+        lines += ["The runs (from the repository root):", "", "```bash", command.strip(), "```",
+                  "", "then this page: `python -m benchmarks.report <the runs' JSON files> "
+                  "--peers --output <dir> --name <name> --command <the runs' command>` (the whole "
+                  "line: `benchmarks/README.md`, Peers).", ""]  # fmt: skip
     lines += [
         "Each group holds a peer library's loss, the pmlfunc member computing the same loss on",
         "the same inputs, and the matmul floor `(E @ E.T).sum()` (one `N × N` product and its",
         "backward); before a peer is timed its loss and every gradient are checked equal to the",
         "pmlfunc member's (rtol 1e-4 in float32). What each group compares:",
-        "[`benchmarks/cases/bench_peers.py`](../../benchmarks/cases/bench_peers.py); how the peers",
-        "are loaded: [`benchmarks/peers.py`](../../benchmarks/peers.py).",
+        "`benchmarks/cases/bench_peers.py`; how the peers are loaded: `benchmarks/peers.py`",
+        "(both in the repository).",
         "",
         *peers_markdown(runs, chart),
         "",

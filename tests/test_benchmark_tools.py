@@ -640,7 +640,7 @@ def test_the_peers_report_gives_the_median_and_range_of_the_runs_ratios(tmp_path
     lines = report.peers_markdown(runs)
     head = next(line for line in lines if line.startswith("| group | peer |"))
     assert head == "| group | peer | pmlfunc member | N = 512, D = 128 | N = 2,048, D = 512 |"
-    assert "| peer-clip | open_clip | pmlfunc | 1.25× [1.00–1.50] | 0.50× |" in lines
+    assert "| peer-clip | open_clip | pmlfunc | 1.25× [1.00–1.50] | 0.50× (1 run) |" in lines
     assert any("`peer-clip` / `open_clip-x`" in line and "not installed" in line for line in lines)
     written = report.main([*map(str, files), "--output", str(tmp_path / "out"), "--name",
                            "peers", "--peers", "--command", "the one-liner"])  # fmt: skip
