@@ -141,56 +141,6 @@ def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monke
     assert_same(eager, run_pml("angular", emb, labels, ref, ref_labels), **TOL[F64])
 
 
-def _instance_composite(emb, labels, gamma):
-    """instance in autograd ops (the scaled cosine matrix, the dense-rank target, the cross
-    entropy): what its autograd Function's first and second derivatives must be."""
-    x = torch.nn.functional.normalize(emb, dim=-1)
-    z = gamma * (x @ x.t())
-    target = torch.unique(labels, return_inverse=True)[1]
-    return torch.nn.functional.cross_entropy(z, target)
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["one-product", "two-products"])
-def test_instance_backward_formed_in_the_forward_equals_autograd(fused, gen, monkeypatch):
-    """The backward formed in the forward (both CPU forms: one product of G + Gᵀ, or two
-    products) equals autograd's through the composite for the embeddings and a tensor γ;
-    where a higher derivative may follow (create_graph=True, torch.func.jacrev twice) it is
-    recomputed in differentiable ops and equals the composite's second derivatives."""
-    import pmlfunc.losses.neighbors as nb
-
-    if not fused:
-        monkeypatch.setattr(nb, "SELF_PRODUCT_FUSE_LIMIT", 0)
-    applied = []
-    real = nb.apply
-    monkeypatch.setattr(nb, "apply", lambda fn, *args: applied.append(fn) or real(fn, *args))
-    emb, labels = data(gen, UNEVEN)
-    gamma = torch.tensor(3.0, dtype=F64)
-
-    def ours(e, g):
-        return instance(e, labels, gamma=g)
-
-    def composite(e, g):
-        return _instance_composite(e, labels, g)
-
-    assert_same(
-        value_and_grads(ours, emb, gamma), value_and_grads(composite, emb, gamma), **REF_TOL
-    )
-    assert applied == [nb._SelfCrossEntropy]  # the whole batch: the Function's path
-
-    def hvp(f):
-        e, g = emb.clone().requires_grad_(), gamma.clone().requires_grad_()
-        ge, gg = torch.autograd.grad(f(e, g), (e, g), create_graph=True)
-        return torch.autograd.grad((ge**3).sum() + gg**2, (e, g))
-
-    for a, b in zip(hvp(ours), hvp(composite), strict=True):
-        torch.testing.assert_close(a, b, **REF_TOL)
-    hess = torch.func.jacrev(torch.func.jacrev(ours, argnums=(0, 1)), argnums=(0, 1))
-    want = torch.func.jacrev(torch.func.jacrev(composite, argnums=(0, 1)), argnums=(0, 1))
-    for row_a, row_b in zip(hess(emb, gamma), want(emb, gamma), strict=True):
-        for a, b in zip(row_a, row_b, strict=True):
-            torch.testing.assert_close(a, b, **REF_TOL)
-
-
 # ----------------------------------------------------------------------------------------------
 # manifold (params, randomness)
 # ----------------------------------------------------------------------------------------------

@@ -23,20 +23,14 @@ from torch import Tensor
 from .. import _checks, _random
 from .. import params as _params
 from .._ops import (
-    SELF_PRODUCT_FUSE_LIMIT,
-    apply,
     cross_entropy,
-    fresh,
     indicator,
-    inside_transform,
     logaddexp,
     masked_logsumexp,
     matmul,
     readable,
     scalar_like,
-    scatter_,
     scatter_rows,
-    self_product_grad,
     sparse_rows,
 )
 from ..distances import Distance, _Lp, cosine, lp, resolve
@@ -434,80 +428,12 @@ def instance(
 )
 def _instance_terms(batch: Batch, *, gamma) -> dict[str, Terms]:
     gamma = _checks.hyper(gamma, "gamma")
+    z = batch.scaled_similarity(gamma)
     assert batch.all_labels is not None  # needs_labels
     target = _dense_rank(batch.all_labels)
-    if batch.rows is None and not batch.given_mat and batch._mat is None:
-        # the whole batch against itself: the gradient formed in the forward
-        normalize, _ = batch.distance.split_normalization()  # cosine(): the unit rows
-        x = normalize(batch.embeddings.to(batch.dtype))
-        if isinstance(gamma, Tensor):
-            gamma = gamma.to(dtype=x.dtype, device=x.device)
-        return {"loss": elements(apply(_SelfCrossEntropy, x, gamma, target)[0])}
-    z = batch.scaled_similarity(gamma)
     if batch.rows is not None:
         target = target[batch.rows[0] : batch.rows[1]]
     return {"loss": elements(cross_entropy(z, target))}
-
-
-class _SelfCrossEntropy(torch.autograd.Function):
-    r"""Per-row cross entropy ``ℓ_i = lse_j z_ij − z_{i t_i}`` of ``z = γ x xᵀ`` (``x`` the
-    batch's unit rows, every column, the row's own included), with the gradient formed in the
-    forward, where the softmax is at hand: ``E = softmax(z) − Y`` (saved; the log-softmax's
-    buffer, exponentiated in place, ``Y`` subtracted at the ``B`` targets only). With the
-    cotangent ``g`` and ``h = E x``,
-
-        ∂/∂x = γ (g ⊙ h + Eᵀ (g ⊙ x)),   ∂/∂γ = Σ_i g_i x_i·h_i,
-
-    two products and ``B × D`` work: no pass over the ``B × B`` matrix in the backward, where
-    the fused cross entropy's backward makes three (a zero fill, the target's scatter, the
-    log-softmax's backward) for the forward's one more (the exponential). On a CPU with ``E``
-    small enough to stay in cache (:func:`~pmlfunc._ops.self_product_grad`) one product,
-    ``γ (G + Gᵀ) x`` with ``G = g ⊙ E`` (one pass to form ``G``), and ``∂/∂γ`` is half the sum
-    of that product with ``x``. Where a higher
-    derivative may follow (grad mode on in the backward, or a ``torch.func`` transform), ``E``
-    is recomputed in differentiable ops."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor, gamma: float | Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        z = matmul(x * gamma, x.transpose(-1, -2))
-        log_p = torch.log_softmax(z, -1)
-        idx = target.unsqueeze(-1)
-        losses = log_p.gather(-1, idx).squeeze(-1).neg()
-        e = log_p.exp_()
-        e = scatter_(e, idx, e.gather(-1, idx) - 1.0)  # softmax − one-hot
-        return losses, fresh(e)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, gamma, target = inputs
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
-        ctx.gamma = None if isinstance(gamma, Tensor) else gamma
-        ctx.save_for_backward(x, gamma if isinstance(gamma, Tensor) else None, target, output[1])
-
-    @staticmethod
-    def backward(ctx, g, _):
-        x, gamma_t, target, e = ctx.saved_tensors
-        if g is None:
-            return None, None, None
-        gamma = ctx.gamma if gamma_t is None else gamma_t
-        if torch.is_grad_enabled() or inside_transform():  # a higher derivative may follow
-            z = matmul(x * gamma, x.transpose(-1, -2))
-            columns = torch.arange(z.shape[-1], device=z.device)
-            e = torch.softmax(z, -1) - (target.unsqueeze(-1) == columns).to(z.dtype)
-        gx = g.unsqueeze(-1)
-        want_gamma = gamma_t is not None and ctx.needs_input_grad[1]
-        if x.device.type == "cpu" and e.shape[-1] * e.shape[-2] <= SELF_PRODUCT_FUSE_LIMIT:
-            # small enough for one product: (G + Gᵀ) x with G = g ⊙ E (self_product_grad)
-            h = self_product_grad(e * gx, x)
-            grad_gamma = 0.5 * (h * x).sum() if want_gamma else None
-            return h * gamma, grad_gamma, None
-        h = matmul(e, x)
-        grad_x = torch.addmm(h * gx, e.transpose(-1, -2), x * gx) * gamma
-        grad_gamma = (g * (h * x).sum(-1)).sum() if want_gamma else None
-        return grad_x, grad_gamma, None
 
 
 def _dense_rank(labels: Tensor) -> Tensor:
