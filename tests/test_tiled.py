@@ -315,6 +315,30 @@ def test_compile_fullgraph_equals_eager(gen):
     _assert_same(results[0], results[1])
 
 
+@pytest.mark.compile
+def test_compile_one_tensor_as_both_labels_and_both_sets(gen):
+    """The same labels tensor as ``labels`` and ``ref_labels``, and the batch as its own
+    reference set under ``dot()``, compile (Function.apply refuses a tensor given twice) and
+    equal eager; the batch as its reference set excludes nothing (the reference-set rule)."""
+    torch._dynamo.reset()
+    emb, _ = _data(gen)
+    labels = torch.tensor(LABELS["uneven"])
+
+    def fn(e):
+        a = pfl.ntxent(e, labels, ref_emb=e, ref_labels=labels, distance=pfd.dot(), chunk_size=4)
+        return a + pfl.supcon(e, labels, ref_emb=e, ref_labels=labels, chunk_size=3)
+
+    e1, e2 = emb.clone().requires_grad_(), emb.clone().requires_grad_()
+    out = torch.compile(fn, fullgraph=True)(e1)
+    want = fn(e2)
+    _assert_same((out, torch.autograd.grad(out, e1)), (want, torch.autograd.grad(want, e2)))
+    ref = _batch_path(pfl.ntxent)(
+        e2, labels, ref_emb=e2, ref_labels=labels, distance=pfd.dot(), temperature=0.07
+    )
+    got = pfl.ntxent(e2, labels, ref_emb=e2, ref_labels=labels, distance=pfd.dot(), chunk_size=4)
+    torch.testing.assert_close(got, ref)
+
+
 def _engine_call(gen, name: str, chunk: int | None):
     """``(f, args)``: ``f(*args)`` the loss ``name`` of the tiled engine (``chunk`` rows a tile,
     ``None``: dense) in everything it is differentiated in: NT-Xent and SupCon in the

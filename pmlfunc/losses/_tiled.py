@@ -856,6 +856,11 @@ def tiled_loss(
     products of a forward and backward, and the backward is a scale. Without grad mode (an
     evaluation) it is one product a tile.
     """
+    # Function.apply refuses one tensor given twice (under compile: "duplicate tensor input")
+    if cols is rows:
+        cols = None  # the same labels for both: what cols=None says
+    if y is x:
+        y = x.view_as(x)  # a reference set that is the batch itself: still nothing excluded
     needs = None
     if torch.is_grad_enabled():
         wants = tuple(isinstance(t, Tensor) and t.requires_grad for t in (x, y, scale, bias))
