@@ -96,7 +96,10 @@ def triplet_margin(
 
     All-triplet hinge losses are counted and summed without enumerating triplets (see the module
     docstring); ``smooth_loss``, ``swap`` and ``threshold`` reducers use an exact anchor-chunked
-    O(B·M²) evaluation.
+    O(B·M²) evaluation. Given triplets (a PML ``(a, p, n)`` tuple or a miner's
+    :class:`~pmlfunc.tuples.MinedTriplets`) are read from their rows, ``O(T·D)`` and no
+    ``B × M`` matrix, when they are few against it (:func:`row_path`: ``2T·D/2 ≤ B·M``, or
+    ``3T`` pairs with ``swap`` in self mode), as ``F.triplet_margin_loss`` reads them.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -139,12 +142,9 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
         t = listed.for_rows(batch.rows)
         a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
         d_ap, d_an, d_pn = listed_distances(batch, a, p, n, swap=swap)
-        if sign == 1.0:
-            e_ap, e_an = d_ap, d_an
-        else:
-            e_ap, e_an, d_pn = -d_ap, -d_an, None if d_pn is None else -d_pn
-        if d_pn is not None:
-            e_an = torch.minimum(e_an, d_pn)
+        e_ap, e_an = (d_ap, d_an) if sign == 1.0 else (-d_ap, -d_an)  # (no pass for +1)
+        if d_pn is not None:  # swap
+            e_an = torch.minimum(e_an, d_pn if sign == 1.0 else -d_pn)
         x = e_ap - e_an + scalar_like(margin, e_ap)
         losses = F.softplus(x) if smooth_loss else F.relu(x)
         weights = t.valid.to(losses.dtype)
@@ -230,8 +230,9 @@ def listed_distances(
     gathered in one call of :meth:`~pmlfunc.distances.Distance.indexed_pairs` (each anchor's
     row once for its two pairs), ``O(T·D)`` each way and one zero buffer of the batch's shape
     in the backward. Otherwise one gather from the matrix. With a reference set, ``d_pn`` is
-    between reference rows (``distance(ref_emb, ref_emb)[p, n]``, as in PML), always from the
-    rows: no matrix holds it."""
+    between reference rows (``distance(ref_emb, ref_emb)[p, n]``; PML indexes the
+    query-by-reference matrix at ``[p, n]``, a documented difference), always from the rows:
+    no matrix holds it."""
     t = a.shape[0]
     self_swap = swap and batch.ref_emb is None
     if self_swap:  # (a, p), (a, n), (p, n): three lists of pairs
