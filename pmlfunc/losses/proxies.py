@@ -35,7 +35,6 @@ from .._ops import (
     apply,
     cross_entropy,
     fresh,
-    indicator,
     inside_transform,
     masked_logsumexp,
     matmul,
@@ -604,7 +603,7 @@ class _P2SGrad(torch.autograd.Function):
         outside = err != cos  # clamped: no gradient
         idx = labels.unsqueeze(-1)
         err = scatter_(err, idx, err.gather(-1, idx) - 1.0)  # k − Y at the labels only
-        rms = torch.linalg.vector_norm(err, dim=-1)
+        rms = torch.linalg.vector_norm(err, dim=-1)  # (vecdot would run in bf16 under autocast)
         losses = (rms * rms).div_(err.shape[-1])
         return losses, fresh(err.masked_fill_(outside, 0.0)), w_hat, norm
 
@@ -627,7 +626,8 @@ class _P2SGrad(torch.autograd.Function):
         scale = g.unsqueeze(-1) * (2.0 / e.shape[-1]) / n  # 2g/(C‖x‖), (B, 1)
         h = matmul(e, w_hat)
         x_hat = x / n
-        along = (h * x_hat).sum(-1, keepdim=True) * indicator(norm - _NORM_FLOOR, strict=False)
+        # no projection where ‖x‖ is at its floor (a constant there, as through clamp_min)
+        along = torch.where(norm >= _NORM_FLOOR, (h * x_hat).sum(-1, keepdim=True), 0.0)
         gx = torch.addcmul(h, x_hat, along, value=-1.0) * scale
         gw = matmul(e.transpose(-1, -2), x * scale)
         return gx, gw, None
