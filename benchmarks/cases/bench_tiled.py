@@ -1,9 +1,10 @@
 """The tiled engine beside the dense path: ``chunk_size=`` on NT-Xent, CLIP and SigLIP.
 
-Groups ``tiled-ntxent-b{B}`` (``temperature=0.07``), ``tiled-clip-b{B}`` and
-``tiled-siglip-b{B}``, three members each: ``pmlfunc-full`` (the dense loss and backward),
-``pmlfunc-tiled`` (the same call with ``chunk_size``, ``PMLFUNC_BENCH_TILE``, 256: the tiled
-engine, a plain backward) and ``floor``; ``tiled-ntxent`` has a fourth, ``pmlfunc-chunked``
+Groups ``tiled-ntxent-b{B}`` (``temperature=0.07``), ``tiled-supcon-b{B}`` (``0.1``),
+``tiled-clip-b{B}`` and ``tiled-siglip-b{B}``, three members each: ``pmlfunc-full`` (the call
+without ``chunk_size``: the engine's dense tiles, :func:`pmlfunc.losses._tiled.dense_rows`),
+``pmlfunc-tiled`` (the same call with ``chunk_size``, ``PMLFUNC_BENCH_TILE``, 256, a plain
+backward) and ``floor``; ``tiled-ntxent`` has a fourth, ``pmlfunc-chunked``
 (``pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size=PMLFUNC_BENCH_TILE)``), so that the
 two bounded-memory paths are timed beside the dense step in the same rounds. PML has neither
 CLIP nor SigLIP, and its NT-Xent is timed in ``bench_core_losses``.
@@ -73,6 +74,11 @@ CASES = by_name(
                 pf.losses.ntxent, lambda: TILE, temperature=C.NTXENT_TEMPERATURE
             )
         },
+    ),
+    _case(
+        "tiled-supcon",
+        call(pf.losses.supcon, temperature=C.SUPCON_TEMPERATURE),
+        call(pf.losses.supcon, temperature=C.SUPCON_TEMPERATURE, chunk_size=TILE),
     ),
     *(
         _case(f"tiled-{name}", paired(fn, init), paired(fn, init, chunk_size=TILE))
