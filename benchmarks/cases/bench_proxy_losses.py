@@ -1,10 +1,12 @@
-"""Proxy loss: normalized-softmax with its weight gradients, pmlfunc vs PML 2.9.0 vs the floor.
+"""Proxy losses with their weight gradients, pmlfunc vs PML 2.9.0 vs the floor.
 
 Group ``proxy-b{B}`` (reference protocol, ``shared/reference/000_*``): ``temperature=0.1``, one
 class per ``samples_per_class`` rows; ``pf.losses.normalized_softmax(e, y, params)`` vs PML's
-``NormalizedSoftmaxLoss`` with the same initial weights (PML's layout transposed). The backward
-takes the gradients of the embeddings and the weights. The untimed run checks that the two
-losses agree (rtol 1e-3, ``benchmarks.cases._bodies.members_agree``).
+``NormalizedSoftmaxLoss`` with the same initial weights (PML's layout transposed). Groups
+``proxy_nca-b{B}`` and ``p2s_grad-b{B}`` (issue 30: no loss slower than PML): PML's
+``ProxyNCALoss`` and ``P2SGradLoss`` with their defaults, pmlfunc given the same weights. The
+backward takes the gradients of the embeddings and the weights. The untimed run checks that the
+two losses agree (rtol 1e-3, ``benchmarks.cases._bodies.members_agree``).
 """
 
 from __future__ import annotations
@@ -45,12 +47,47 @@ def _pml_proxy(emb, labels):
     return (lambda e, y: pml(e, y)), [pml.W]
 
 
+def _pml_module(emb, labels, make):
+    num_classes = int(labels.max()) + 1 if labels.numel() else 1
+    torch.manual_seed(C.SEED)  # PML draws its weights from the global generator
+    return make(num_classes, emb.shape[1]).to(device=emb.device, dtype=emb.dtype)
+
+
+# name -> (PML's module from (classes, D), its weight's attribute, PML's layout -> pmlfunc's
+# (classes, D), pmlfunc's loss, its params key)
+_PAIRED = {
+    "proxy_nca": (
+        pml_losses.ProxyNCALoss, "proxies", lambda w: w, pf.losses.proxy_nca, "proxies"
+    ),
+    "p2s_grad": (
+        lambda c, d: pml_losses.P2SGradLoss(d, c), "weight", lambda w: w.t(),
+        pf.losses.p2s_grad, "weight",
+    ),
+}  # fmt: skip
+
+
+def _paired_members(name: str) -> dict[str, Member]:
+    make, attr, to_pf, loss_fn, key = _PAIRED[name]
+
+    def pml_member(emb, labels):
+        module = _pml_module(emb, labels, make)
+        return (lambda e, y: module(e, y)), [getattr(module, attr)]
+
+    def pf_member(emb, labels):
+        w = getattr(_pml_module(emb, labels, make), attr)
+        params = {key: to_pf(w.detach()).contiguous().requires_grad_()}
+        return (lambda e, y: loss_fn(e, y, params)), [params[key]]
+
+    return {"pml": Member(pml_member), "pmlfunc": Member(pf_member), "floor": FLOOR}
+
+
 CASES = by_name(
     Case(
         "proxy",
         {"pml": Member(_pml_proxy), "pmlfunc": Member(_pf_proxy), "floor": FLOOR},
         extra={"temperature": PROXY_TEMPERATURE},
     ),
+    *(Case(name, _paired_members(name)) for name in _PAIRED),
 )
 
 
