@@ -648,6 +648,14 @@ def block_backward(
     return sums.result()
 
 
+def _times_cotangent(gx, gy, g_scale, g_bias, scale, g) -> tuple[Tensor, ...]:
+    """The gradient sums that are not ``None`` (for a unit cotangent, before the logit scale)
+    times the cotangent ``g``, those of ``x`` and ``y`` also times ``scale``."""
+    out = [t * (scale * g) for t in (gx, gy) if t is not None]
+    out += [t * g for t in (g_scale, g_bias) if t is not None]
+    return tuple(fresh(t) for t in out)
+
+
 class _TiledGrads(torch.autograd.Function):
     """The one-block backward as a Function of its own: its forward walks the tiles,
     recomputes each and accumulates the requested gradients ``[∂x][∂y][∂scale][∂bias]``
@@ -674,16 +682,10 @@ class _TiledGrads(torch.autograd.Function):
         )  # fmt: skip
         # The cotangent g multiplies the results, not the tiles: under vmap of a vjp g is batched
         # while the tiles are not, and the tiles are updated in place.
-        out = []
-        if need_x:
-            out.append((gy if self_mode else gx) * (scale * g))
-        if need_y:
-            out.append(gy * (scale * g))
-        if need_scale:
-            out.append(x_dot * g)
-        if need_bias:
-            out.append(sum_ds * g)
-        return tuple(fresh(t) for t in out)
+        return _times_cotangent(
+            (gy if self_mode else gx) if need_x else None, gy if need_y else None,
+            x_dot, sum_ds, scale, g,
+        )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -710,9 +712,7 @@ class _Scaled(torch.autograd.Function):
 
     @staticmethod
     def forward(x, y, scale, bias, g, gx, gy, g_scale, g_bias):
-        out = [t * (scale * g) for t in (gx, gy) if t is not None]
-        out += [t * g for t in (g_scale, g_bias) if t is not None]
-        return tuple(fresh(t) for t in out)
+        return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
