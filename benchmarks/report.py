@@ -212,14 +212,16 @@ def is_peer(impl: str) -> bool:
 Size = tuple[int, Any, str, str]  # (batch, dims, dtype, mode)
 
 
-def _size_label(size: Size, sizes: list[Size]) -> str:
-    batch, dims, dtype, mode = size
-    label = f"N = {batch:,}, D = {dims}"
-    if len({s[2] for s in sizes}) > 1:
-        label += f", {dtype}"
-    if len({s[3] for s in sizes}) > 1:
-        label += f", {mode}"
+def _varying(label: str, key: tuple, keys: list[tuple], fields: tuple[int, ...]) -> str:
+    """``label`` followed by ``key``'s values at ``fields`` where they vary across ``keys``."""
+    for i in fields:
+        if len({k[i] for k in keys}) > 1:
+            label += f", {key[i]}"
     return label
+
+
+def _size_label(size: Size, sizes: list[Size]) -> str:
+    return _varying(f"N = {size[0]:,}, D = {size[1]}", size, sizes, (2, 3))
 
 
 def peer_ratios(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[Size, list]]:
@@ -467,13 +469,7 @@ def speedups(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]
 
 
 def _series_label(key: tuple, keys: list[tuple]) -> str:
-    batch, dtype, mode = key
-    label = f"batch {batch}"
-    if len({k[1] for k in keys}) > 1:
-        label += f", {dtype}"
-    if len({k[2] for k in keys}) > 1:
-        label += f", {mode}"
-    return label
+    return _varying(f"batch {key[0]}", key, keys, (1, 2))
 
 
 def _order(data: dict[tuple, dict[str, dict[str, Any]]]) -> tuple[list[tuple], list[str]]:
