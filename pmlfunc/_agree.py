@@ -59,7 +59,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _MAGIC = 0x706D6C66  # "pmlf": a code from another library's collective is not ours
-_BATCH_SLOTS = 4  # batch-sized tensors a call may exchange (emb_a, emb_b, labels, ...)
+_BATCH_SLOTS = 8  # batch-sized tensors a call may exchange (emb_a, emb_b, labels, ...)
 _CODE = 6 + _BATCH_SLOTS  # magic, counter, error flag, call hash, arguments hash, n batch
 
 

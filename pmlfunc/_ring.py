@@ -225,7 +225,9 @@ def _merge_cols(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _block_labels(call: EngineCall) -> Tensor | None:
-    return call.rows if call.cols is None else call.cols
+    labels = call.rows if call.cols is None else call.cols
+    assert not isinstance(labels, tuple)  # the retrieval kind does not take the ring
+    return labels
 
 
 def ring_loss(call: EngineCall, session: Session, sizes: list[int]) -> Tensor:

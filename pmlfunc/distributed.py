@@ -310,6 +310,9 @@ def global_objective(
       ``swap=True``, an embedding regularizer) compute the whole loss on every rank.
     - :func:`pmlfunc.losses.clip` and :func:`pmlfunc.losses.siglip` gather both sets (and
       ``labels=``): row ``i`` of the gathered ``emb_a`` still pairs with row ``i`` of ``emb_b``.
+      :func:`pmlfunc.losses.multiple_negatives_ranking` likewise gathers its queries, positives,
+      hard negatives, ids and guide rows in rank order (unequal sizes too: no rank offset is
+      assumed), so every rank's rows see every rank's documents as in-batch negatives.
 
     ``exchange="ring"``, for :func:`~pmlfunc.losses.clip`, :func:`~pmlfunc.losses.siglip`,
     :func:`~pmlfunc.losses.ntxent` and :func:`~pmlfunc.losses.supcon` (dense, or tiled with
@@ -338,7 +341,7 @@ def global_objective(
         Session.check_timeout(timeout)
     if exchange == "ring":
         return _ring_objective(loss_fn, group, timeout)
-    if _is_pair_loss(loss_fn):
+    if _aligned_rows(loss_fn) is not None:
         return _pair_objective(loss_fn, group, timeout)
     what = f"global_objective({_name(loss_fn)})"
 
@@ -375,6 +378,11 @@ def _ring_objective(loss_fn, group, timeout):
     from .losses._tiled import builder_of
 
     what = f"global_objective({_name(loss_fn)}, exchange='ring')"
+    if _aligned_rows(loss_fn) not in (None, _PAIR_BATCH):
+        raise ValueError(
+            f"{what}: the ring does not run {_name(loss_fn)} yet (its hard negatives, ids and "
+            "guide rows do not travel with a block); use exchange='gather'"
+        )
     builder_of(loss_fn, "exchange='ring'")  # refuse any other loss now, not at the first step
     pair = _is_pair_loss(loss_fn)
     batch = ("emb_a", "emb_b", "labels") if pair else ("embeddings", "labels")
@@ -451,23 +459,61 @@ def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequen
     return dataclasses.replace(call, **{k: v[:0] for k, v in parts.items() if v is not None})
 
 
-def _is_pair_loss(loss_fn) -> bool:
-    """Whether ``loss_fn`` takes two aligned sets ``(emb_a, emb_b, ...)`` (CLIP, SigLIP)."""
-    try:
-        params = inspect.signature(unpartial(loss_fn)[0]).parameters
-    except (TypeError, ValueError):
-        return False
-    return list(params)[:2] == ["emb_a", "emb_b"]
-
-
 _PAIR_BATCH = ("emb_a", "emb_b", "labels")
 
 
+def _aligned_rows(loss_fn) -> tuple[str, ...] | None:
+    """The row-aligned arguments of a loss of aligned sets, gathered together (row ``i`` of
+    each still belongs with row ``i`` of the others); ``None`` for any other loss. CLIP and
+    SigLIP take ``(emb_a, emb_b, labels)``; ``multiple_negatives_ranking`` its queries,
+    positives, hard negatives, ids and the guide's rows (``guide[i]``)."""
+    try:
+        params = list(inspect.signature(unpartial(loss_fn)[0]).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params[:2] == ["emb_a", "emb_b"]:
+        return _PAIR_BATCH
+    if params[:3] == ["anchors", "positives", "negatives"]:
+        guide = tuple(f"guide[{i}]" for i in range(3))
+        return ("anchors", "positives", "negatives", "anchor_ids", "positive_ids", *guide)
+    return None
+
+
+def _is_pair_loss(loss_fn) -> bool:
+    """Whether ``loss_fn`` takes two aligned sets ``(emb_a, emb_b, ...)`` (CLIP, SigLIP)."""
+    return (_aligned_rows(loss_fn) or ("",))[0] == "emb_a"
+
+
+def _unpack_guide(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` with a ``guide`` sequence as ``guide[0]``, ``guide[1]``, ... (each a batch
+    argument of its own)."""
+    guide = arguments.pop("guide", None)
+    if isinstance(guide, (tuple, list)):
+        arguments.update({f"guide[{i}]": g for i, g in enumerate(guide)})
+    elif guide is not None:
+        arguments["guide"] = guide
+    return arguments
+
+
 def _pair_objective(loss_fn, group, timeout):
-    """``global_objective`` (gather) of a loss of two aligned sets: both sets and their labels
-    gathered in rank order, the whole loss on every rank."""
+    """``global_objective`` (gather) of a loss of aligned sets (:func:`_aligned_rows`): its
+    row-aligned arguments gathered in rank order, the whole loss on every rank."""
     fn = unpartial(loss_fn)[0]
     what = f"global_objective({_name(loss_fn)})"
+    batch = _aligned_rows(loss_fn)
+    assert batch is not None  # global_objective sends only these here
+    first = batch[0]
+
+    def gathered(arguments: dict[str, Any], gather: Callable[[Tensor, str], Tensor]) -> None:
+        """Every batch argument of ``arguments`` gathered in place (``guide`` by element)."""
+        flat = _unpack_guide(arguments)
+        for key in batch:
+            if flat.get(key) is not None:
+                flat[key] = gather(flat[key], key)
+        if "guide[0]" in flat:
+            flat["guide"] = tuple(
+                flat.pop(f"guide[{i}]") for i in range(3) if f"guide[{i}]" in flat
+            )
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Tensor:
@@ -476,38 +522,32 @@ def _pair_objective(loss_fn, group, timeout):
         f, a, kw = unpartial(loss_fn, args, kwargs)
         if torch.compiler.is_compiling():
             bound = inspect.signature(fn).bind(*a, **kw)
-            for key in _PAIR_BATCH:
-                if bound.arguments.get(key) is not None:
-                    bound.arguments[key] = _compiled_gather(
-                        bound.arguments[key], group or dist.group.WORLD
-                    )
+            g_group = group or dist.group.WORLD
+            gathered(bound.arguments, lambda t, _: _compiled_gather(t, g_group))
             return f(*bound.args, **bound.kwargs)
         bound_args: list[inspect.BoundArguments] = []
 
         def checks() -> None:
             bound = inspect.signature(fn).bind(*a, **kw)
-            emb_a = bound.arguments.get("emb_a")
-            _check_batch(emb_a, "emb_a")
-            assert isinstance(emb_a, Tensor)  # _check_batch raised otherwise
-            for key in _PAIR_BATCH[1:]:
-                if bound.arguments.get(key) is not None:
-                    _check_rows(bound.arguments[key], key, emb_a, "emb_a")
+            rows = bound.arguments.get(first)
+            _check_batch(rows, first)
+            assert isinstance(rows, Tensor)  # _check_batch raised otherwise
+            flat = _unpack_guide(dict(bound.arguments))
+            for key in batch[1:]:
+                if flat.get(key) is not None:
+                    _check_rows(flat[key], key, rows, first)
             bound_args.append(bound)
 
         session = Session(group, what, timeout)
-        arguments = _named(loss_fn, args, kwargs)
+        arguments = _unpack_guide(_named(loss_fn, args, kwargs))
         error = _local(checks)
-        emb_a = arguments.get("emb_a")
-        device = emb_a.device if isinstance(emb_a, Tensor) else None
-        sizes = session.agree(arguments, batch=_PAIR_BATCH, error=error, device=device)
-        _refuse_empty(sizes["emb_a"], what, "emb_a")
+        rows = arguments.get(first)
+        device = rows.device if isinstance(rows, Tensor) else None
+        sizes = session.agree(arguments, batch=batch, error=error, device=device)
+        _refuse_empty(sizes[first], what, first)
         bound = bound_args[0]
         with session.guard("computing the loss"):
-            for key in _PAIR_BATCH:
-                if bound.arguments.get(key) is not None:
-                    bound.arguments[key] = _gather(
-                        session, bound.arguments[key], sizes["emb_a"], key
-                    )
+            gathered(bound.arguments, lambda t, key: _gather(session, t, sizes[first], key))
             return f(*bound.args, **bound.kwargs)
 
     return wrapped

@@ -83,6 +83,7 @@ EXCLUDED = {
             "large_margin_softmax",
             "manifold",
             "margin",
+            "multiple_negatives_ranking",
             "normalized_softmax",
             "p2s_grad",
             "proxy_anchor",
@@ -335,6 +336,43 @@ def paired(fn: Callable, init: Callable, **hp: Any) -> dict[str, Entry]:
     }
 
 
+def retrieval(fn: Callable) -> dict[str, Entry]:
+    """``multiple_negatives_ranking(anchors, positives, negatives, params, ...)``: queries
+    (``embeddings``), positives (``ref_emb``) and hard negatives differentiated; dense with the
+    default options, tiled with every direction and ids (``name[tiled]``), and tiled with a
+    guide's masks and a learnable scale (``name[tiled,guide]``). Hardness weighting detaches its
+    term by design (no gradcheck): tests/test_retrieval.py checks it against the reference."""
+    all_directions = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+    def make(d: Draw, chunk: int | None, variant: str) -> Call:
+        wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D), "negatives": d.randn(B, 2, D)}
+        kw: dict[str, Any] = {"chunk_size": chunk}
+        if variant == "ids":
+            kw["directions"] = all_directions
+            kw["anchor_ids"] = d.labels([0, 1, 2, 0, 4, 5, 6, 7])
+            kw["positive_ids"] = d.labels([0, 1, 2, 3, 4, 1, 6, 7])
+        if variant == "guide":
+            kw["directions"] = ("query_to_doc", "query_to_query", "doc_to_doc")
+            kw["guide"] = (d.randn(B, 3), d.randn(B, 3), d.randn(B, 2, 3))
+            kw["margin"] = 0.1
+            wrt["params.logit_scale"] = d.params(pf.losses.multiple_negatives_ranking_init, 10.0)[
+                "logit_scale"
+            ]
+
+        def run(embeddings, ref_emb, negatives, **leaves):
+            given = {k.removeprefix("params."): v for k, v in leaves.items()} or None
+            return fn(embeddings, ref_emb, negatives, given, **kw)
+
+        return Call(wrt, run)
+
+    name = fn.__name__
+    return {
+        name: Entry(fn, partial(make, chunk=None, variant="plain")),
+        f"{name}[tiled]": Entry(fn, partial(make, chunk=3, variant="ids"), backend=_SHARED),
+        f"{name}[tiled,guide]": Entry(fn, partial(make, chunk=3, variant="guide"), backend=_SHARED),
+    }
+
+
 def _dynamic_soft_margin(d: Draw) -> Call:
     state = {"hist": d.rand(10)}
     y = d.labels()
@@ -424,6 +462,8 @@ LOSSES: dict[str, Entry] = {
     # cross_modal: two aligned sets, dense and on the tiled engine
     **paired(L.clip, L.clip_init),
     **paired(L.siglip, L.siglip_init),
+    # retrieval: queries, positives and hard negatives on the tiled engine
+    **retrieval(L.multiple_negatives_ranking),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
     # neighbors
@@ -958,11 +998,12 @@ LOW_PRECISION_MODES = ("autocast-bf16", "bfloat16", "float16")
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_low_precision_gives_a_finite_float32_loss_close_to_float64(name, mode):
     """``mode``: float32 inputs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, or the
-    embeddings (and reference set) in bfloat16 / float16 with float32 params, as under AMP."""
+    embeddings (and reference set, hard negatives) in bfloat16 / float16 with float32 params, as
+    under AMP."""
     call = LOSSES[name].make(Draw(F32))
     wrt = {k: v.detach().clone() for k, v in call.wrt.items()}
     if mode != "autocast-bf16":
-        for k in ("embeddings", "ref_emb"):
+        for k in ("embeddings", "ref_emb", "negatives"):
             if k in wrt:
                 wrt[k] = wrt[k].to(getattr(torch, mode))
     want = loss_of(call.run(**{k: v.to(F64) for k, v in wrt.items()}))

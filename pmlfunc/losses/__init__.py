@@ -12,6 +12,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.triplets`` | ``triplet_margin``, ``margin``, ``selectively_contrastive_triplet`` |
 | ``pmlfunc.losses.softmax`` | ``ntxent``, ``supcon``, ``decoupled_contrastive``, ``multi_supcon`` |
 | ``pmlfunc.losses.cross_modal`` | ``clip``, ``siglip`` (two aligned sets; the tiled engine with ``chunk_size``) |
+| ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.self_supervised`` | ``vicreg`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
@@ -92,6 +93,7 @@ from .ranking import (
     pnp,
     smooth_ap,
 )
+from .retrieval import multiple_negatives_ranking, multiple_negatives_ranking_init
 from .self_supervised import vicreg
 from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
 from .triplets import margin, margin_init, selectively_contrastive_triplet, triplet_margin
@@ -130,6 +132,8 @@ __all__ = [
     "margin_init",
     "multi_similarity",
     "multi_supcon",
+    "multiple_negatives_ranking",
+    "multiple_negatives_ranking_init",
     "nca",
     "normalized_softmax",
     "normalized_softmax_init",

@@ -44,6 +44,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,7 @@ __all__ = [
     "KINDS",
     "ROW_STATS",
     "EngineCall",
+    "Retrieval",
     "block_backward",
     "block_forward",
     "builder_of",
@@ -69,6 +71,7 @@ __all__ = [
     "dense_rows",
     "dense_runs",
     "engine_call",
+    "kind_name",
     "merge",
     "reduce",
     "run_local",
@@ -84,16 +87,54 @@ KINDS = {
     "supcon": ("avg_nonzero", "mean", "sum"),
     "clip": ("mean", "sum"),
     "siglip": ("batch", "mean", "sum"),
+    "retrieval": ("mean", "sum"),
 }
 
 # kind -> how many of the backward's statistics are per row (the rest are per column)
-ROW_STATS = {"siglip": 1, "ntxent": 3, "supcon": 3, "clip": 3}
+ROW_STATS = {"siglip": 1, "ntxent": 3, "supcon": 3, "clip": 3, "retrieval": 2}
 
 
-def tiled_reducer(kind: str, reducer: Reducer | None, what: str | None = None) -> str:
+class Retrieval(NamedTuple):
+    r"""The static options of the ``"retrieval"`` kind (:func:`pmlfunc.losses.multiple_negatives_ranking`),
+    passed where the other kinds pass their name.
+
+    Loss row ``i`` has ``roles`` engine rows, laid out consecutively in ``x``: its query
+    (role 0) and, when a direction starts from documents, its positive document (role 1). The
+    columns are typed (:data:`COL_QUERY`, :data:`COL_POSITIVE`, :data:`COL_NEGATIVE`) and owned
+    by a loss row. ``allowed[role][type]``: which column types a role's row reads (the
+    directions). ``joint``: one log-sum-exp over all of a row's roles (else one per role,
+    averaged). ``hardness``: which query-row entries get ``strength · stop_grad(sim)`` added,
+    ``None`` for none (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``). ``ids``:
+    rows related by equal ids mask each other's query and positive; ``guide``: entries whose guide
+    similarity exceeds the row's threshold are masked (the positive pair protected)."""
+
+    roles: int
+    allowed: tuple[tuple[bool, bool, bool], ...]
+    joint: bool
+    hardness: str | None
+    ids: bool
+    guide: bool
+
+
+COL_QUERY, COL_POSITIVE, COL_NEGATIVE = 0, 1, 2
+
+# a kind: its name (a key of KINDS), or the retrieval kind's options
+Kind = str | Retrieval
+
+
+def kind_name(kind) -> str:
+    """The name of a kind (``"retrieval"`` for :class:`Retrieval` options)."""
+    return "retrieval" if isinstance(kind, Retrieval) else kind
+
+
+def _roles(kind) -> int:
+    return kind.roles if isinstance(kind, Retrieval) else 1
+
+
+def tiled_reducer(kind, reducer: Reducer | None, what: str | None = None) -> str:
     """The engine's name for a loss's reducer (``None``: the kind's default), or the error that
     says which reducers ``what`` (default: the loss) supports."""
-    allowed = KINDS[kind]
+    allowed = KINDS[kind_name(kind)]
     if reducer is None:
         return allowed[0]
     if not isinstance(reducer, Reducer):
@@ -280,11 +321,20 @@ def block_forward(
 
     ``grads`` (a :class:`_GradSums`, one block only): also form each tile's ``∂L/∂S`` while it
     is held and add its products to ``grads`` (:func:`fused_loss`), so that no tile is computed
-    twice."""
+    twice. The retrieval kind's tiles are ``chunk`` loss rows, each of ``roles`` rows of ``x``
+    (:class:`Retrieval`)."""
     n, m = x.shape[-2], y.shape[-2]
     acc = _Partials(kind, x, m)
-    for r0, r1 in _tiles(n, chunk):
-        s = _logits(x, y, r0, r1, scale, bias)
+    roles = _roles(kind)
+    for r0, r1 in _tiles(n // roles, chunk):
+        s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
+        if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
+            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m)
+            tile_lse, ds = _retrieval_fold_(kind, s, keep, pen, rows[1], scale, grads is not None)
+            acc.parts["row_lse"].append(tile_lse)
+            if grads is not None:
+                grads.add(ds, r0 * roles, r1 * roles)
+            continue
         at = _tile_at(rows, r0, r1, m, diag, exclude)
         pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
         tile_lse = None if lse is None else lse[r0:r1]
@@ -305,7 +355,7 @@ class _Partials:
 
     ROW = ("row_lse", "row_pos", "row_pos_sum", "row_q")
 
-    def __init__(self, kind: str, x: Tensor, m: int):
+    def __init__(self, kind: Kind, x: Tensor, m: int):
         self.kind = kind
         self.total = self.count = x.new_zeros(())
         self.parts: dict[str, list[Tensor]] = {k: [] for k in self.ROW}
@@ -322,6 +372,8 @@ class _Partials:
         kind, x = self.kind, self.x
         if kind == "siglip":
             keys: tuple[str, ...] = ()
+        elif isinstance(kind, Retrieval):
+            keys = ("row_lse",)
         elif kind == "ntxent":  # a given lse is not a partial: not returned
             keys = ("row_q",) if given_lse else ("row_lse", "row_q") if final else ("row_lse",)
         else:
@@ -329,6 +381,8 @@ class _Partials:
         # every key, also without a tile (an empty rank's rows, on the ring)
         parts = self.parts
         out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
+        if isinstance(kind, Retrieval) and not parts["row_lse"]:  # (0, one lse or one a role)
+            out["row_lse"] = x.new_zeros((0, 1 if kind.joint else kind.roles))
         if kind != "clip":
             out.update(total=self.total, count=self.count.to(x.dtype))
         else:
@@ -444,6 +498,81 @@ def _tile_at(rows, r0: int, r1: int, m: int, diag: bool, exclude: bool) -> _Tile
     return _TileAt(eye, excluded, None if excluded else (r1 - r0) * m)
 
 
+def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int):
+    """``(keep, pen)`` of the retrieval kind's loss rows ``r0:r1``: ``keep`` ``(r, roles, M)``,
+    the entries that are candidates of their row; ``pen`` ``(r, M)``, the query rows' entries that
+    get the hardness term (``None``: no hardness). ``rows = (meta, strength, guide, threshold)``
+    with ``meta`` ``(N, 3)`` = (global row index, anchor id, positive id); ``cols = (meta,
+    guide)`` with ``meta`` ``(M, 4)`` = (column type, owner row, its anchor id, its positive id).
+
+    A query row never reads its own query; a document row never reads its own documents (its
+    own query, the positive pair read backwards, it does). With ids, another row whose anchor
+    id or positive id is equal is the same query or document: its query and positive are
+    masked. With a guide, an entry whose guide similarity exceeds the row's threshold is
+    masked, except the positive pair."""
+    meta, cm = rows[0][r0:r1], cols[0]
+    ctype = cm[:, 0]
+    own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
+    is_query, is_doc = ctype == COL_QUERY, ctype != COL_QUERY
+    keeps = []
+    for role in range(opt.roles):
+        read = [ctype == t for t, ok in enumerate(opt.allowed[role]) if ok]
+        typed = functools.reduce(torch.logical_or, read)
+        keeps.append(typed & ~(own & (is_query if role == 0 else is_doc)))
+    keep = torch.stack(keeps, 1)
+    if opt.ids:
+        related = (meta[:, 1:2] == cm[:, 2]) | (meta[:, 2:3] == cm[:, 3])
+        same = related & ~own & (ctype != COL_NEGATIVE)
+        keep = keep & ~same.unsqueeze(1)
+    if opt.guide:
+        guide_rows, threshold = rows[2], rows[3]
+        g = matmul(guide_rows[r0 * opt.roles : r1 * opt.roles], cols[1].transpose(-1, -2))
+        over = g.view(r1 - r0, opt.roles, m) > threshold[r0:r1, None, None]
+        pair = [own & (ctype == COL_POSITIVE), own & is_query][: opt.roles]
+        keep = keep & ~(over & ~torch.stack(pair, 1))
+    if opt.hardness is None:
+        return keep, None
+    if opt.hardness == "in_batch_negatives":
+        return keep, is_doc & ~own
+    if opt.hardness == "hard_negatives":
+        return keep, (ctype == COL_NEGATIVE) & own
+    return keep, is_doc & ~(own & (ctype == COL_POSITIVE))  # all_negatives
+
+
+def _hardness_(s: Tensor, opt: Retrieval, pen, strength, scale) -> Tensor:
+    """The tile ``s`` ``(r·roles, M)`` with ``strength · stop_grad(sim)`` added to the query rows'
+    entries ``pen`` (``sim = S / scale``: the penalty enters as a constant of the logits), in
+    place; ``(r, roles, M)``."""
+    s3 = s.view(-1, opt.roles, s.shape[-1])
+    if pen is not None:
+        s3[:, 0].mul_(torch.where(pen, 1.0 + strength / scale, 1.0))
+    return s3
+
+
+def _retrieval_fold_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, grad: bool):
+    """One tile of the retrieval kind, destroying ``s``: ``(lse, ∂L/∂S or None)``. ``lse``
+    ``(r, 1)`` over each row's candidates of every role (``joint``) or ``(r, roles)``, one a
+    role; ``∂L/∂S`` ``(r·roles, M)`` of ``mean_roles lse`` for a unit weight: the softmax over
+    the candidates (over a role's, divided by ``roles``), from the same exponentials."""
+    s3 = _hardness_(s, opt, pen, strength, scale)
+    r = s3.shape[0]
+    e, k = (s3.reshape(r, -1), keep.reshape(r, -1)) if opt.joint else (s3, keep)
+    if not grad:
+        return _row_lse_(e, k).reshape(r, -1), None
+    lse, probs = _row_softmax(e, k)
+    if not opt.joint:
+        probs = probs.div_(opt.roles)
+    return lse.reshape(r, -1), probs.reshape(s.shape)
+
+
+def _retrieval_ds_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, lse, coef) -> Tensor:
+    """The retrieval kind's ``∂L/∂S`` of one tile recomputed from the rows' log-sum-exps
+    ``lse`` ``(r, 1 or roles)`` (the backward of :class:`_TiledGrads`)."""
+    s3 = _hardness_(s, opt, pen, strength, scale)
+    p = _exp_(s3, lse.unsqueeze(-1)).masked_fill_(keep.logical_not(), 0.0)
+    return p.mul_(coef if opt.joint else coef / opt.roles).reshape(s.shape)
+
+
 def merge(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
     """The statistics of two blocks of columns together: log-sum-exps by ``logaddexp`` (an
     empty side's ``−finfo.max`` leaves the other unchanged; NaN propagates), the rest summed."""
@@ -461,10 +590,12 @@ def _supcon_losses(st: dict[str, Tensor]) -> Tensor:
     return -mean_log_prob
 
 
-def counts(kind: str, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+def counts(kind: Kind, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     """The numbers ``kind``'s reducers divide by, over these ``n`` rows (and, for CLIP, these
     columns): across ranks, their sums over the ranks are the global ones."""
     zero = next(iter(st.values())).new_zeros(())
+    if isinstance(kind, Retrieval):  # n counts x's rows, ``roles`` a loss row
+        return {"n": zero + st["row_lse"].shape[0]}
     if kind == "siglip":
         return {"n": zero + n, "count": st["count"]}
     if kind == "ntxent":
@@ -476,7 +607,7 @@ def counts(kind: str, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return {f"{s}_has": (st[f"{s}_pos"] > 0).sum().to(zero.dtype) for s in ("row", "col")}
 
 
-def _row_weight(kind: str, reducer: str, st: dict[str, Tensor]) -> float | Tensor:
+def _row_weight(kind: Kind, reducer: str, st: dict[str, Tensor]) -> float | Tensor:
     """The row-complete kinds weigh row ``i``'s loss by ``row_weight_i × batch_weight``: this
     is the first factor, from these rows' own statistics (a tile's: SupCon's ``avg_nonzero``
     window, the row's loss ``> 0``). The forward walk that forms the gradient as it goes
@@ -489,10 +620,12 @@ def _row_weight(kind: str, reducer: str, st: dict[str, Tensor]) -> float | Tenso
     return torch.ones_like(st["row_lse"])
 
 
-def _batch_weight(kind: str, reducer: str, total: Mapping[str, Tensor]) -> Tensor:
+def _batch_weight(kind: Kind, reducer: str, total: Mapping[str, Tensor]) -> Tensor:
     """The second factor of :func:`_row_weight`: a scalar from the whole batch's
     :func:`counts` (``total``)."""
     one = next(iter(total.values())).new_ones(())
+    if isinstance(kind, Retrieval):
+        return ratio(one, total["n"]) if reducer == "mean" else one
     if kind == "siglip":
         return {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
     if kind == "ntxent":
@@ -502,9 +635,12 @@ def _batch_weight(kind: str, reducer: str, total: Mapping[str, Tensor]) -> Tenso
     return torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
 
 
-def reduce(kind: str, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
+def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
+    if isinstance(kind, Retrieval):  # the log-partition part: Σ_i w · mean_roles lse_i
+        coef = _batch_weight(kind, reducer, total)
+        return st["row_lse"].mean(-1).sum() * coef, (st["row_lse"], coef)
     if kind == "siglip":
         coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (coef,)
@@ -638,8 +774,17 @@ def block_backward(
     from the forward's statistics: every tile recomputed."""
     m = y.shape[-2]
     sums = _GradSums(x, y, needs, into)
-    for r0, r1 in _tiles(x.shape[-2], chunk):
-        s = _logits(x, y, r0, r1, scale, bias)
+    roles = _roles(kind)
+    for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
+        s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
+        if isinstance(kind, Retrieval):
+            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m)
+            lse, coef = row[0][r0:r1], row[1]
+            sums.add(
+                _retrieval_ds_(kind, s, keep, pen, rows[1], scale, lse, coef),
+                r0 * roles, r1 * roles,
+            )  # fmt: skip
+            continue
         at = _tile_at(rows, r0, r1, m, diag, exclude)
         pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
         ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col, at.eye)
@@ -670,7 +815,8 @@ class _TiledGrads(torch.autograd.Function):
         # s0..s5: the forward's statistics, padded with None (one argument each: transforms
         # see every tensor)
         stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
-        row, col = stats[: ROW_STATS[kind]], stats[ROW_STATS[kind] :]
+        split = ROW_STATS[kind_name(kind)]
+        row, col = stats[:split], stats[split:]
         need_x, need_y, need_scale, need_bias = needs
         self_mode = y is None
         yy = x if self_mode else y
@@ -723,7 +869,7 @@ class _Scaled(torch.autograd.Function):
         return _TiledGrads.backward(ctx, *grads)
 
 
-def _fused(kind: str, n: int, chunk: int, needs) -> bool:
+def _fused(kind: Kind, n: int, chunk: int, needs) -> bool:
     """Whether the forward walk forms the gradient (``needs`` known): the row-complete kinds,
     whose every term lies in one tile of rows, and CLIP in one tile."""
     return needs is not None and (kind != "clip" or chunk >= n)
@@ -801,12 +947,20 @@ class _TiledLoss(torch.autograd.Function):
         ctx.chunk, ctx.kind, ctx.n_stats = chunk, kind, len(rest) - n_grads
         ctx.needs = needs if fused else None
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
-        saved = (x, y, rows, cols, scale if isinstance(scale, Tensor) else None, bias, *rest)
+        # the retrieval kind's rows and cols are tuples of metadata: saved flat
+        ctx.n_meta = [len(t) if isinstance(t, tuple) else None for t in (rows, cols)]
+        meta = [t for m in (rows, cols) for t in (m if isinstance(m, tuple) else (m,))]
+        saved = (x, y, *meta, scale if isinstance(scale, Tensor) else None, bias, *rest)
         ctx.save_for_backward(*saved)
 
     @staticmethod
     def backward(ctx, g, *_):
-        x, y, rows, cols, scale, bias, *rest = ctx.saved_tensors
+        x, y, *saved = ctx.saved_tensors
+        meta: list = []
+        for n in ctx.n_meta:  # rows, cols
+            meta.append(saved[0] if n is None else tuple(saved[:n]))
+            saved = saved[1 if n is None else n :]
+        (rows, cols), (scale, bias, *rest) = meta, saved
         stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 4, 5))
         if not any(needs):
@@ -833,13 +987,13 @@ class _TiledLoss(torch.autograd.Function):
 def tiled_loss(
     x: Tensor,
     y: Tensor | None,
-    rows: Tensor | None,
-    cols: Tensor | None,
+    rows: Tensor | tuple[Tensor, ...] | None,
+    cols: Tensor | tuple[Tensor, ...] | None,
     *,
     scale: float | Tensor,
     bias: Tensor | None,
     chunk: int,
-    kind: str,
+    kind: Kind,
     reducer: str,
 ) -> Tensor:
     """The loss of ``kind`` over ``S = scale · x yᵀ + bias`` in tiles of ``chunk`` rows.
@@ -857,7 +1011,7 @@ def tiled_loss(
     evaluation) it is one product a tile.
     """
     # Function.apply refuses one tensor given twice (under compile: "duplicate tensor input")
-    if cols is rows:
+    if isinstance(rows, Tensor) and cols is rows:
         cols = None  # the same labels for both: what cols=None says
     if y is x:
         y = x.view_as(x)  # a reference set that is the batch itself: still nothing excluded
@@ -874,13 +1028,15 @@ class EngineCall:
     self mode), their labels ``rows``/``cols`` (``None``: aligned sets), the logit ``scale`` and
     ``bias``, ``chunk`` rows a tile (``None``: the dense loss; the engine then takes all rows at
     once), the engine's reducer name, and ``finish`` (the embedding regularizer's addition, or
-    ``None``)."""
+    ``None``). The retrieval kind (:class:`Retrieval` options as ``kind``) passes tuples of its
+    rows' and columns' metadata as ``rows``/``cols`` (:func:`_retrieval_masks`) and its positive
+    term as ``finish``."""
 
-    kind: str
+    kind: Kind
     x: Tensor
     y: Tensor | None
-    rows: Tensor | None
-    cols: Tensor | None
+    rows: Tensor | tuple[Tensor, ...] | None
+    cols: Tensor | tuple[Tensor, ...] | None
     scale: float | Tensor
     bias: Tensor | None
     chunk: int | None
@@ -894,14 +1050,15 @@ class EngineCall:
 DENSE_TILE = 2**22
 
 
-def dense_rows(kind: str, n: int, m: int) -> int:
+def dense_rows(kind, n: int, m: int) -> int:
     """Rows a tile for a dense call of ``kind`` over ``n × m`` logits: CLIP takes one tile (its
     columns' statistics are then complete in the forward, which forms the gradient too); the
     row-complete kinds tiles of at most :data:`DENSE_TILE` entries (the memory of a tiled call,
     at no cost: no tile is computed twice)."""
     if kind == "clip":
         return max(n, 1)
-    return max(1, min(n, DENSE_TILE // max(m, 1)))
+    roles = _roles(kind)  # a retrieval tile: rows × roles of x
+    return max(1, min(n // roles, DENSE_TILE // max(m * roles, 1)))
 
 
 def dense_runs(kind: str, labels: Tensor | None, inputs: Mapping) -> bool:
