@@ -16,6 +16,8 @@ Case files, each collected by pytest (the normal test run calls every body once,
 - ``bench_proxy_losses``: a proxy loss with its weight gradients;
 - ``bench_anchor_batched``: full-batch losses beside ``pf.chunked.value_and_grad``;
 - ``bench_tiled``: NT-Xent, CLIP and SigLIP dense beside their tiled path (``chunk_size=``);
+- ``bench_retrieval``: ``multiple_negatives_ranking`` with 0, 1 and 7 hard negatives, dense
+  and tiled, beside the product's floor;
 - ``bench_peers``: the peer libraries (open_clip, sentence-transformers, lightly, optax) beside
   the pmlfunc member doing the same loss and the floor, each checked equal before it is timed
   (optional: ``.[bench-peers]``; a member whose package is absent is skipped with the reason);
@@ -151,6 +153,7 @@ def registry() -> dict[str, Case]:
         bench_other_losses,
         bench_peers,
         bench_proxy_losses,
+        bench_retrieval,
         bench_tiled,
     )
 
@@ -163,6 +166,7 @@ def registry() -> dict[str, Case]:
         bench_tiled,
         bench_peers,
         bench_given_triplets,
+        bench_retrieval,
     )
     return {name: case for module in modules for name, case in module.CASES.items()}
 

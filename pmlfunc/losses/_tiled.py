@@ -735,9 +735,12 @@ class _GradSums:
         if need_bias:
             part = ds.sum()
             self.sum_ds = part if self.sum_ds is None else self.sum_ds + part
-        if need_cols:  # ∂Sᵀ x
-            part = matmul(ds.transpose(-1, -2), x[r0:r1])
-            self.gy = part if self.gy is None else self.gy.add_(part)  # a buffer of ours
+        if need_cols:  # ∂Sᵀ x, into the buffer of the first tile's (no second (M, D) buffer)
+            if self.gy is not None and ds.ndim == 2 and x.ndim == 2:
+                self.gy.addmm_(ds.transpose(-1, -2), x[r0:r1])
+            else:
+                part = matmul(ds.transpose(-1, -2), x[r0:r1])
+                self.gy = part if self.gy is None else self.gy.add_(part)  # a buffer of ours
         if need_rows or need_scale:  # ∂S y
             part = matmul(ds, y)
             if need_scale:  # Σ ∂S ⊙ x yᵀ = Σ_i x_i · (∂S y)_i
@@ -944,6 +947,8 @@ class _TiledLoss(torch.autograd.Function):
         n_grads = sum(needs) if fused else 0
         rest = output[1:]
         ctx.mark_non_differentiable(*rest)
+        # no zeros for the statistics' and gradients' cotangents (as large as x and y)
+        ctx.set_materialize_grads(False)
         ctx.chunk, ctx.kind, ctx.n_stats = chunk, kind, len(rest) - n_grads
         ctx.needs = needs if fused else None
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
@@ -963,7 +968,7 @@ class _TiledLoss(torch.autograd.Function):
         (rows, cols), (scale, bias, *rest) = meta, saved
         stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 4, 5))
-        if not any(needs):
+        if not any(needs) or g is None:  # g None: the loss itself is not differentiated
             return (None,) * 10
         scale = ctx.scale_float if scale is None else scale
         if ctx.needs is not None and all(f or not n for f, n in zip(ctx.needs, needs, strict=True)):

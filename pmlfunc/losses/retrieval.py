@@ -41,6 +41,7 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
+from .._ops import unit_rows
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._tiled import (
@@ -49,6 +50,7 @@ from ._tiled import (
     COL_QUERY,
     EngineCall,
     Retrieval,
+    dense_rows,
     run_local,
     tiled_reducer,
 )
@@ -358,9 +360,9 @@ def _retrieval_call(
 
     q, p = anchors.to(cd), positives.to(cd)
     negs = None if neg is None else neg.to(cd)
-    if dist.normalize:
-        q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
-        negs = None if negs is None else F.normalize(negs, dim=-1)
+    if dist.normalize:  # unit_rows: F.normalize with a backward of fewer (N, k, D) buffers
+        q, p = unit_rows(q), unit_rows(p)
+        negs = None if negs is None else unit_rows(negs)
     doc_rows = bool(chosen & {"doc_to_query", "doc_to_doc"})
     with_queries = bool(chosen & {"query_to_query", "doc_to_query"})
     opt = Retrieval(
@@ -391,4 +393,6 @@ def _retrieval_call(
         pos = (q * p).sum(-1).sum() * t
         return log_partition - (pos / n if red == "mean" else pos)
 
+    if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
+        chunk = min(chunk, dense_rows(opt, x.shape[0], y.shape[0]))
     return EngineCall(opt, x, y, rows, cols, t, None, chunk, red, minus_positive)
