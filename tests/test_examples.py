@@ -77,3 +77,34 @@ def test_clip_pairs_example_improves_loss_and_cross_modal_retrieval(args):
     assert losses[-1] < 0.7 * losses[0], out
     assert pair[-1] > pair[0] + 0.04 and pair[-1] > 10 / 397, out
     assert cls[-1] > cls[0] + 0.4, out
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--directions", "symmetric"]], ids=["query_to_doc", "symmetric"]
+)
+def test_two_tower_retrieval_example_improves_loss_and_held_out_ranking(args):
+    """A two-tower retriever (top half of a digit → its own bottom half) trained with
+    ``multiple_negatives_ranking``, 4 mined hard negatives a query, a learnable scale and the
+    tiled path: the loss falls, and the held-out ranking metrics rise far above the first
+    epoch's and above chance (397 documents: R@1 1/397, R@10 10/397, MRR@10 ~0.007, graded
+    NDCG@10 ~0.08). Over seeds 0-5 the last epoch had R@1 >= 0.23, R@10 >= 0.77,
+    NDCG@10 >= 0.65 and MRR@10 >= 0.40; the first epoch R@1 <= 0.08, R@10 <= 0.44,
+    NDCG@10 <= 0.53, MRR@10 <= 0.17."""
+    out = run_example("two_tower_retrieval.py", *args)
+    rows = [line.split() for line in out.splitlines() if line.startswith("epoch")]
+    assert len(rows) == 21, out
+    losses = [float(r[r.index("loss") + 1]) for r in rows[1:]]
+    metric = {
+        name: [float(r[r.index(name) + 1]) for r in rows]
+        for name in ("R@1", "R@10", "NDCG@10", "MRR@10")
+    }
+    assert losses[-1] < 0.5 * losses[0], out
+    # (name, at least this much above epoch 1, and above this absolute floor)
+    for name, gain, floor in (
+        ("R@1", 0.1, 0.15),
+        ("R@10", 0.25, 0.65),
+        ("NDCG@10", 0.1, 0.6),
+        ("MRR@10", 0.15, 0.3),
+    ):
+        values = metric[name]
+        assert values[-1] > values[1] + gain and values[-1] > floor, (name, out)
