@@ -20,7 +20,8 @@ step over ``--repeats`` runs (in this process, after one warm-up run, without th
 
 The paths (``--impls``; a loss runs those it has):
 
-- ``full``: the dense loss and ``torch.autograd.grad`` (``ntxent``, ``clip``, ``siglip``);
+- ``full``: the dense loss and ``torch.autograd.grad`` (``ntxent``, ``clip``, ``siglip``,
+  ``retrieval``: ``multiple_negatives_ranking`` with 7 hard negatives a query);
 - ``tiled``: the same call with ``chunk_size=`` (the tiled engine, a plain backward);
 - ``chunked``: ``pf.chunked.value_and_grad(pf.losses.ntxent, chunk_size)`` (``ntxent`` only:
   anchor rows, the gradient with respect to the embeddings returned).
@@ -38,7 +39,7 @@ is not charged to the step. Children run one at a time.
 
 Targets (``--check`` exits non-zero when one is missed), on live tensor bytes at 16,384 rows:
 chunked NT-Xent <= 256 MiB (issue 6); tiled NT-Xent <= 96 MiB, tiled ``clip`` and ``siglip``
-<= 128 MiB (issue 14). ``--markdown PATH`` writes the tensor-bytes (and time) table as Markdown
+<= 128 MiB (issue 14); tiled ``retrieval`` <= 2x tiled ``clip`` (issue 31). ``--markdown PATH`` writes the tensor-bytes (and time) table as Markdown
 (``docs/benchmarks/large-batch-memory.md`` is made with it).
 """
 
@@ -64,7 +65,9 @@ LOSSES = {
     "ntxent": ("full", "chunked", "tiled"),
     "clip": ("full", "tiled"),
     "siglip": ("full", "tiled"),
+    "retrieval": ("full", "tiled"),
 }
+RETRIEVAL_NEGATIVES = 7  # hard negatives a query of the retrieval loss
 DEFAULT_BATCHES = (2048, 4096, 8192, 16384)
 DEFAULT_CHUNK = 256
 FULL_MAX_BATCH = 8192
@@ -73,6 +76,7 @@ TARGETS_MIB = {
     ("ntxent", "chunked"): 256.0,
     ("ntxent", "tiled"): 96.0,
     ("clip", "tiled"): 128.0,
+    ("retrieval", "tiled"): 162.0,  # issue 31: 2 x tiled clip's 81 MiB at 16,384 rows
     ("siglip", "tiled"): 128.0,
 }
 WARMUP_BATCH = 256
@@ -102,6 +106,13 @@ def step_source(impl: str, chunk_size: int, loss: str = "ntxent") -> str:
             f"    loss = pf.losses.ntxent(emb, labels, temperature={C.NTXENT_TEMPERATURE}{tiled})\n"
             "    return (loss.detach(), *torch.autograd.grad(loss, emb))\n"
         )
+    if loss == "retrieval":  # labels: the hard negatives (make_inputs)
+        return (
+            "def _step(emb, other, labels):\n"
+            "    q, p, n = (t.detach().requires_grad_() for t in (emb, other, labels))\n"
+            f"    loss = pf.losses.multiple_negatives_ranking(q, p, n{tiled})\n"
+            "    return (loss.detach(), *torch.autograd.grad(loss, (q, p, n)))\n"
+        )
     return (
         "def _step(emb, other, labels):\n"
         "    a, b = emb.detach().requires_grad_(), other.detach().requires_grad_()\n"
@@ -112,10 +123,15 @@ def step_source(impl: str, chunk_size: int, loss: str = "ntxent") -> str:
 
 
 def make_inputs(
-    batch: int, dim: int, dtype: torch.dtype = torch.float32
+    batch: int, dim: int, dtype: torch.dtype = torch.float32, loss: str = "ntxent"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(embeddings, paired embeddings, labels), detached."""
+    """(embeddings, paired embeddings, labels), detached; for ``retrieval`` the third is the
+    queries' :data:`RETRIEVAL_NEGATIVES` hard negatives ``(batch, k, dim)``."""
     emb, labels = C.make_inputs(batch, dim, dtype=dtype)
+    if loss == "retrieval":
+        k = RETRIEVAL_NEGATIVES
+        neg = C.make_embeddings(batch * k, dim, dtype=dtype, seed=C.SEED + 2)
+        labels = neg.reshape(batch, k, dim)
     return emb.detach(), C.make_paired(emb), labels
 
 
@@ -147,8 +163,8 @@ def rss_added_bytes(
         setup += "_buf = torch.empty(16 * 2**20 // 4).fill_(0.0)\ndel _buf\n"
     setup += define
     setup += (
-        f"_step(*make_inputs({WARMUP_BATCH}, {dim}, torch.{dtype_name}))\n"
-        f"inputs = make_inputs({batch}, {dim}, torch.{dtype_name})\n"
+        f"_step(*make_inputs({WARMUP_BATCH}, {dim}, torch.{dtype_name}, {loss!r}))\n"
+        f"inputs = make_inputs({batch}, {dim}, torch.{dtype_name}, {loss!r})\n"
     )
     return int(peak_rss_bytes_subprocess("_out = _step(*inputs)\n", setup))
 
@@ -175,7 +191,7 @@ def tensor_peak(
 ) -> TensorMemoryTracker:
     """Method (a): live tensor bytes of one step, in this process; returns the tracker."""
     step = _step_fn(impl, chunk_size, loss)
-    inputs = make_inputs(batch, dim, dtype)
+    inputs = make_inputs(batch, dim, dtype, loss)
     with C.set_threads(threads), TensorMemoryTracker(record_peak=record_peak) as tracker:
         step(*inputs)
     return tracker
@@ -194,7 +210,7 @@ def step_seconds(
 ) -> float:
     """Median wall time of one step over ``repeats`` runs, after one warm-up run."""
     step = _step_fn(impl, chunk_size, loss)
-    inputs = make_inputs(batch, dim, dtype)
+    inputs = make_inputs(batch, dim, dtype, loss)
     times = []
     with C.set_threads(threads):
         step(*inputs)
