@@ -10,6 +10,7 @@ matrix ``S = scale · x yᵀ + bias`` over the ``N × M`` grid of query rows ``x
 | ``"supcon"`` | row ``i``: ``lse_{C(i)} S_i − mean_{P(i)} S_ij`` (``C = P ∪ N``) | ``lse`` over candidates, ``|P(i)|``, ``Σ_P S`` |
 | ``"clip"`` | row ``i`` and column ``j``: ``lse S_i − mean_{P(i)} S_ij``, likewise down columns | row and column ``lse``, ``|P|``, ``Σ_P S`` |
 | ``"siglip"`` | pair ``(i, j)``: ``softplus(−z_ij S_ij)``, ``z = ±1`` for positives/negatives | none |
+| :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile); the positive term ``S(q_i, p_i)`` is the caller's ``finish`` | ``lse`` per row (or per role) |
 
 The columns come in *blocks*. One process has one block, ``y`` itself; the ring
 (:mod:`pmlfunc._ring`) hands this engine the other ranks' blocks one at a time. Per block:
