@@ -208,6 +208,13 @@ def _st():
     return pytest.importorskip("sentence_transformers.sentence_transformer.losses")
 
 
+def _same_loss_and_gradients(ours, theirs, wrt) -> None:
+    """Equal to float32 rounding: the loss and its gradient with respect to each of ``wrt``."""
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, wrt), torch.autograd.grad(theirs, wrt), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def _st_loss(loss, columns):
     return loss.compute_loss_from_embeddings(list(columns), None)
 
@@ -243,10 +250,7 @@ def test_equals_sentence_transformers_multiple_negatives_ranking_loss(case, k):
     columns = [q, p, *n.unbind(1)]
     theirs = _st_loss(losses.MultipleNegativesRankingLoss(_Given(columns), **st_kw), columns)
     ours = mnrl(q, p, n if k else None, chunk_size=3, **our_kw)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    wrt = (q, p, n) if k else (q, p)
-    for a, b in zip(torch.autograd.grad(ours, wrt), torch.autograd.grad(theirs, wrt), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _same_loss_and_gradients(ours, theirs, (q, p, n) if k else (q, p))
 
 
 def test_equals_sentence_transformers_symmetric_ranking_loss():
@@ -305,10 +309,7 @@ def test_equals_sentence_transformers_gist_embed_loss(kw, k):
         margin_strategy=kw.get("margin_strategy", "absolute"), margin=kw.get("margin", 0.0),
         chunk_size=2,
     )  # fmt: skip
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    wrt = (q, p, n) if k else (q, p)
-    for a, b in zip(torch.autograd.grad(ours, wrt), torch.autograd.grad(theirs, wrt), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _same_loss_and_gradients(ours, theirs, (q, p, n) if k else (q, p))
 
 
 def test_equals_sentence_transformers_cached_multiple_negatives_ranking_loss():
