@@ -271,23 +271,36 @@ def test_compiled_members_join_the_pytest_benchmark_groups():
 
 def test_memory_report_measures_every_loss_and_path_and_writes_markdown(tmp_path, capsys):
     """Tensor bytes only (no subprocesses), at two small batches: the bounded paths double with
-    the batch, the dense one quadruples, and the Markdown table has a cell for each."""
-    md = tmp_path / "mem.md"
-    argv = ["--losses", "ntxent,clip,siglip", "--batches", "512,1024", "--no-rss", "--time"]
-    assert memory_report.main([*argv, "--repeats", "1", "--markdown", str(md)]) == 0
+    the batch, the dense one quadruples, and the Markdown table has a cell for each. The
+    retrieval loss's dense call is bounded too (tiles of at most 2^22 entries, M = 8N columns
+    with 7 hard negatives): from 1,024 to 2,048 rows it grows less than twofold."""
+    batches = {"ntxent,clip,siglip": (512, 1024), "retrieval": (1024, 2048)}
     rows = {}
-    for line in capsys.readouterr().out.splitlines():
-        parts = line.split()
-        if len(parts) == 8 and parts[0] in memory_report.LOSSES:
-            rows[(parts[0], parts[1], int(parts[2]))] = float(parts[5])
+    for losses, sizes in batches.items():
+        argv = ["--losses", losses, "--batches", ",".join(map(str, sizes)), "--no-rss", "--time"]
+        md = tmp_path / f"{losses}.md"
+        assert memory_report.main([*argv, "--repeats", "1", "--markdown", str(md)]) == 0
+        for line in capsys.readouterr().out.splitlines():
+            parts = line.split()
+            if len(parts) == 8 and parts[0] in memory_report.LOSSES:
+                rows[(parts[0], parts[1], int(parts[2]))] = float(parts[5])
+    sizes = {loss: batches["retrieval" if loss == "retrieval" else "ntxent,clip,siglip"]
+             for loss in memory_report.LOSSES}  # fmt: skip
     paths = [(loss, impl) for loss, impls in memory_report.LOSSES.items() for impl in impls]
-    assert set(rows) == {(*p, b) for p in paths for b in (512, 1024)}
+    assert set(rows) == {(*p, b) for p in paths for b in sizes[p[0]]}
     for loss, impl in paths:
-        growth = rows[(loss, impl, 1024)] / rows[(loss, impl, 512)]
-        assert (3.5 < growth < 4.5) if impl == "full" else (1.8 < growth < 2.2), (loss, impl)
-    table = md.read_text()
+        small, large = sizes[loss]
+        growth = rows[(loss, impl, large)] / rows[(loss, impl, small)]
+        if impl == "full":
+            assert (growth < 2.2) if loss == "retrieval" else (3.5 < growth < 4.5), (loss, impl)
+        else:
+            assert 1.8 < growth < 2.2, (loss, impl)
+    table = (tmp_path / "ntxent,clip,siglip.md").read_text()
     assert "| batch | ntxent full | ntxent chunked | ntxent tiled | clip full |" in table
     assert table.count("\n| 1,024 |") == 1 and " s) |" in table
+    table = (tmp_path / "retrieval.md").read_text()
+    assert "| batch | retrieval full | retrieval tiled |" in table
+    assert table.count("\n| 2,048 |") == 1
 
 
 @pytest.mark.parametrize(

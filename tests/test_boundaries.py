@@ -817,6 +817,45 @@ def _avg_nonzero() -> None:
         torch.testing.assert_close(got, want, **EXACT)
 
 
+def _gist_margin(strategy: str) -> None:
+    """GISTEmbed's guide mask (``multiple_negatives_ranking(guide=...)``): a candidate whose
+    guide cosine ``g_c`` is *above* the row's threshold leaves the softmax, one exactly on it
+    stays (sentence-transformers: ``guided_sim_mat > threshold``). ``±1`` guide rows of 16
+    dimensions (norm 4: normalised exactly) give cosines in multiples of 1/8, and margins 1/4
+    (absolute) or 1/2 (relative, on ``|g_i|`` a multiple of 1/8) put some candidates exactly on
+    the threshold; the loss is the
+    float64 loop reference's, which differs from the loss with those candidates masked."""
+    from reference import retrieval as ref
+
+    n, k = 6, 1
+    guide = (_signs(1, n, 16), _signs(2, n, 16), _signs(3, n * k, 16).view(n, k, 16))
+    g = torch.Generator().manual_seed(4)
+    q, p, negs = (torch.randn(*s, generator=g, dtype=F64) for s in ((n, 4), (n, 4), (n, k, 4)))
+    margin = 0.25 if strategy == "absolute" else 0.5
+    gq, gp, gn = (t / 4 for t in guide)
+    pos = (gq * gp).sum(-1)
+    threshold = pos - margin if strategy == "absolute" else pos - pos.abs() * margin
+    cands = torch.cat(
+        [gp.T.unsqueeze(0).expand(n, -1, -1), gn.reshape(n * k, 16).T.expand(n, -1, -1)], 2
+    )
+    g_c = torch.einsum("id,idm->im", gq, cands)  # each query's guide cosines to every document
+    on = g_c == threshold.unsqueeze(1)
+    on[torch.arange(n), torch.arange(n)] = False  # the positive pair is never masked
+    assert on.any(), "no candidate exactly on the threshold"
+    kw = {"margin_strategy": strategy, "margin": margin}
+    for chunk_size in (None, 2):
+        got = pf.losses.multiple_negatives_ranking(
+            q, p, negs, guide=guide, chunk_size=chunk_size, **kw
+        )
+        torch.testing.assert_close(
+            got, ref.multiple_negatives_ranking(q, p, negs, guide=guide, **kw), **EXACT
+        )
+    # the tie matters: a margin a hair larger masks the candidates that were on the threshold
+    nudged = {**kw, "margin": margin + 1e-9}
+    tighter = pf.losses.multiple_negatives_ranking(q, p, negs, guide=guide, **nudged)
+    assert not torch.isclose(got, tighter, rtol=1e-9, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # The table
 
@@ -928,6 +967,10 @@ TABLE: list[Row] = [
         "cos(θ + m) iff cos θ ≥ −cos m (θ ≤ π − m)", "angles <= pi - margin"),
     Row(L.dynamic_soft_margin, "num_bins", _dynamic_soft_margin,
         "segment ⌊(v − min_val)/Δ⌋ (an edge: the upper one)", "floor((v - min_val) / delta)"),
+    Row(L.multiple_negatives_ranking, "margin", partial(_gist_margin, "absolute"),
+        "guide: masked iff g_c > g_i − m (the positive pair kept)", None),
+    Row(L.multiple_negatives_ranking, "margin_strategy", partial(_gist_margin, "relative"),
+        "guide: masked iff g_c > g_i − |g_i| m (the positive pair kept)", None),
     # reducers
     Row(R.threshold, "low", partial(_threshold, "low"),
         "loss > low", "losses > low"),

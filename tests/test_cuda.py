@@ -163,6 +163,21 @@ def on_device(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(DEVICE) for k, v in params.items()}
 
 
+def retrieval(**kw: Any) -> Callable[..., Any]:
+    """``multiple_negatives_ranking`` on the batch's quarters: queries, their positives, and two
+    hard negatives a query from the second half; every direction, ids from the labels (equal
+    labels are duplicates), a learnable scale."""
+    q = B // 4
+
+    def call(e, y, p):
+        return L.multiple_negatives_ranking(
+            e[:q], e[q : 2 * q], e[2 * q :].reshape(q, 2, -1), p, anchor_ids=y[:q],
+            directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), **kw,
+        )  # fmt: skip
+
+    return call
+
+
 LOSSES: dict[str, Loss] = {
     "pairs.contrastive": Loss(lambda e, y, p: L.contrastive(e, y, neg_margin=1.4)),
     "pairs.threshold_consistent_margin": Loss(lambda e, y, p: L.threshold_consistent_margin(e, y)),
@@ -202,6 +217,9 @@ LOSSES: dict[str, Loss] = {
     "centroids.ge2e": Loss(lambda e, y, p: L.ge2e(e, y, p), lambda: on_device(L.ge2e_init())),
     "cross_modal.clip": Loss(halves(L.clip), lambda: on_device(L.clip_init())),
     "cross_modal.siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
+    "retrieval.multiple_negatives_ranking": Loss(
+        retrieval(), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
 }
 
 
@@ -314,12 +332,18 @@ TILED = {
     "supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1, chunk_size=24)),
     "clip": Loss(halves(L.clip, chunk_size=24), lambda: on_device(L.clip_init())),
     "siglip": Loss(halves(L.siglip, chunk_size=24), lambda: on_device(L.siglip_init())),
+    "multiple_negatives_ranking": Loss(
+        retrieval(chunk_size=5), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
 }
 DENSE = {
     "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
     "supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1)),
     "clip": Loss(halves(L.clip), lambda: on_device(L.clip_init())),
     "siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
+    "multiple_negatives_ranking": Loss(
+        retrieval(), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
 }
 
 
@@ -497,9 +521,9 @@ def _sync_free_steps() -> dict[str, Callable[[], Any]]:
     emb, labels = draw(0)
     for name, mine in MINERS.items():
         steps[f"miner:{name}"] = lambda mine=mine: mine(emb, labels)
-    for name, fn in TILED.items():
-        tiled = loss_step(Loss(lambda e, y, p, fn=fn: fn(e, y)), [])
-        steps[f"tiled:{name}"] = lambda tiled=tiled: tiled(emb, labels)
+    for name, loss in TILED.items():  # the tiled calls, their params included
+        step, data = loss_draws(loss)
+        steps[f"tiled:{name}"] = lambda step=step, d=data[0]: step(*d)
     for name, hyper in CHUNKED.items():
         vg = pf.chunked.value_and_grad(getattr(L, name), chunk_size=24)
         steps[f"chunked:{name}"] = lambda vg=vg, hyper=hyper: vg(emb, labels, **hyper)
