@@ -54,6 +54,7 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_testing.py::test_an_*": "spawns gloo ranks",
     "tests/test_testing.py::test_spawn_ranks_*": "spawns processes",
     "tests/test_testing.py::test_parameter_gradients_*": "spawns gloo ranks",
+    "tests/test_retrieval.py::test_the_gather_and_the_ring_*": "spawns gloo ranks",
     # the documentation site: one mkdocs build (~30 s) shared by the tests that read it
     "tests/test_docs.py::test_mkdocs_build_strict": "builds the docs site",
     "tests/test_docs.py::test_no_raw_latex_left_in_any_page": "reads the built site",

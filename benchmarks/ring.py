@@ -1,4 +1,4 @@
-"""Ring vs gather: per-rank memory and step time of the global CLIP/SigLIP loss as the world grows.
+"""Ring vs gather: per-rank memory and step time of the global CLIP/SigLIP/MNRL loss as the world grows.
 
 One command runs every world size (each under torchrun, gloo on CPU) and writes the table:
 
@@ -6,7 +6,8 @@ One command runs every world size (each under torchrun, gloo on CPU) and writes 
         --markdown docs/benchmarks/ring.md --output /tmp/ring.json
 
 Each rank holds ``--batch-size`` rows of two aligned sets (leaf embeddings, so the loss alone is
-measured) and runs ``pf.distributed.global_objective(loss, exchange=...)`` forward and backward:
+measured; ``retrieval``, ``multiple_negatives_ranking``, also ``--negatives`` hard negatives a
+row) and runs ``pf.distributed.global_objective(loss, exchange=...)`` forward and backward:
 
 - ``peak_mib``: the peak of live tensor bytes the loss's forward and backward add on the rank
   (:func:`pmlfunc.memory.peak_tensor_bytes`: every ATen op's storages, the received blocks and
@@ -14,8 +15,9 @@ measured) and runs ``pf.distributed.global_objective(loss, exchange=...)`` forwa
 - ``step_ms``: the median over ``--repeats`` of forward + backward (after ``--warmup``), ranks
   aligned by a barrier before each step, the slowest rank's.
 
-With ``exchange="gather"`` every rank gathers the global batch and computes the whole loss (CLIP
-and SigLIP do not split over anchors): its matrix is ``global × global``. The ring keeps a
+With ``exchange="gather"`` every rank gathers the global batch and computes the whole loss (CLIP,
+SigLIP and MNRL do not split over anchors): its matrix is ``global × global`` (MNRL's ``global ×
+(1 + k) global``). The ring keeps a
 ``local × local`` tile and one block in flight. ``--chunk-size`` runs the tiled engine inside
 either. On a machine with fewer cores than ranks the ranks share cores: step times then show the
 communication pattern's cost, not a cluster's.
@@ -43,13 +45,15 @@ from pmlfunc.memory import peak_tensor_bytes
 LOSSES = {
     "clip": (pf.losses.clip, pf.losses.clip_init),
     "siglip": (pf.losses.siglip, pf.losses.siglip_init),
+    "retrieval": (pf.losses.multiple_negatives_ranking, pf.losses.multiple_negatives_ranking_init),
 }
 
 
-def _step(objective, a, b, params) -> torch.Tensor:
-    """One forward and backward of the loss on fresh leaf embeddings."""
-    ea, eb = a.clone().requires_grad_(), b.clone().requires_grad_()
-    loss = objective(ea, eb, params)
+def _step(objective, sets, params) -> torch.Tensor:
+    """One forward and backward of the loss on fresh leaf embeddings (``sets``: the two
+    aligned sets, and the hard negatives for ``retrieval``)."""
+    leaves = [t.clone().requires_grad_() for t in sets]
+    loss = objective(*leaves, params)
     loss.backward()
     return loss.detach()
 
@@ -62,16 +66,18 @@ def _rank_run(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(rank)
     a = torch.randn(args.batch_size, args.dimensions, generator=g)
     b = torch.randn(args.batch_size, args.dimensions, generator=g)
+    negatives = torch.randn(args.batch_size, args.negatives, args.dimensions, generator=g)
     rows = []
     for name in args.losses.split(","):
         fn, init = LOSSES[name]
+        sets = (a, b, negatives) if name == "retrieval" else (a, b)
         if args.chunk_size:
             fn = functools.partial(fn, chunk_size=args.chunk_size)
         for exchange in args.exchanges.split(","):
             objective = pf.distributed.global_objective(fn, exchange=exchange)
             params = {k: v.requires_grad_() for k, v in init().items()}
 
-            step = functools.partial(_step, objective, a, b, params)
+            step = functools.partial(_step, objective, sets, params)
 
             dist.barrier()
             loss, peak = peak_tensor_bytes(step)
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     p.add_argument("--exchanges", default="gather,ring")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--dimensions", type=int, default=128)
+    p.add_argument("--negatives", type=int, default=3, help="hard negatives a row (retrieval)")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     passed = [
         "--losses", args.losses, "--exchanges", args.exchanges,
         "--batch-size", str(args.batch_size), "--dimensions", str(args.dimensions),
+        "--negatives", str(args.negatives),
         "--threads", str(args.threads), "--repeats", str(args.repeats),
         "--warmup", str(args.warmup),
     ]  # fmt: skip

@@ -9,8 +9,13 @@ What must reach a block's owner travels *with* the block and gets one last hop h
 
 | pass | travels with each block | comes home as |
 |---|---|---|
+| forward and backward | the block's metadata: its labels, or (retrieval) its columns' types, owners and ids, and the guide model's columns | |
 | forward (CLIP) | partial column statistics (log-sum-exp, ``|P|``, ``Σ_P S``) | the block's column statistics |
 | backward | ``∂L/∂y`` summed over the ranks visited | the owner's column gradient |
+
+A block has ``columns_per_row`` columns for each of its rank's rows (one; the retrieval kind's
+``1 + k``, plus the queries when a direction reads them: a row's query, positive and hard
+negatives travel together).
 
 NT-Xent's terms need their row's final log-sum-exp, so its forward walks the ring twice.
 Between the forward and the loss, one all-reduce sums the reducers' counts; another sums the
@@ -37,9 +42,11 @@ from ._ops import apply
 from .losses._tiled import (
     ROW_STATS,
     EngineCall,
+    Retrieval,
     block_backward,
     block_forward,
     counts,
+    kind_name,
     merge,
     reduce,
 )
@@ -121,7 +128,8 @@ class _RingLoss(torch.autograd.Function):
         kind, rows = call.kind, call.rows
         self_mode = y is None
         chunk = call.chunk or max(x.shape[-2], 1)
-        block = [x if self_mode else y] + ([] if rows is None else [_block_labels(call)])
+        meta = _block_meta(call)
+        block = [x if self_mode else y, *meta]
 
         def walk(lse: Tensor | None) -> dict[str, Tensor]:
             acc: dict[str, Tensor] | None = None
@@ -129,7 +137,7 @@ class _RingLoss(torch.autograd.Function):
             def visit(owner, blk, travel):
                 nonlocal acc
                 st = block_forward(
-                    kind, x, blk[0], rows, blk[1] if len(blk) > 1 else None, scale, bias,
+                    kind, x, blk[0], rows, _cols(kind, blk[1 : 1 + len(meta)]), scale, bias,
                     chunk, diag=owner == ring.rank, exclude=self_mode, lse=lse, final=False,
                 )  # fmt: skip
                 acc = merge(acc, {k: v for k, v in st.items() if not k.startswith("col")})
@@ -152,7 +160,7 @@ class _RingLoss(torch.autograd.Function):
         loss = ring.all_sum({"loss": share}, "summing the ranks' shares of the loss")["loss"]
         # not the call itself: it holds x and y, which belong in save_for_backward
         ctx.kind, ctx.chunk, ctx.rows, ctx.ring = kind, chunk, rows, ring
-        ctx.block_labels = None if rows is None else _block_labels(call)
+        ctx.meta = meta
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
         ctx.save_for_backward(x, y, scale if isinstance(scale, Tensor) else None, bias, *stats)
         return loss
@@ -169,10 +177,10 @@ class _RingLoss(torch.autograd.Function):
         scale = ctx.scale_float if scale is None else scale
         need_x, need_y, need_scale, need_bias = (ctx.needs_input_grad[i] for i in range(4))
         self_mode = y is None
-        row, own_col = stats[: ROW_STATS[kind]], stats[ROW_STATS[kind] :]
-        block = [x if self_mode else y]
-        if rows is not None:
-            block.append(ctx.block_labels)
+        split = ROW_STATS[kind_name(kind)]
+        row, own_col = stats[:split], stats[split:]
+        n_meta = len(ctx.meta)
+        block = [x if self_mode else y, *ctx.meta]
         if own_col:  # the columns' statistics travel with their block
             block.append(torch.stack(own_col, -1))
         need_cols = need_x if self_mode else need_y
@@ -182,11 +190,10 @@ class _RingLoss(torch.autograd.Function):
 
         def visit(owner, blk, travel):
             nonlocal gx
-            labels = blk[1] if rows is not None else None
             col = tuple(blk[-1].unbind(-1)) if own_col else ()
             part_x, part_y, x_dot, sum_ds = block_backward(
-                kind, x, blk[0], rows, labels, scale, bias, ctx.chunk, row, col, needs,
-                diag=owner == ring.rank, exclude=self_mode,
+                kind, x, blk[0], rows, _cols(kind, blk[1 : 1 + n_meta]), scale, bias,
+                ctx.chunk, row, col, needs, diag=owner == ring.rank, exclude=self_mode,
             )  # fmt: skip
             if part_x is not None:
                 gx = part_x if gx is None else gx + part_x
@@ -224,16 +231,26 @@ def _merge_cols(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack([cols[k] for k in _COL], -1)
 
 
-def _block_labels(call: EngineCall) -> Tensor | None:
+def _block_meta(call: EngineCall) -> list[Tensor]:
+    """The metadata of this rank's block of columns, as the tensors that travel with it: none
+    (aligned sets), its labels, or the retrieval kind's column metadata."""
     labels = call.rows if call.cols is None else call.cols
-    assert not isinstance(labels, tuple)  # the retrieval kind does not take the ring
-    return labels
+    if labels is None:
+        return []
+    return list(labels) if isinstance(labels, tuple) else [labels]
+
+
+def _cols(kind, meta: list[Tensor]):
+    """A block's metadata (:func:`_block_meta`) as the engine reads it (``cols``)."""
+    if isinstance(kind, Retrieval):
+        return tuple(meta)
+    return meta[0] if meta else None
 
 
 def ring_loss(call: EngineCall, session: Session, sizes: list[int]) -> Tensor:
     """The loss of ``call`` (this rank's rows) over every rank's rows (``sizes``, agreed by
     ``session``), by the ring."""
-    ring = Ring(session, sizes)
+    ring = Ring(session, [n * call.columns_per_row for n in sizes])
     scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
     loss = apply(_RingLoss, call.x, call.y, scale, call.bias, call, ring)
     return loss if call.finish is None else call.finish(loss)

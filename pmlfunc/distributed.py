@@ -315,9 +315,13 @@ def global_objective(
       assumed), so every rank's rows see every rank's documents as in-batch negatives.
 
     ``exchange="ring"``, for :func:`~pmlfunc.losses.clip`, :func:`~pmlfunc.losses.siglip`,
-    :func:`~pmlfunc.losses.ntxent` and :func:`~pmlfunc.losses.supcon` (dense, or tiled with
-    ``chunk_size``): each rank keeps its rows and the other ranks' blocks (embeddings and
-    labels) pass around the ring one at a time, through the tiled engine (``pmlfunc/_ring.py``).
+    :func:`~pmlfunc.losses.ntxent`, :func:`~pmlfunc.losses.supcon` and
+    :func:`~pmlfunc.losses.multiple_negatives_ranking` (dense, or tiled with ``chunk_size``):
+    each rank keeps its rows and the other ranks' blocks (embeddings and labels; for
+    ``multiple_negatives_ranking`` a rank's documents, queries where a direction reads them,
+    with their hard negatives, ids and guide rows) pass around the ring one at a time, through
+    the tiled engine (``pmlfunc/_ring.py``). Every option of ``multiple_negatives_ranking``
+    runs on it; its ids must mean the same on every rank (dataset ids, not local positions).
     Per rank, memory is ``O(B_local · D + B_local × B_local)`` (``chunk_size × B_local`` tiled),
     flat in the world size; no tensor with the global batch's rows is made. Eager only (point to
     point sends), unequal local batch sizes work; these losses' engine restrictions hold (labels
@@ -378,14 +382,8 @@ def _ring_objective(loss_fn, group, timeout):
     from .losses._tiled import builder_of
 
     what = f"global_objective({_name(loss_fn)}, exchange='ring')"
-    if _aligned_rows(loss_fn) not in (None, _PAIR_BATCH):
-        raise ValueError(
-            f"{what}: the ring does not run {_name(loss_fn)} yet (its hard negatives, ids and "
-            "guide rows do not travel with a block); use exchange='gather'"
-        )
     builder_of(loss_fn, "exchange='ring'")  # refuse any other loss now, not at the first step
-    pair = _is_pair_loss(loss_fn)
-    batch = ("emb_a", "emb_b", "labels") if pair else ("embeddings", "labels")
+    batch = _aligned_rows(loss_fn) or ("embeddings", "labels")
 
     def ring(*args: Any, **kwargs: Any) -> Tensor:
         calls: list[Any] = []
@@ -405,7 +403,7 @@ def _ring_objective(loss_fn, group, timeout):
             calls.append(call)
 
         session = Session(group, what, timeout)
-        arguments = _named(loss_fn, args, kwargs)
+        arguments = _unpack_guide(_named(loss_fn, args, kwargs))
         error = _local(checks)
         first = next((v for v in arguments.values() if isinstance(v, Tensor)), None)
         device = first.device if first is not None else None
@@ -439,10 +437,11 @@ def _eager_only(fn: Callable, reason: str) -> Callable:
 
 def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequence[str]):
     """The ring's :class:`~pmlfunc.losses._tiled.EngineCall` of this rank's rows. An empty rank
-    has one borrowed row (zeros) in each batch argument while the loss checks and prepares the
-    call, dropped from the prepared tensors after: the checks refuse an empty batch, and the
-    rows are prepared one by one (cast, normalised), so the call of 0 rows is exact and its
-    rows still reach the embeddings (its backward joins the ring's)."""
+    has one borrowed row (zeros) in each batch argument (a guide's rows included) while the
+    loss checks and prepares the call, dropped from the prepared tensors after: the checks
+    refuse an empty batch, and the rows are prepared one by one (cast, normalised), so the call
+    of 0 rows is exact and its rows still reach the embeddings (its backward joins the
+    ring's)."""
     from .losses._tiled import engine_call
 
     fn, a, kw = unpartial(loss_fn, args, kwargs)
@@ -450,13 +449,28 @@ def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequen
     first = bound.arguments.get(batch[0])
     if not isinstance(first, Tensor) or first.ndim == 0 or first.shape[0] > 0:
         return engine_call(loss_fn, args, kwargs, what)
-    for name in batch:
-        v = bound.arguments.get(name)
+
+    def borrow(v):
         if isinstance(v, Tensor) and v.ndim:
-            bound.arguments[name] = torch.cat([v, v.new_zeros((1, *v.shape[1:]))])
+            return torch.cat([v, v.new_zeros((1, *v.shape[1:]))])
+        return v
+
+    for name in batch:
+        if name in bound.arguments:
+            bound.arguments[name] = borrow(bound.arguments[name])
+    if isinstance(bound.arguments.get("guide"), (tuple, list)):
+        bound.arguments["guide"] = tuple(borrow(g) for g in bound.arguments["guide"])
     call = engine_call(fn, bound.args, bound.kwargs, what)
     parts = {k: getattr(call, k) for k in ("x", "y", "rows", "cols")}
-    return dataclasses.replace(call, **{k: v[:0] for k, v in parts.items() if v is not None})
+    return dataclasses.replace(call, **{k: _no_rows(v) for k, v in parts.items() if v is not None})
+
+
+def _no_rows(v):
+    """``v`` (a tensor, or a tuple of the retrieval kind's metadata) with no rows; a 0-d
+    tensor (a hyper-parameter) as it is."""
+    if isinstance(v, tuple):
+        return tuple(_no_rows(t) for t in v)
+    return v[:0] if v.ndim else v
 
 
 _PAIR_BATCH = ("emb_a", "emb_b", "labels")
@@ -477,11 +491,6 @@ def _aligned_rows(loss_fn) -> tuple[str, ...] | None:
         guide = tuple(f"guide[{i}]" for i in range(3))
         return ("anchors", "positives", "negatives", "anchor_ids", "positive_ids", *guide)
     return None
-
-
-def _is_pair_loss(loss_fn) -> bool:
-    """Whether ``loss_fn`` takes two aligned sets ``(emb_a, emb_b, ...)`` (CLIP, SigLIP)."""
-    return (_aligned_rows(loss_fn) or ("",))[0] == "emb_a"
 
 
 def _unpack_guide(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -68,14 +68,15 @@ def check_distributed(
 ) -> DistributedReport:
     r"""Check that a loss run on ``world_size`` ranks is the single-process loss of the whole batch.
 
-    Spawns ``world_size`` processes in a gloo process group on the CPU. Every top-level tensor
-    argument whose leading dimension is the batch size (that of the first argument) is sharded
-    by rows, in rank order (``sizes``: every rank's rows; default as equal as possible); the
-    other arguments reach every rank whole. Each rank calls ``distributed_fn`` (default:
+    Spawns ``world_size`` processes in a gloo process group on the CPU. Every tensor argument
+    (top level, a value of a dict, or an element of a tuple or list) whose leading dimension is
+    the batch size (that of the first argument) is sharded by rows, in rank order (``sizes``:
+    every rank's rows; default as equal as possible); the other arguments reach every rank
+    whole. Each rank calls ``distributed_fn`` (default:
     ``pf.distributed.global_objective(loss_fn, exchange=exchange)``) on its shards and calls
-    ``backward`` on the result. Every floating-point tensor argument (top level, or a value of a
-    dict argument) is differentiated and compared with one process's ``loss_fn`` on the whole
-    inputs, by the rules of the module docstring.
+    ``backward`` on the result. Every floating-point tensor argument (at the same places) is
+    differentiated and compared with one process's ``loss_fn`` on the whole inputs, by the
+    rules of the module docstring.
 
     Args:
         loss_fn: the single-process loss, e.g. ``pf.losses.clip``. Picklable (a module-level
@@ -224,6 +225,8 @@ def _prepare(args, kwargs, names, batch, rows) -> tuple[list, dict, dict[str, Te
     def take(name: str, v):
         if isinstance(v, dict):
             return {k: take(f"{name}[{k!r}]", x) for k, x in v.items()}
+        if isinstance(v, (tuple, list)):  # e.g. a guide model's (anchors, positives, negatives)
+            return type(v)(take(f"{name}[{i}]", x) for i, x in enumerate(v))
         if not isinstance(v, Tensor):
             return v
         if rows is not None and _is_batch(v, batch):

@@ -402,42 +402,65 @@ def test_vmap_over_query_sets_equals_a_loop():
 
 
 # ----------------------------------------------------------------------------------------------
-# distributed: the gather exchange is the single-process loss; the ring refuses clearly
+# distributed: the gather and the ring are the single-process loss, every option
 # ----------------------------------------------------------------------------------------------
 DISTRIBUTED = {
-    "negatives": {},
-    "every-direction-ids-hardness": {
-        "directions": ALL,
-        "anchor_ids": ANCHOR_IDS,
-        "positive_ids": POSITIVE_IDS,
-        "hardness_mode": "in_batch_negatives",
-        "hardness_strength": 2.0,
-        "chunk_size": 2,
-    },
-    "symmetric-learnable-scale": {
-        "directions": SYM,
-        "partition_mode": "per_direction",
-        "params": {"logit_scale": torch.tensor(math.log(10.0), dtype=F64)},
-    },
+    "negatives": ({}, (3, 4)),
+    "no-negatives-dense": ({"k": 0}, (4, 3)),
+    "every-direction-ids-hardness": (
+        {
+            "directions": ALL,
+            "anchor_ids": ANCHOR_IDS,
+            "positive_ids": POSITIVE_IDS,
+            "hardness_mode": "in_batch_negatives",
+            "hardness_strength": 2.0,
+            "chunk_size": 2,
+        },
+        (3, 4),
+    ),
+    # the duplicated document sits on two ranks (rows 1 and 5); rank 0 has no rows
+    "positive-ids-guide-all-negatives": (
+        {
+            "positive_ids": POSITIVE_IDS,
+            "guide": True,
+            "directions": ("query_to_doc", "query_to_query", "doc_to_doc"),
+            "hardness_mode": "all_negatives",
+            "hardness_strength": 1.0,
+            "chunk_size": 3,
+        },
+        (0, 4, 3),
+    ),
+    "symmetric-learnable-scale-sum": (
+        {
+            "directions": SYM,
+            "partition_mode": "per_direction",
+            "params": {"logit_scale": torch.tensor(math.log(10.0), dtype=F64)},
+            "reducer": "sum",
+            "hardness_mode": "hard_negatives",
+            "hardness_strength": 3.0,
+        },
+        (2, 2, 3),
+    ),
 }
 
 
+@pytest.mark.parametrize("exchange", ["gather", "ring"])
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
-def test_the_gather_exchange_is_the_single_process_loss_with_unequal_ranks(name):
-    q, p, n = (t.detach() for t in _batch())
-    kw = dict(DISTRIBUTED[name])
-    params = kw.pop("params", None)
-    args = (q, p, n) if params is None else (q, p, n, params)
+def test_the_gather_and_the_ring_are_the_single_process_loss_with_unequal_ranks(name, exchange):
+    """Ranks of unequal sizes (an empty one too): every rank's loss and every input's gradient
+    (the embeddings', the hard negatives', the learnable scale's) equal one process's on the
+    whole batch; ids and guide rows are sharded with their rows."""
+    option, sizes = DISTRIBUTED[name]
+    k = option.get("k", K)
+    q, p, n = (t.detach() for t in _batch(k))
+    ours, _ = _calls({key: v for key, v in option.items() if key != "params"}, k)
+    params = option.get("params")
+    args = (q, p, n if k else None) + (() if params is None else (params,))
     report = pf.testing.check_distributed(
-        mnrl, *args, world_size=2, sizes=(3, 4), rtol=1e-9, atol=1e-11, **kw
-    )
+        mnrl, *args, world_size=len(sizes), sizes=sizes, exchange=exchange, rtol=1e-9,
+        atol=1e-11, **ours,
+    )  # fmt: skip
     # check_distributed raises on a loss or gradient out of tolerance; every input was compared
-    wanted = {"anchors", "positives", "negatives"} | (
-        {"params['logit_scale']"} if params else set()
-    )
+    wanted = {"anchors", "positives"} | ({"negatives"} if k else set())
+    wanted |= {"params['logit_scale']"} if params else set()
     assert wanted <= set(report.grad_diffs) and math.isfinite(report.loss)
-
-
-def test_the_ring_refuses_multiple_negatives_ranking_naming_the_gather():
-    with pytest.raises(ValueError, match="exchange='gather'"):
-        pf.distributed.global_objective(mnrl, exchange="ring")

@@ -10,7 +10,7 @@ matrix ``S = scale · x yᵀ + bias`` over the ``N × M`` grid of query rows ``x
 | ``"supcon"`` | row ``i``: ``lse_{C(i)} S_i − mean_{P(i)} S_ij`` (``C = P ∪ N``) | ``lse`` over candidates, ``|P(i)|``, ``Σ_P S`` |
 | ``"clip"`` | row ``i`` and column ``j``: ``lse S_i − mean_{P(i)} S_ij``, likewise down columns | row and column ``lse``, ``|P|``, ``Σ_P S`` |
 | ``"siglip"`` | pair ``(i, j)``: ``softplus(−z_ij S_ij)``, ``z = ±1`` for positives/negatives | none |
-| :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile); the positive term ``S(q_i, p_i)`` is the caller's ``finish`` | ``lse`` per row (or per role) |
+| :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile) ``− S(q_i, p_i)``, the positive read on the row's own block | ``lse`` per row (or per role), ``S(q_i, p_i)`` |
 
 The columns come in *blocks*. One process has one block, ``y`` itself; the ring
 (:mod:`pmlfunc._ring`) hands this engine the other ranks' blocks one at a time. Per block:
@@ -106,15 +106,28 @@ class Retrieval(NamedTuple):
     directions). ``joint``: one log-sum-exp over all of a row's roles (else one per role,
     averaged). ``hardness``: which query-row entries get ``strength · stop_grad(sim)`` added,
     ``None`` for none (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``). ``ids``:
-    rows related by equal ids mask each other's query and positive; ``guide``: entries whose guide
-    similarity exceeds the row's threshold are masked (the positive pair protected)."""
+    whether anchor ids and positive ids are given; rows related by an equal given id mask each
+    other's query and positive. ``guide``: entries whose guide similarity exceeds the row's
+    threshold are masked (the positive pair protected).
+
+    A block of columns is one process's (or one rank's) documents: its queries when a direction
+    reads them (:attr:`query_columns`), then its positives, then its hard negatives, each owned
+    by a row of the block's process. A row's own columns (its query, its positive, its hard
+    negatives) and its positive ``p_i`` at column ``query_columns · n + i`` lie in its own block
+    only (``diag``); another rank's block holds none of them, so that the ring gives the loss of
+    the concatenated batch with row indices local to each block."""
 
     roles: int
     allowed: tuple[tuple[bool, bool, bool], ...]
     joint: bool
     hardness: str | None
-    ids: bool
+    ids: tuple[bool, bool]
     guide: bool
+
+    @property
+    def query_columns(self) -> bool:
+        """Whether the block's queries are columns (a direction reads them)."""
+        return any(reads[COL_QUERY] for reads in self.allowed)
 
 
 COL_QUERY, COL_POSITIVE, COL_NEGATIVE = 0, 1, 2
@@ -330,9 +343,13 @@ def block_forward(
     for r0, r1 in _tiles(n // roles, chunk):
         s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
-            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m)
-            tile_lse, ds = _retrieval_fold_(kind, s, keep, pen, rows[1], scale, grads is not None)
+            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
+            pos_at = _positive_at(kind, n, r0, diag)
+            tile_lse, target, ds = _retrieval_fold_(
+                kind, s, keep, pen, rows[1], scale, pos_at, grads is not None
+            )
             acc.parts["row_lse"].append(tile_lse)
+            acc.parts["row_pos_sum"].append(target)
             if grads is not None:
                 grads.add(ds, r0 * roles, r1 * roles)
             continue
@@ -374,7 +391,7 @@ class _Partials:
         if kind == "siglip":
             keys: tuple[str, ...] = ()
         elif isinstance(kind, Retrieval):
-            keys = ("row_lse",)
+            keys = ("row_lse", "row_pos_sum")
         elif kind == "ntxent":  # a given lse is not a partial: not returned
             keys = ("row_q",) if given_lse else ("row_lse", "row_q") if final else ("row_lse",)
         else:
@@ -499,12 +516,13 @@ def _tile_at(rows, r0: int, r1: int, m: int, diag: bool, exclude: bool) -> _Tile
     return _TileAt(eye, excluded, None if excluded else (r1 - r0) * m)
 
 
-def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int):
+def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag: bool):
     """``(keep, pen)`` of the retrieval kind's loss rows ``r0:r1``: ``keep`` ``(r, roles, M)``,
     the entries that are candidates of their row; ``pen`` ``(r, M)``, the query rows' entries that
     get the hardness term (``None``: no hardness). ``rows = (meta, strength, guide, threshold)``
-    with ``meta`` ``(N, 3)`` = (global row index, anchor id, positive id); ``cols = (meta,
-    guide)`` with ``meta`` ``(M, 4)`` = (column type, owner row, its anchor id, its positive id).
+    with ``meta`` ``(N, 3)`` = (row index, anchor id, positive id); ``cols = (meta, guide)`` with
+    ``meta`` ``(M, 4)`` = (column type, owner row, its anchor id, its positive id); row indices
+    are the block's own, so a row owns columns of its own block only (``diag``).
 
     A query row never reads its own query; a document row never reads its own documents (its
     own query, the positive pair read backwards, it does). With ids, another row whose anchor
@@ -514,6 +532,8 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int):
     meta, cm = rows[0][r0:r1], cols[0]
     ctype = cm[:, 0]
     own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
+    if not diag:  # another rank's block: equal local indices are other rows
+        own = torch.zeros_like(own)
     is_query, is_doc = ctype == COL_QUERY, ctype != COL_QUERY
     keeps = []
     for role in range(opt.roles):
@@ -521,8 +541,11 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int):
         typed = functools.reduce(torch.logical_or, read)
         keeps.append(typed & ~(own & (is_query if role == 0 else is_doc)))
     keep = torch.stack(keeps, 1)
-    if opt.ids:
-        related = (meta[:, 1:2] == cm[:, 2]) | (meta[:, 2:3] == cm[:, 3])
+    if any(opt.ids):  # the ids given: a row's default id (its index) relates it to no other
+        by_anchor, by_positive = (meta[:, 1:2] == cm[:, 2]), (meta[:, 2:3] == cm[:, 3])
+        related = (
+            by_anchor | by_positive if all(opt.ids) else by_anchor if opt.ids[0] else by_positive
+        )
         same = related & ~own & (ctype != COL_NEGATIVE)
         keep = keep & ~same.unsqueeze(1)
     if opt.guide:
@@ -544,34 +567,60 @@ def _hardness_(s: Tensor, opt: Retrieval, pen, strength, scale) -> Tensor:
     """The tile ``s`` ``(r·roles, M)`` with ``strength · stop_grad(sim)`` added to the query rows'
     entries ``pen`` (``sim = S / scale``: the penalty enters as a constant of the logits), in
     place; ``(r, roles, M)``."""
-    s3 = s.view(-1, opt.roles, s.shape[-1])
+    s3 = s.view(s.shape[-2] // opt.roles, opt.roles, s.shape[-1])
     if pen is not None:
         s3[:, 0].mul_(torch.where(pen, 1.0 + strength / scale, 1.0))
     return s3
 
 
-def _retrieval_fold_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, grad: bool):
-    """One tile of the retrieval kind, destroying ``s``: ``(lse, ∂L/∂S or None)``. ``lse``
-    ``(r, 1)`` over each row's candidates of every role (``joint``) or ``(r, roles)``, one a
-    role; ``∂L/∂S`` ``(r·roles, M)`` of ``mean_roles lse`` for a unit weight: the softmax over
-    the candidates (over a role's, divided by ``roles``), from the same exponentials."""
-    s3 = _hardness_(s, opt, pen, strength, scale)
+def _positive_at(opt: Retrieval, n: int, r0: int, diag: bool) -> int | None:
+    """The column of the first tile row's positive ``p_{r0}`` in its own block (``n`` rows of
+    ``x``, ``roles`` a loss row): the tile's positives are the diagonal from there; ``None`` in
+    another rank's block, which holds none."""
+    if not diag:
+        return None
+    return (n // opt.roles if opt.query_columns else 0) + r0
+
+
+def _retrieval_fold_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, grad: bool):
+    """One tile of the retrieval kind, destroying ``s``: ``(lse, S(q_i, p_i), ∂L/∂S or None)``.
+    ``lse`` ``(r, 1)`` over each row's candidates of every role (``joint``) or ``(r, roles)``,
+    one a role; the positives' logits ``(r,)`` from column ``at`` on (:func:`_positive_at`;
+    zeros where ``at`` is ``None``); ``∂L/∂S`` ``(r·roles, M)`` of ``mean_roles lse − S(q_i,
+    p_i)`` for a unit weight: the softmax over the candidates (over a role's, divided by
+    ``roles``), from the same exponentials, minus 1 at the positive."""
+    s3 = _hardness_(s, opt, pen, strength, scale)  # the positive gets no hardness term
     r = s3.shape[0]
+    target = s3.new_zeros(r) if at is None else _positives(s3, at).clone()
     e, k = (s3.reshape(r, -1), keep.reshape(r, -1)) if opt.joint else (s3, keep)
     if not grad:
-        return _row_lse_(e, k).reshape(r, -1), None
+        return _row_lse_(e, k).reshape(r, -1), target, None
     lse, probs = _row_softmax(e, k)
     if not opt.joint:
         probs = probs.div_(opt.roles)
-    return lse.reshape(r, -1), probs.reshape(s.shape)
+    ds = probs.reshape(s3.shape)
+    if at is not None:
+        _positives(ds, at).sub_(1.0)
+    return lse.reshape(r, -1), target, ds.reshape(s.shape)
 
 
-def _retrieval_ds_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, lse, coef) -> Tensor:
+def _positives(t3: Tensor, at: int) -> Tensor:
+    """The query rows' entries at their positives: a view of ``t3`` ``(r, roles, M)``, the
+    diagonal of the query role from column ``at``."""
+    r = t3.shape[0]
+    return t3[:, 0, at : at + r].diagonal(dim1=-2, dim2=-1)
+
+
+def _retrieval_ds_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, lse, coef) -> Tensor:
     """The retrieval kind's ``∂L/∂S`` of one tile recomputed from the rows' log-sum-exps
     ``lse`` ``(r, 1 or roles)`` (the backward of :class:`_TiledGrads`)."""
     s3 = _hardness_(s, opt, pen, strength, scale)
     p = _exp_(s3, lse.unsqueeze(-1)).masked_fill_(keep.logical_not(), 0.0)
-    return p.mul_(coef if opt.joint else coef / opt.roles).reshape(s.shape)
+    if not opt.joint:
+        p = p.div_(opt.roles)
+    if at is not None:
+        _positives(p, at).sub_(1.0)
+    return p.mul_(coef).reshape(s.shape)
 
 
 def merge(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -639,9 +688,10 @@ def _batch_weight(kind: Kind, reducer: str, total: Mapping[str, Tensor]) -> Tens
 def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
-    if isinstance(kind, Retrieval):  # the log-partition part: Σ_i w · mean_roles lse_i
+    if isinstance(kind, Retrieval):  # Σ_i w · (mean_roles lse_i − S(q_i, p_i))
         coef = _batch_weight(kind, reducer, total)
-        return st["row_lse"].mean(-1).sum() * coef, (st["row_lse"], coef)
+        terms = st["row_lse"].mean(-1) - st["row_pos_sum"]
+        return terms.sum() * coef, (st["row_lse"], coef)
     if kind == "siglip":
         coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (coef,)
@@ -782,10 +832,11 @@ def block_backward(
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
         if isinstance(kind, Retrieval):
-            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m)
+            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
+            pos_at = _positive_at(kind, x.shape[-2], r0, diag)
             lse, coef = row[0][r0:r1], row[1]
             sums.add(
-                _retrieval_ds_(kind, s, keep, pen, rows[1], scale, lse, coef),
+                _retrieval_ds_(kind, s, keep, pen, rows[1], scale, pos_at, lse, coef),
                 r0 * roles, r1 * roles,
             )  # fmt: skip
             continue
@@ -1035,8 +1086,9 @@ class EngineCall:
     ``bias``, ``chunk`` rows a tile (``None``: the dense loss; the engine then takes all rows at
     once), the engine's reducer name, and ``finish`` (the embedding regularizer's addition, or
     ``None``). The retrieval kind (:class:`Retrieval` options as ``kind``) passes tuples of its
-    rows' and columns' metadata as ``rows``/``cols`` (:func:`_retrieval_masks`) and its positive
-    term as ``finish``."""
+    rows' and columns' metadata as ``rows``/``cols`` (:func:`_retrieval_masks`), and
+    ``columns_per_row``, the columns a loss row owns (``1 + k``, plus its query when queries are
+    columns): the ring's blocks are that many times a rank's batch size."""
 
     kind: Kind
     x: Tensor
@@ -1048,6 +1100,7 @@ class EngineCall:
     chunk: int | None
     reducer: str
     finish: Callable[[Tensor], Tensor] | None = None
+    columns_per_row: int = 1
 
 
 # The entries of one tile when the engine runs a dense call (``chunk_size=None``): 16 MiB of

@@ -23,8 +23,8 @@ negative logits.
 
 It runs on the tiled engine (:mod:`pmlfunc.losses._tiled`, kind :class:`~pmlfunc.losses._tiled.Retrieval`):
 the log-sum-exps are row statistics of tiles of ``chunk`` rows against the batch's documents
-(and queries), the masks are built tile by tile from ids and guide rows, and the positive term is
-an indexed dot outside the walk. Without ``chunk_size`` the tiles hold ``2²²`` entries; with it,
+(and queries), the masks are built tile by tile from ids and guide rows, and the positive logit is
+read on the row's own tile. Without ``chunk_size`` the tiles hold ``2²²`` entries; with it,
 ``chunk_size × M`` (``M`` the columns: the batch's documents, plus its queries when a direction
 reads them), in both passes. The forward forms the gradient where autograd will ask for it (no
 tile is computed twice) and that gradient is not differentiable again.
@@ -32,6 +32,7 @@ tile is computed twice) and that gradient is not differentiable again.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 
@@ -50,6 +51,7 @@ from ._tiled import (
     COL_QUERY,
     EngineCall,
     Retrieval,
+    builds,
     dense_rows,
     run_local,
     tiled_reducer,
@@ -311,11 +313,10 @@ def _guide(guide, anchors: Tensor, neg: Tensor | None, cd, margin_strategy, marg
 def _retrieval_call(
     anchors, positives, negatives, params, scale, distance, directions, partition_mode,
     hardness_mode, hardness_strength, anchor_ids, positive_ids, guide, margin_strategy, margin,
-    max_logit_scale, chunk_size, reducer, what=None,
+    max_logit_scale, chunk_size, reducer, *, what=None,
 ) -> EngineCall:  # fmt: skip
     """The validated call as the engine runs it (:class:`~pmlfunc.losses._tiled.Retrieval`):
-    ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata, and
-    ``finish`` the positive term."""
+    ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata."""
     what = what or "multiple_negatives_ranking"
     _checks.embeddings(anchors, "anchors")
     _checks.embeddings(positives, "positives")
@@ -373,7 +374,7 @@ def _retrieval_call(
         )[: 2 if doc_rows else 1],
         joint=joint,
         hardness=hardness_mode,
-        ids=anchor_ids is not None or positive_ids is not None,
+        ids=(anchor_ids is not None, positive_ids is not None),
         guide=guide is not None,
     )
     k = 0 if negs is None else negs.shape[1]
@@ -387,12 +388,16 @@ def _retrieval_call(
         g_rows = torch.stack([ga, gp], 1).reshape(2 * n, -1) if doc_rows else ga
         rows = (*rows, g_rows, threshold)
         cols = (*cols, _columns(ga, gp, gn, with_queries))
-
-    def minus_positive(log_partition: Tensor) -> Tensor:
-        """``L`` from the engine's ``Σ_i w · lse_i``: minus the positives' ``w · S(q_i, p_i)``."""
-        pos = (q * p).sum(-1).sum() * t
-        return log_partition - (pos / n if red == "mean" else pos)
-
     if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
         chunk = min(chunk, dense_rows(opt, x.shape[0], y.shape[0]))
-    return EngineCall(opt, x, y, rows, cols, t, None, chunk, red, minus_positive)
+    per_row = int(with_queries) + 1 + k  # the columns a row owns: the ring's block sizes
+    return EngineCall(opt, x, y, rows, cols, t, None, chunk, red, columns_per_row=per_row)
+
+
+def _engine_call(a, what: str | None) -> EngineCall:
+    """``multiple_negatives_ranking``'s bound arguments ``a`` as the engine's call (the ring's)."""
+    names = list(inspect.signature(multiple_negatives_ranking).parameters)
+    return _retrieval_call(*(a[name] for name in names), what=what)
+
+
+builds(multiple_negatives_ranking)(_engine_call)
