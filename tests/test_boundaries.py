@@ -856,6 +856,51 @@ def _gist_margin(strategy: str) -> None:
     assert not torch.isclose(got, tighter, rtol=1e-9, atol=0)
 
 
+def _mega_batch_margin(side: str) -> None:
+    """``[m⁺ − c_ii]_+`` and ``[max_{j≠i} c_ij − m⁻]_+`` (sentence-transformers'
+    ``MegaBatchMarginLoss``: ``F.relu``): a cosine exactly on its margin adds 0 and no gradient.
+    ``±1`` rows of 16 dimensions (norm 4: normalised exactly) give cosines in multiples of 1/8
+    and margins taken from them put terms exactly on the boundary; the value and the gradients
+    are the float64 loop reference's (and sentence-transformers' where it is installed), and a
+    margin a hair off the boundary activates those terms: the tie decides the gradient."""
+    from reference import in_batch as ref
+
+    a, p = _signs(5, 10, 16), _signs(6, 10, 16)
+    cos = (a @ p.T) / 16
+    own = torch.eye(10, dtype=torch.bool)
+    if side == "positive_margin":
+        bound = _median(cos, own)
+        kw = {"positive_margin": bound, "negative_margin": 0.0}
+        on = _on(cos, bound, own)
+        nudged = {**kw, "positive_margin": bound + 1e-9}
+    else:
+        hardest = cos.masked_fill(own, -math.inf).amax(1)
+        bound = _median(hardest.unsqueeze(0), torch.ones(1, 10, dtype=torch.bool))
+        kw = {"positive_margin": 0.0, "negative_margin": bound}
+        on = _on(hardest, bound, torch.ones(10, dtype=torch.bool))
+        nudged = {**kw, "negative_margin": bound - 1e-9}
+    assert on.any()
+
+    x1, y1, x2, y2 = _leaf(a), _leaf(p), _leaf(a), _leaf(p)
+    mine = _value_and_grad(pf.losses.mega_batch_margin(x1, y1, **kw), x1, y1)
+    assert_same(mine, _value_and_grad(ref.mega_batch_margin(x2, y2, **kw), x2, y2), **EXACT)
+    try:
+        from sentence_transformers.sentence_transformer.losses import MegaBatchMarginLoss
+    except ImportError:
+        pass
+    else:
+        st = MegaBatchMarginLoss.__new__(MegaBatchMarginLoss)
+        torch.nn.Module.__init__(st)
+        st.positive_margin, st.negative_margin = kw["positive_margin"], kw["negative_margin"]
+        st.mini_batch_size = 10
+        x3, y3 = _leaf(a), _leaf(p)
+        theirs = _value_and_grad(st.calculate_loss([[x3], [y3]]), x3, y3)
+        assert_same(mine, theirs, **EXACT)
+    x4, y4 = _leaf(a), _leaf(p)
+    off = _value_and_grad(pf.losses.mega_batch_margin(x4, y4, **nudged), x4, y4)
+    assert not torch.allclose(off[1][0], mine[1][0], rtol=1e-6, atol=1e-9)
+
+
 # ----------------------------------------------------------------------------------------------
 # The table
 
@@ -971,6 +1016,10 @@ TABLE: list[Row] = [
         "guide: masked iff g_c > g_i − m (the positive pair kept)", None),
     Row(L.multiple_negatives_ranking, "margin_strategy", partial(_gist_margin, "relative"),
         "guide: masked iff g_c > g_i − |g_i| m (the positive pair kept)", None),
+    Row(L.mega_batch_margin, "positive_margin", partial(_mega_batch_margin, "positive_margin"),
+        "[m⁺ − c_ii]_+: c_ii = m⁺ adds 0, no gradient", None),
+    Row(L.mega_batch_margin, "negative_margin", partial(_mega_batch_margin, "negative_margin"),
+        "[max_{j≠i} c_ij − m⁻]_+: a hardest c_ij = m⁻ adds 0, no gradient", None),
     # reducers
     Row(R.threshold, "low", partial(_threshold, "low"),
         "loss > low", "losses > low"),

@@ -373,6 +373,52 @@ def retrieval(fn: Callable) -> dict[str, Entry]:
     }
 
 
+def scored(
+    fn: Callable,
+    variant: str,
+    *,
+    drawn: Mapping[str, Callable[[Draw], torch.Tensor]] | None = None,
+    **hp: Any,
+) -> Callable[[Draw], Call]:
+    """A loss of given scores (``pmlfunc.losses.graded``): the queries or first texts
+    (``embeddings``), their partners (``ref_emb``) and, where the loss reads them, ``negatives``
+    ``(B, 2, D)`` differentiated; the teacher's or gold scores drawn and held (they are data,
+    never differentiated: tests/test_graded.py checks that). ``variant``: ``"margins"`` /
+    ``"scores"`` (a teacher's ``(B, 2)`` margins or ``(B, 3)`` scores), ``"labels"`` (gold
+    scores with ties: :data:`LABELS`), ``"rand"`` (distinct gold scores), ``"negatives"``
+    (``angle``'s n-tuples, no gold); ``drawn`` holds tensor hyper-parameters drawn on the
+    device."""
+
+    def make(d: Draw) -> Call:
+        wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
+        kw = _hyper(d, hp, drawn)
+        if variant in ("margins", "scores"):
+            wrt["negatives"] = d.randn(B, 2, D)
+            given = d.randn(B, 2 if variant == "margins" else 3)
+            return Call(wrt, lambda embeddings, ref_emb, negatives: fn(
+                embeddings, ref_emb, negatives, given, **kw
+            ))  # fmt: skip
+        if variant == "negatives":
+            wrt["negatives"] = d.randn(B, 2, D)
+            return Call(wrt, lambda embeddings, ref_emb, negatives: fn(
+                embeddings, ref_emb, negatives=negatives, **kw
+            ))  # fmt: skip
+        gold = d.labels() if variant == "labels" else d.rand(B)
+        return Call(wrt, lambda embeddings, ref_emb: fn(embeddings, ref_emb, gold, **kw))
+
+    return make
+
+
+def _mega_batch_margin(d: Draw, **hp: Any) -> Call:
+    """Anchors (``embeddings``) and their positives (``ref_emb``), the positives near the
+    anchors so that both hinges are active for some rows and not for others."""
+    a = d.randn(B, D)
+    wrt = {"embeddings": a, "ref_emb": d._made(a + 0.7 * d.randn(B, D))}
+    return Call(
+        wrt, lambda embeddings, ref_emb: pf.losses.mega_batch_margin(embeddings, ref_emb, **hp)
+    )
+
+
 def _dynamic_soft_margin(d: Draw) -> Call:
     state = {"hist": d.rand(10)}
     y = d.labels()
@@ -464,6 +510,38 @@ LOSSES: dict[str, Entry] = {
     **paired(L.siglip, L.siglip_init),
     # retrieval: queries, positives and hard negatives on the tiled engine
     **retrieval(L.multiple_negatives_ranking),
+    # graded: given scores (a teacher's margins or scores, gold similarities), never differentiated
+    "margin_mse": Entry(L.margin_mse, scored(L.margin_mse, "margins")),
+    "margin_mse[scores]": Entry(
+        L.margin_mse,
+        scored(L.margin_mse, "scores", distance=pf.distances.cosine()),
+        backend=_SHARED,
+    ),
+    "distill_kl_div": Entry(
+        L.distill_kl_div,
+        scored(L.distill_kl_div, "scores", student_temperature=0.5, teacher_temperature=2.0),
+    ),
+    "distill_kl_div[cosine]": Entry(
+        L.distill_kl_div,
+        scored(
+            L.distill_kl_div,
+            "scores",
+            drawn={"temperature": _scalar(0.3)},
+            distance=pf.distances.cosine(),
+        ),
+        backend=_SHARED,
+    ),
+    "cosent": Entry(L.cosent, scored(L.cosent, "labels", scale=5.0)),
+    "cosent[rand]": Entry(
+        L.cosent, scored(L.cosent, "rand", drawn={"scale": _scalar(3.0)}), backend=_SHARED
+    ),
+    "angle": Entry(L.angle, scored(L.angle, "labels", scale=5.0)),
+    "angle[negatives]": Entry(L.angle, scored(L.angle, "negatives", scale=3.0), backend=_SHARED),
+    # in_batch: the hardest in-batch negative
+    "mega_batch_margin": Entry(L.mega_batch_margin, _mega_batch_margin),
+    "mega_batch_margin[chunked]": Entry(
+        L.mega_batch_margin, partial(_mega_batch_margin, chunk_size=3), backend=_SHARED
+    ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
     # neighbors

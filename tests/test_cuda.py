@@ -163,6 +163,18 @@ def on_device(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(DEVICE) for k, v in params.items()}
 
 
+def graded(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+    """A distillation loss on the batch's quarters: queries, their positives and two negatives
+    a query (the second half); the teacher's scores of the three candidates from the labels."""
+    q = B // 4
+
+    def call(e, y, p):
+        teacher = y[: 3 * q].reshape(q, 3).to(e.dtype) / C
+        return fn(e[:q], e[q : 2 * q], e[2 * q :].reshape(q, 2, -1), teacher, **kw)
+
+    return call
+
+
 def retrieval(**kw: Any) -> Callable[..., Any]:
     """``multiple_negatives_ranking`` on the batch's quarters: queries, their positives, and two
     hard negatives a query from the second half; every direction, ids from the labels (equal
@@ -219,6 +231,14 @@ LOSSES: dict[str, Loss] = {
     "cross_modal.siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
     "retrieval.multiple_negatives_ranking": Loss(
         retrieval(), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
+    # given scores: the teacher's from the labels (data, not differentiated); gold with ties
+    "graded.margin_mse": Loss(graded(L.margin_mse)),
+    "graded.distill_kl_div": Loss(graded(L.distill_kl_div, temperature=2.0)),
+    "graded.cosent": Loss(lambda e, y, p: L.cosent(e[: B // 2], e[B // 2 :], y[: B // 2])),
+    "graded.angle": Loss(lambda e, y, p: L.angle(e[: B // 2], e[B // 2 :], y[: B // 2])),
+    "in_batch.mega_batch_margin": Loss(
+        lambda e, y, p: L.mega_batch_margin(e[: B // 2], e[B // 2 :], chunk_size=12)
     ),
 }
 

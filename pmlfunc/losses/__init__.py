@@ -13,6 +13,8 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.softmax`` | ``ntxent``, ``supcon``, ``decoupled_contrastive``, ``multi_supcon`` |
 | ``pmlfunc.losses.cross_modal`` | ``clip``, ``siglip`` (two aligned sets; the tiled engine with ``chunk_size``) |
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
+| ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
+| ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
 | ``pmlfunc.losses.self_supervised`` | ``vicreg`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
@@ -35,6 +37,8 @@ Example:
 from ._batch import BatchInputs
 from .centroids import ge2e, ge2e_init
 from .cross_modal import clip, clip_init, siglip, siglip_init
+from .graded import angle, cosent, distill_kl_div, margin_mse
+from .in_batch import mega_batch_margin
 from .margin_softmax import (
     arcface,
     arcface_init,
@@ -100,6 +104,7 @@ from .triplets import margin, margin_init, selectively_contrastive_triplet, trip
 
 __all__ = [
     "BatchInputs",
+    "angle",
     "angular",
     "arcface",
     "arcface_init",
@@ -107,9 +112,11 @@ __all__ = [
     "clip",
     "clip_init",
     "contrastive",
+    "cosent",
     "cosface",
     "cosface_init",
     "decoupled_contrastive",
+    "distill_kl_div",
     "dynamic_arcface",
     "dynamic_arcface_init",
     "dynamic_arcface_margins",
@@ -130,6 +137,8 @@ __all__ = [
     "manifold_meta_classes",
     "margin",
     "margin_init",
+    "margin_mse",
+    "mega_batch_margin",
     "multi_similarity",
     "multi_supcon",
     "multiple_negatives_ranking",
