@@ -45,6 +45,7 @@ from .losses._tiled import (
     Retrieval,
     block_backward,
     block_forward,
+    columns,
     counts,
     kind_name,
     merge,
@@ -125,7 +126,7 @@ class _RingLoss(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
-        kind, rows = call.kind, call.rows
+        kind, rows, unit = call.kind, call.rows, call.unit
         self_mode = y is None
         chunk = call.chunk or max(x.shape[-2], 1)
         meta = _block_meta(call)
@@ -137,8 +138,9 @@ class _RingLoss(torch.autograd.Function):
             def visit(owner, blk, travel):
                 nonlocal acc
                 st = block_forward(
-                    kind, x, blk[0], rows, _cols(kind, blk[1 : 1 + len(meta)]), scale, bias,
-                    chunk, diag=owner == ring.rank, exclude=self_mode, lse=lse, final=False,
+                    kind, x, columns(blk[0], unit), rows, _cols(kind, blk[1 : 1 + len(meta)]),
+                    scale, bias, chunk, diag=owner == ring.rank, exclude=self_mode, lse=lse,
+                    final=False,
                 )  # fmt: skip
                 acc = merge(acc, {k: v for k, v in st.items() if not k.startswith("col")})
                 if kind != "clip":
@@ -160,7 +162,7 @@ class _RingLoss(torch.autograd.Function):
         loss = ring.all_sum({"loss": share}, "summing the ranks' shares of the loss")["loss"]
         # not the call itself: it holds x and y, which belong in save_for_backward
         ctx.kind, ctx.chunk, ctx.rows, ctx.ring = kind, chunk, rows, ring
-        ctx.meta = meta
+        ctx.meta, ctx.unit = meta, unit
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
         ctx.save_for_backward(x, y, scale if isinstance(scale, Tensor) else None, bias, *stats)
         return loss
@@ -192,9 +194,12 @@ class _RingLoss(torch.autograd.Function):
             nonlocal gx
             col = tuple(blk[-1].unbind(-1)) if own_col else ()
             part_x, part_y, x_dot, sum_ds = block_backward(
-                kind, x, blk[0], rows, _cols(kind, blk[1 : 1 + n_meta]), scale, bias,
-                ctx.chunk, row, col, needs, diag=owner == ring.rank, exclude=self_mode,
+                kind, x, blk[0] if self_mode else columns(blk[0], ctx.unit), rows,
+                _cols(kind, blk[1 : 1 + n_meta]), scale, bias, ctx.chunk, row, col, needs,
+                diag=owner == ring.rank, exclude=self_mode,
             )  # fmt: skip
+            if isinstance(part_y, tuple):  # one segment: the block
+                (part_y,) = part_y
             if part_x is not None:
                 gx = part_x if gx is None else gx + part_x
             for name, v in (("scale", x_dot), ("bias", sum_ds)):
@@ -252,5 +257,8 @@ def ring_loss(call: EngineCall, session: Session, sizes: list[int]) -> Tensor:
     ``session``), by the ring."""
     ring = Ring(session, [n * call.columns_per_row for n in sizes])
     scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
-    loss = apply(_RingLoss, call.x, call.y, scale, call.bias, call, ring)
+    # a block travels as one tensor: the segments of the columns concatenated (autograd splits
+    # the gradient back); the engine normalises each block as it arrives (call.unit)
+    y = call.y if call.y is None or isinstance(call.y, Tensor) else torch.cat(call.y)
+    loss = apply(_RingLoss, call.x, y, scale, call.bias, call, ring)
     return loss if call.finish is None else call.finish(loss)

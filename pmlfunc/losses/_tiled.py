@@ -53,7 +53,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import apply, count_true, fresh, matmul, ratio
+from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -62,12 +62,14 @@ __all__ = [
     "BUILDERS",
     "KINDS",
     "ROW_STATS",
+    "Columns",
     "EngineCall",
     "Retrieval",
     "block_backward",
     "block_forward",
     "builder_of",
     "builds",
+    "columns",
     "counts",
     "dense_rows",
     "dense_runs",
@@ -169,10 +171,82 @@ def _tiles(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
-def _logits(x: Tensor, y: Tensor, r0: int, r1: int, scale, bias) -> Tensor:
-    """``S = scale · x[r0:r1] yᵀ + bias``, one fresh ``(r1 − r0, M)`` tile updated in place."""
-    s = matmul(x[r0:r1], y.transpose(-1, -2))
-    if not (isinstance(scale, float) and scale == 1.0):
+@dataclass(frozen=True)
+class Columns:
+    """A block of columns ``y`` ``(M, D)`` as the engine reads it, without copying it:
+    ``segments``, blocks of rows read as one matrix in order (a retrieval batch's positives,
+    then its hard negatives, as the caller holds them), and, when the loss normalises the
+    columns, their norms ``‖y_j‖`` and ``inv_j = 1 / max(‖y_j‖, ε)`` (``F.normalize``'s). The
+    normalised columns are never made: a tile is ``scale · (x yᵀ) ⊙ inv``, the gradient
+    sums take ``∂S ⊙ inv`` and :meth:`unit_backward_` turns a column gradient of the normalised
+    rows into the raw rows' in place (``inv=None``: the columns are used as they are)."""
+
+    segments: tuple[Tensor, ...]
+    norm: Tensor | None = None
+    inv: Tensor | None = None
+
+    @property
+    def m(self) -> int:
+        return sum(seg.shape[-2] for seg in self.segments)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each segment's columns ``[c0, c1)``."""
+        out, c0 = [], 0
+        for seg in self.segments:
+            out.append((c0, c0 + seg.shape[-2]))
+            c0 += seg.shape[-2]
+        return out
+
+    def product(self, xt: Tensor) -> Tensor:
+        """``xt yᵀ``: one fresh ``(r, M)`` tile (segments side by side)."""
+        parts = [matmul(xt, seg.transpose(-1, -2)) for seg in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+    def times(self, ds: Tensor) -> Tensor:
+        """``∂S y`` ``(r, D)`` for a tile's ``∂S`` ``(r, M)``."""
+        if len(self.segments) == 1:
+            return matmul(ds, self.segments[0])
+        parts = (
+            matmul(ds[..., c0:c1], seg)
+            for seg, (c0, c1) in zip(self.segments, self.spans(), strict=True)
+        )
+        out = next(parts)
+        for part in parts:
+            out = out.add_(part)  # a buffer of ours
+        return out
+
+    def unit_backward_(self, i: int, g: Tensor) -> Tensor:
+        """Segment ``i``'s column gradient ``g`` of ``∂S ⊙ inv`` (what the sums hold) made the
+        gradient of its raw rows, in place: ``g − ŷ (ŷ · g)`` with ``ŷ = inv · y``, the
+        projection left out where ``‖y‖ < ε`` (as ``F.normalize``'s autograd)."""
+        if self.inv is None or self.norm is None:
+            return g
+        c0, c1 = self.spans()[i]
+        seg, inv = self.segments[i], self.inv[c0:c1]
+        along = (seg.unsqueeze(-2) @ g.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # y_j · g_j
+        w = torch.where(self.norm[c0:c1] >= _NORMALIZE_EPS, along * inv * inv, 0.0)
+        return g.addcmul_(seg, w.neg().unsqueeze(-1))
+
+
+def columns(y: Tensor | Columns | tuple[Tensor, ...], unit: bool = False) -> Columns:
+    """``y`` as :class:`Columns`: a tensor or a tuple of segments, normalised in the engine
+    when ``unit``; a :class:`Columns` as it is."""
+    if isinstance(y, Columns):
+        return y
+    segments = (y,) if isinstance(y, Tensor) else tuple(y)
+    if not unit:
+        return Columns(segments)
+    norm = torch.cat([torch.linalg.vector_norm(seg, dim=-1) for seg in segments], -1)
+    return Columns(segments, norm, 1.0 / norm.clamp_min(_NORMALIZE_EPS))
+
+
+def _logits(x: Tensor, y: Columns, r0: int, r1: int, scale, bias) -> Tensor:
+    """``S = scale · x[r0:r1] ŷᵀ + bias``, one fresh ``(r1 − r0, M)`` tile updated in place
+    (``ŷ``: the columns, normalised where ``y.inv`` says)."""
+    s = y.product(x[r0:r1])
+    if y.inv is not None:
+        s = s.mul_(y.inv * scale)
+    elif not (isinstance(scale, float) and scale == 1.0):
         s = s.mul_(scale)
     return s if bias is None else s.add_(bias)
 
@@ -336,8 +410,9 @@ def block_forward(
     ``grads`` (a :class:`_GradSums`, one block only): also form each tile's ``∂L/∂S`` while it
     is held and add its products to ``grads`` (:func:`fused_loss`), so that no tile is computed
     twice. The retrieval kind's tiles are ``chunk`` loss rows, each of ``roles`` rows of ``x``
-    (:class:`Retrieval`)."""
-    n, m = x.shape[-2], y.shape[-2]
+    (:class:`Retrieval`). ``y``: a tensor or :class:`Columns`."""
+    y = columns(y)
+    n, m = x.shape[-2], y.m
     acc = _Partials(kind, x, m)
     roles = _roles(kind)
     for r0, r1 in _tiles(n // roles, chunk):
@@ -760,21 +835,22 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
 
 
 class _GradSums:
-    """The gradient sums of one block for a unit cotangent, before the scale: ``∂S y`` (the
-    rows'), ``∂Sᵀ x`` (the block's), ``Σ ∂S ⊙ x yᵀ`` (the scale's) and ``Σ ∂S`` (the bias's),
-    each kept only when ``needs = (rows, cols, scale, bias)`` asks. ``into``: a buffer that the
-    rows' *and* the columns' parts are added to (self mode with one block: ``x`` is both
-    sides), returned in place of both.
+    """The gradient sums of one block for a unit cotangent, before the scale: ``∂S ŷ`` (the
+    rows'), ``∂Sᵀ x`` (each column segment's, made the raw rows' gradient where the engine
+    normalises them: :meth:`Columns.unit_backward_`), ``Σ ∂S ⊙ x ŷᵀ`` (the scale's) and
+    ``Σ ∂S`` (the bias's), each kept only when ``needs = (rows, (segment, ...), scale, bias)``
+    asks. ``into``: a buffer that the rows' *and* the columns' parts are added to (self mode
+    with one block: ``x`` is both sides), returned as the one segment's.
 
     :meth:`add` takes one tile's ``∂L/∂S``: the backward's recomputed tiles, or the forward's
     when it forms the gradient as it goes (:func:`block_forward` with ``grads``: each row's
     weight local, :func:`_row_weight`, the global factor applied once after the walk). ``held``:
     CLIP's one tile, kept by the forward until the columns' statistics are complete."""
 
-    def __init__(self, x: Tensor, y: Tensor, needs, into: Tensor | None = None, reducer=None):
+    def __init__(self, x: Tensor, y: Columns, needs, into: Tensor | None = None, reducer=None):
         self.x, self.y, self.needs, self.reducer = x, y, needs, reducer
         self.rows: list[Tensor] = []
-        self.gy: Tensor | None = into
+        self.gy: list[Tensor | None] = [into] if into is not None else [None] * len(y.segments)
         self.x_dot: Tensor | None = None
         self.sum_ds: Tensor | None = None
         self.into = into
@@ -786,48 +862,67 @@ class _GradSums:
         if need_bias:
             part = ds.sum()
             self.sum_ds = part if self.sum_ds is None else self.sum_ds + part
-        if need_cols:  # ∂Sᵀ x, into the buffer of the first tile's (no second (M, D) buffer)
-            if self.gy is not None and ds.ndim == 2 and x.ndim == 2:
-                self.gy.addmm_(ds.transpose(-1, -2), x[r0:r1])
+        if y.inv is not None and (need_rows or need_scale or any(need_cols)):
+            ds = ds.mul_(y.inv)  # S = scale · (x yᵀ) ⊙ inv: ∂S ⊙ inv meets the raw columns
+        xt = x[r0:r1]
+        whole = len(y.segments) == 1
+        for i, (c0, c1) in enumerate(y.spans()):
+            if not need_cols[i]:
+                continue
+            d = ds if whole else ds[..., c0:c1]
+            g = self.gy[i]  # ∂Sᵀ x, into the first tile's buffer (no second (M, D) buffer)
+            if g is not None and d.ndim == 2 and x.ndim == 2:
+                g.addmm_(d.transpose(-1, -2), xt)
             else:
-                part = matmul(ds.transpose(-1, -2), x[r0:r1])
-                self.gy = part if self.gy is None else self.gy.add_(part)  # a buffer of ours
-        if need_rows or need_scale:  # ∂S y
-            part = matmul(ds, y)
-            if need_scale:  # Σ ∂S ⊙ x yᵀ = Σ_i x_i · (∂S y)_i
-                dot = (x[r0:r1] * part).sum()
+                part = matmul(d.transpose(-1, -2), xt)
+                self.gy[i] = part if g is None else g.add_(part)  # a buffer of ours
+        if need_rows or need_scale:  # ∂S ŷ
+            part = y.times(ds)
+            if need_scale:  # Σ ∂S ⊙ x ŷᵀ = Σ_i x_i · (∂S ŷ)_i
+                dot = (xt * part).sum()
                 self.x_dot = dot if self.x_dot is None else self.x_dot + dot
             if need_rows and self.into is not None:
-                assert self.gy is not None  # into, or into plus the columns' parts
-                self.gy[r0:r1] += part
+                into = self.gy[0]
+                assert into is not None  # into, or into plus the columns' parts
+                into[r0:r1] += part
             elif need_rows:
                 self.rows.append(part)
 
     def result(self):
+        """``(∂x or None, (∂segment or None, ...), ∂scale or None, ∂bias or None)``."""
         need_rows, need_cols, need_scale, need_bias = self.needs
         x, y = self.x, self.y
         # what was asked for also without a tile (an empty rank's rows, on the ring): zeros
         gx = torch.cat(self.rows, dim=-2) if self.rows else None
         if gx is None and need_rows and self.into is None:
             gx = torch.zeros_like(x)
-        gy = self.gy
-        if gy is None and need_cols:
-            gy = torch.zeros_like(y)
+        gy = []
+        for i, seg in enumerate(y.segments):
+            g = self.gy[i]
+            if g is None and need_cols[i]:
+                g = torch.zeros_like(seg)
+            gy.append(None if g is None else y.unit_backward_(i, g))
         x_dot, sum_ds = self.x_dot, self.sum_ds
         if x_dot is None and need_scale:
             x_dot = x.new_zeros(())
         if sum_ds is None and need_bias:
             sum_ds = x.new_zeros(())
-        return gx, gy, x_dot, sum_ds
+        return gx, tuple(gy), x_dot, sum_ds
 
 
 def block_backward(
     kind, x, y, rows, cols, scale, bias, chunk, row, col, needs, *, diag, exclude, into=None
 ):
     """One block's gradient sums for a unit cotangent, before the scale (:class:`_GradSums`),
-    from the forward's statistics: every tile recomputed."""
-    m = y.shape[-2]
-    sums = _GradSums(x, y, needs, into)
+    from the forward's statistics: every tile recomputed. ``y``: a tensor (its gradient is
+    returned as one) or :class:`Columns` (a tuple, one a segment); ``needs[1]`` a bool for all
+    columns or one a segment."""
+    given, y = y, columns(y)
+    m = y.m
+    need_x, need_cols, need_scale, need_bias = needs
+    if not isinstance(need_cols, tuple):
+        need_cols = (bool(need_cols),) * len(y.segments)
+    sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
@@ -845,20 +940,38 @@ def block_backward(
         ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col, at.eye)
         del s, pos, neg
         sums.add(ds, r0, r1)
-    return sums.result()
+    gx, gy, x_dot, sum_ds = sums.result()
+    return gx, (gy if isinstance(given, (Columns, tuple)) else gy[0]), x_dot, sum_ds
 
 
 def _times_cotangent(gx, gy, g_scale, g_bias, scale, g) -> tuple[Tensor, ...]:
-    """The gradient sums that are not ``None`` (for a unit cotangent, before the logit scale)
-    times the cotangent ``g``, those of ``x`` and ``y`` also times ``scale``."""
-    out = [t * (scale * g) for t in (gx, gy) if t is not None]
+    """The gradient sums that are not ``None`` (for a unit cotangent, before the logit scale:
+    ``gx``, each of ``gy``, ``g_scale``, ``g_bias``, in this order) times the cotangent ``g``,
+    those of the rows and columns also times ``scale``."""
+    out = [t * (scale * g) for t in (gx, *gy) if t is not None]
     out += [t * g for t in (g_scale, g_bias) if t is not None]
     return tuple(fresh(t) for t in out)
 
 
+# Column segments a call may have (the retrieval kind's queries, positives and hard negatives):
+# the Functions below take them in fixed argument slots, padded with None (dynamo traces a
+# Function's forward by its fixed parameters, not *args)
+MAX_SEGMENTS = 3
+
+
+def _padded(tensors, size: int) -> tuple:
+    return (*tensors, *(None,) * (size - len(tensors)))
+
+
+def _slots(needs) -> list[bool]:
+    """``needs = (x, (segment, ...), scale, bias)`` flat, in the order gradients are listed."""
+    need_x, need_y, need_scale, need_bias = needs
+    return [need_x, *need_y, need_scale, need_bias]
+
+
 class _TiledGrads(torch.autograd.Function):
     """The one-block backward as a Function of its own: its forward walks the tiles,
-    recomputes each and accumulates the requested gradients ``[∂x][∂y][∂scale][∂bias]``
+    recomputes each and accumulates the requested gradients ``[∂x][∂segment …][∂scale][∂bias]``
     (``needs``); its backward raises. As a Function, the first-order backward records no graph
     under ``create_graph=True`` or ``torch.func.grad``, so memory stays bounded, and a second
     differentiation fails loudly instead of silently missing terms."""
@@ -866,27 +979,28 @@ class _TiledGrads(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y, rows, cols, scale, bias, s0, s1, s2, s3, s4, s5, g, chunk, kind, needs):
-        # s0..s5: the forward's statistics, padded with None (one argument each: transforms
-        # see every tensor)
+    def forward(x, y0, y1, y2, rows, cols, scale, bias, s0, s1, s2, s3, s4, s5, g, chunk, kind,
+                needs, unit):  # fmt: skip
+        # y0..y2: the column segments, s0..s5: the forward's statistics, each padded with None
+        # (one argument each: transforms see every tensor)
+        segments = tuple(v for v in (y0, y1, y2) if v is not None)
         stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
         split = ROW_STATS[kind_name(kind)]
         row, col = stats[:split], stats[split:]
         need_x, need_y, need_scale, need_bias = needs
-        self_mode = y is None
-        yy = x if self_mode else y
+        self_mode = y0 is None  # the segments are packed from y0
+        yy = Columns((x,)) if self_mode else columns(segments, unit)
         into = torch.zeros_like(x) if self_mode and need_x else None
         gx, gy, x_dot, sum_ds = block_backward(
             kind, x, yy, rows, rows if cols is None else cols, scale, bias, chunk, row, col,
-            (need_x, need_y or into is not None, need_scale, need_bias),
+            (need_x, (into is not None,) if self_mode else need_y, need_scale, need_bias),
             diag=True, exclude=self_mode, into=into,
         )  # fmt: skip
         # The cotangent g multiplies the results, not the tiles: under vmap of a vjp g is batched
         # while the tiles are not, and the tiles are updated in place.
-        return _times_cotangent(
-            (gy if self_mode else gx) if need_x else None, gy if need_y else None,
-            x_dot, sum_ds, scale, g,
-        )  # fmt: skip
+        gx = (gy[0] if self_mode else gx) if need_x else None
+        gy = () if self_mode else tuple(t if n else None for t, n in zip(gy, need_y, strict=True))
+        return _times_cotangent(gx, gy, x_dot, sum_ds, scale, g)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -895,24 +1009,27 @@ class _TiledGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError(
-            "the tiled engine's gradient (clip, siglip, and ntxent/supcon given labels, dense or "
-            "chunk_size=...) is not differentiable (double backward, torch.func.hessian); for "
-            "ntxent/supcon, pass the similarity matrix as mat= (the general batch path, "
-            "differentiable twice)"
+            "the tiled engine's gradient (clip, siglip, multiple_negatives_ranking, and "
+            "ntxent/supcon given labels, dense or chunk_size=...) is not differentiable (double "
+            "backward, torch.func.hessian); for ntxent/supcon, pass the similarity matrix as "
+            "mat= (the general batch path, differentiable twice)"
         )
 
 
 class _Scaled(torch.autograd.Function):
-    """The gradients the forward walk formed (:func:`fused_loss`), ``None`` for those not
-    formed, times the cotangent ``g`` (``x``'s and ``y``'s also times the logit scale): the
-    backward of the row-complete
-    kinds, a Function of the loss's inputs ``x, y, scale, bias`` (which it does not read) so
-    that, as :class:`_TiledGrads`, it records no graph and a second differentiation raises."""
+    """The gradients the forward walk formed (:func:`fused_loss`; ``formed``, in
+    :func:`_slots` order) times the cotangent ``g`` (the rows' and columns' also times the logit
+    scale): the backward of the row-complete kinds, a Function of the loss's inputs ``x``, the
+    columns, ``scale`` and ``bias`` (which it does not read) so that, as :class:`_TiledGrads`,
+    it records no graph and a second differentiation raises."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y, scale, bias, g, gx, gy, g_scale, g_bias):
+    def forward(x, y0, y1, y2, scale, bias, g, needs, f0, f1, f2, f3, f4, f5):
+        # f0..f5: the formed gradients in _slots order, padded with None
+        formed = iter((f0, f1, f2, f3, f4, f5))
+        gx, *gy, g_scale, g_bias = (next(formed) if n else None for n in _slots(needs))
         return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
     @staticmethod
@@ -932,16 +1049,15 @@ def _fused(kind: Kind, n: int, chunk: int, needs) -> bool:
 
 def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     """The loss of one block, its statistics and the gradient sums ``needs`` asks for (each
-    times its global weight, before the cotangent and the logit scale), in one walk: each tile
-    is computed once, its ``∂L/∂S`` formed while it is held (three products a tile, the dense
-    floor's). ``y=None``: self mode."""
+    times its global weight, before the cotangent and the logit scale; :func:`_slots` order), in
+    one walk: each tile is computed once, its ``∂L/∂S`` formed while it is held (three products
+    a tile, the dense floor's). ``y``: :class:`Columns`, or ``None`` (self mode)."""
     self_mode = y is None
-    yy, cc = x if self_mode else y, rows if cols is None else cols
+    yy, cc = Columns((x,)) if self_mode else y, rows if cols is None else cols
     need_x, need_y, need_scale, need_bias = needs
     into = torch.zeros_like(x) if self_mode and need_x else None
-    sums = _GradSums(
-        x, yy, (need_x, need_y or into is not None, need_scale, need_bias), into, reducer
-    )
+    seg_needs = (into is not None,) if self_mode else need_y
+    sums = _GradSums(x, yy, (need_x, seg_needs, need_scale, need_bias), into, reducer)
     st = block_forward(
         kind, x, yy, rows, cc, scale, bias, chunk, diag=True, exclude=self_mode, grads=sums
     )
@@ -955,13 +1071,10 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     elif kind != "clip":
         glob = _batch_weight(kind, reducer, total)
     gx, gy, x_dot, sum_ds = sums.result()
-    grads = (gy if self_mode else gx, gy, x_dot, sum_ds)
+    grads = [gy[0] if self_mode else gx, *(() if self_mode else gy), x_dot, sum_ds]
     # the sums are buffers of this walk: scaled in place
-    return (
-        loss,
-        stats,
-        tuple(_scaled_(t, glob) for t, need in zip(grads, needs, strict=True) if need),
-    )
+    formed = (_scaled_(t, glob) for t, need in zip(grads, _slots(needs), strict=True) if need)
+    return loss, stats, tuple(formed)
 
 
 def _scaled_(t: Tensor | None, factor: float | Tensor) -> Tensor:
@@ -970,80 +1083,92 @@ def _scaled_(t: Tensor | None, factor: float | Tensor) -> Tensor:
 
 
 class _TiledLoss(torch.autograd.Function):
-    """The loss over tiles of one block. Inputs ``(x, y, rows, cols, scale, bias, chunk, kind,
-    reducer, needs)``; outputs ``(loss, *statistics, *gradients)``, all but the loss
-    non-differentiable and saved. ``needs``: which of ``(x, y, scale, bias)`` the backward will
-    differentiate, when known before the walk (:func:`tiled_loss`); the walk then forms their
-    gradients as it goes (:func:`fused_loss`) and the backward scales them (:class:`_Scaled`);
-    ``None``, or a backward that asks for more, recomputes the tiles (:class:`_TiledGrads`)."""
+    """The loss over tiles of one block. Inputs ``(x, y0, y1, y2, rows, cols, scale, bias,
+    chunk, kind, reducer, needs, unit)`` (``y0..y2``: the column segments, padded with ``None``;
+    none: self mode; ``unit``: the engine normalises the columns, :class:`Columns`); outputs ``(loss, *statistics, *gradients)``, all but the
+    loss non-differentiable and saved. ``needs``: which of ``(x, (segment, ...), scale,
+    bias)`` the backward will differentiate, when known before the walk (:func:`tiled_loss`);
+    the walk then forms their gradients as it goes (:func:`fused_loss`) and the backward scales
+    them (:class:`_Scaled`); ``None``, or a backward that asks for more, recomputes the tiles
+    (:class:`_TiledGrads`)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y, rows, cols, scale, bias, chunk, kind, reducer, needs):
+    def forward(x, y0, y1, y2, rows, cols, scale, bias, chunk, kind, reducer, needs, unit):
+        segments = tuple(v for v in (y0, y1, y2) if v is not None)
+        y = None if y0 is None else columns(segments, unit)
         if _fused(kind, x.shape[-2], chunk, needs):
             loss, stats, grads = fused_loss(
                 kind, x, y, rows, cols, scale, bias, chunk, reducer, needs
             )
             return (loss, *stats, *grads)
         self_mode = y is None
-        yy, cc = x if self_mode else y, rows if cols is None else cols
+        yy, cc = Columns((x,)) if y is None else y, rows if cols is None else cols
         st = block_forward(kind, x, yy, rows, cc, scale, bias, chunk, diag=True, exclude=self_mode)
         loss, stats = reduce(kind, st, reducer, counts(kind, st, x.shape[-2]))
         return (loss, *stats)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, y, rows, cols, scale, bias, chunk, kind, _, needs = inputs
+        x, y0, y1, y2, rows, cols, scale, bias, chunk, kind, _, needs, unit = inputs
+        segments = tuple(v for v in (y0, y1, y2) if v is not None)
         fused = _fused(kind, x.shape[-2], chunk, needs)
-        n_grads = sum(needs) if fused else 0
+        n_grads = sum(_slots(needs)) if fused else 0
         rest = output[1:]
         ctx.mark_non_differentiable(*rest)
         # no zeros for the statistics' and gradients' cotangents (as large as x and y)
         ctx.set_materialize_grads(False)
         ctx.chunk, ctx.kind, ctx.n_stats = chunk, kind, len(rest) - n_grads
         ctx.needs = needs if fused else None
+        ctx.unit, ctx.n_segments = unit, len(segments)
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
         # the retrieval kind's rows and cols are tuples of metadata: saved flat
         ctx.n_meta = [len(t) if isinstance(t, tuple) else None for t in (rows, cols)]
         meta = [t for m in (rows, cols) for t in (m if isinstance(m, tuple) else (m,))]
-        saved = (x, y, *meta, scale if isinstance(scale, Tensor) else None, bias, *rest)
-        ctx.save_for_backward(*saved)
+        scale_t = scale if isinstance(scale, Tensor) else None
+        ctx.save_for_backward(x, *segments, *meta, scale_t, bias, *rest)
 
     @staticmethod
     def backward(ctx, g, *_):
-        x, y, *saved = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
+        segments, saved = tuple(saved[: ctx.n_segments]), saved[ctx.n_segments :]
         meta: list = []
         for n in ctx.n_meta:  # rows, cols
             meta.append(saved[0] if n is None else tuple(saved[:n]))
             saved = saved[1 if n is None else n :]
         (rows, cols), (scale, bias, *rest) = meta, saved
         stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
-        needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 4, 5))
-        if not any(needs) or g is None:  # g None: the loss itself is not differentiated
-            return (None,) * 10
+        nig = ctx.needs_input_grad
+        needs = (nig[0], tuple(nig[1 : 1 + ctx.n_segments]), nig[6], nig[7])
+        if not any(_slots(needs)) or g is None:  # g None: the loss itself is not differentiated
+            return (None,) * 13
         scale = ctx.scale_float if scale is None else scale
-        if ctx.needs is not None and all(f or not n for f, n in zip(ctx.needs, needs, strict=True)):
-            it = iter(formed)
-            slots = [next(it) if formed_need else None for formed_need in ctx.needs]
-            grads = iter(apply(_Scaled, x, y, scale, bias, g, *slots))
-            out = [next(grads) if formed_need else None for formed_need in ctx.needs]
-            out = [o if need else None for o, need in zip(out, needs, strict=True)]
+        wanted = _slots(needs)
+        if ctx.needs is not None and all(
+            f or not w for f, w in zip(_slots(ctx.needs), wanted, strict=True)
+        ):
+            ys = _padded(segments, MAX_SEGMENTS)
+            grads = iter(apply(_Scaled, x, *ys, scale, bias, g, ctx.needs, *_padded(formed, 6)))
+            out = [next(grads) if f else None for f in _slots(ctx.needs)]
         else:
             padded = (*stats, *(None,) * (6 - len(stats)))
             grads = iter(
                 apply(
-                    _TiledGrads, x, y, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind,
-                    needs,
+                    _TiledGrads, x, *_padded(segments, MAX_SEGMENTS), rows, cols, scale, bias,
+                    *padded, g, ctx.chunk, ctx.kind, needs, ctx.unit,
                 )
             )  # fmt: skip
-            out = [next(grads) if need else None for need in needs]
-        return out[0], out[1], None, None, out[2], out[3], None, None, None, None
+            out = [next(grads) if w else None for w in wanted]
+        out = [o if w else None for o, w in zip(out, wanted, strict=True)]
+        gx, *g_segments, g_scale, g_bias = out
+        g_ys = _padded(g_segments, MAX_SEGMENTS)
+        return (gx, *g_ys, None, None, g_scale, g_bias, None, None, None, None, None)
 
 
 def tiled_loss(
     x: Tensor,
-    y: Tensor | None,
+    y: Tensor | tuple[Tensor, ...] | None,
     rows: Tensor | tuple[Tensor, ...] | None,
     cols: Tensor | tuple[Tensor, ...] | None,
     *,
@@ -1052,15 +1177,18 @@ def tiled_loss(
     chunk: int,
     kind: Kind,
     reducer: str,
+    unit: bool = False,
 ) -> Tensor:
-    """The loss of ``kind`` over ``S = scale · x yᵀ + bias`` in tiles of ``chunk`` rows.
+    """The loss of ``kind`` over ``S = scale · x ŷᵀ + bias`` in tiles of ``chunk`` rows.
 
-    ``x``, ``y``: ``(N, D)``, ``(M, D)`` rows in the compute dtype, already normalised where the
-    loss normalises (``y=None``: self mode, the diagonal excluded). ``rows``/``cols``: the labels
-    of ``x``'s and ``y``'s rows (``cols=None``: ``rows`` label both, as in self mode), or both
-    ``None`` for two aligned sets (row ``i`` pairs with column ``i``). ``scale``: a number or a
-    0-d tensor (its gradient is returned); ``bias``: ``None`` or a 0-d tensor. ``reducer`` one
-    of ``KINDS[kind]``.
+    ``x``: ``(N, D)`` rows in the compute dtype, already normalised where the loss normalises.
+    ``y``: the columns ``(M, D)``, a tensor or a tuple of segments read as their concatenation
+    (none is made), normalised by the engine when ``unit`` (:class:`Columns`), else as they are;
+    ``y=None``: self mode, ``x`` against itself, the diagonal excluded. ``rows``/``cols``: the
+    labels of ``x``'s and ``y``'s rows (``cols=None``: ``rows`` label both, as in self mode),
+    or both ``None`` for two aligned sets (row ``i`` pairs with column ``i``). ``scale``: a
+    number or a 0-d tensor (its gradient is returned); ``bias``: ``None`` or a 0-d tensor.
+    ``reducer`` one of ``KINDS[kind]``.
 
     Where autograd records (``torch.is_grad_enabled()``) and an input requires its gradient,
     the walk forms the gradients of those that do as it goes: the forward costs the three
@@ -1070,19 +1198,35 @@ def tiled_loss(
     # Function.apply refuses one tensor given twice (under compile: "duplicate tensor input")
     if isinstance(rows, Tensor) and cols is rows:
         cols = None  # the same labels for both: what cols=None says
-    if y is x:
-        y = x.view_as(x)  # a reference set that is the batch itself: still nothing excluded
+    segments: tuple[Tensor, ...] = () if y is None else (y,) if isinstance(y, Tensor) else tuple(y)
+    if len(segments) > MAX_SEGMENTS:
+        raise ValueError(
+            f"the engine takes at most {MAX_SEGMENTS} column segments, got {len(segments)}"
+        )
+    seen: list[Tensor] = [x]
+    for i, seg in enumerate(segments):  # a reference set that is the batch itself: a view
+        if any(seg is t for t in seen):
+            segments = (*segments[:i], seg.view_as(seg), *segments[i + 1 :])
+        seen.append(segments[i])
     needs = None
     if torch.is_grad_enabled():
-        wants = tuple(isinstance(t, Tensor) and t.requires_grad for t in (x, y, scale, bias))
-        needs = wants if any(wants) else None
-    return apply(_TiledLoss, x, y, rows, cols, scale, bias, chunk, kind, reducer, needs)[0]
+        wants = (
+            x.requires_grad,
+            tuple(seg.requires_grad for seg in segments),
+            isinstance(scale, Tensor) and scale.requires_grad,
+            isinstance(bias, Tensor) and bias.requires_grad,
+        )
+        needs = wants if any(_slots(wants)) else None
+    ys = _padded(segments, MAX_SEGMENTS)
+    return apply(_TiledLoss, x, *ys, rows, cols, scale, bias, chunk, kind, reducer, needs, unit)[0]
 
 
 @dataclass(frozen=True)
 class EngineCall:
-    """A loss call as the engine runs it: ``x``/``y`` normalised in the compute dtype (``y=None``:
-    self mode), their labels ``rows``/``cols`` (``None``: aligned sets), the logit ``scale`` and
+    """A loss call as the engine runs it: ``x`` normalised in the compute dtype, the columns
+    ``y`` (a tensor or a tuple of segments, read as their concatenation; ``y=None``: self mode)
+    in the compute dtype, normalised by the engine when ``unit`` (:class:`Columns`: no
+    normalised copy is made), their labels ``rows``/``cols`` (``None``: aligned sets), the logit ``scale`` and
     ``bias``, ``chunk`` rows a tile (``None``: the dense loss; the engine then takes all rows at
     once), the engine's reducer name, and ``finish`` (the embedding regularizer's addition, or
     ``None``). The retrieval kind (:class:`Retrieval` options as ``kind``) passes tuples of its
@@ -1092,7 +1236,7 @@ class EngineCall:
 
     kind: Kind
     x: Tensor
-    y: Tensor | None
+    y: Tensor | tuple[Tensor, ...] | None
     rows: Tensor | tuple[Tensor, ...] | None
     cols: Tensor | tuple[Tensor, ...] | None
     scale: float | Tensor
@@ -1101,6 +1245,14 @@ class EngineCall:
     reducer: str
     finish: Callable[[Tensor], Tensor] | None = None
     columns_per_row: int = 1
+    unit: bool = False
+
+    @property
+    def m(self) -> int:
+        """The number of columns (``x``'s rows in self mode)."""
+        if self.y is None:
+            return self.x.shape[-2]
+        return columns(self.y).m
 
 
 # The entries of one tile when the engine runs a dense call (``chunk_size=None``): 16 MiB of
@@ -1136,11 +1288,10 @@ def run_local(call: EngineCall) -> Tensor:
     """The loss of ``call`` in this process (:func:`tiled_loss`); a dense call (``chunk``
     ``None``) in tiles of :func:`dense_rows`."""
     n = call.x.shape[-2]
-    m = n if call.y is None else call.y.shape[-2]
-    chunk = call.chunk or dense_rows(call.kind, n, m)
+    chunk = call.chunk or dense_rows(call.kind, n, call.m)
     loss = tiled_loss(
         call.x, call.y, call.rows, call.cols, scale=call.scale, bias=call.bias,
-        chunk=chunk, kind=call.kind, reducer=call.reducer,
+        chunk=chunk, kind=call.kind, reducer=call.reducer, unit=call.unit,
     )  # fmt: skip
     return loss if call.finish is None else call.finish(loss)
 

@@ -238,18 +238,18 @@ def _documents(negatives, anchors: Tensor, name: str = "negatives") -> Tensor | 
     return negatives
 
 
-def _columns(q: Tensor, p: Tensor, neg: Tensor | None, with_queries: bool) -> Tensor:
-    """The columns: the queries (when a direction reads them), the positives, the negatives
-    (row-major), in this order (:func:`_column_meta`)."""
+def _segments(q: Tensor, p: Tensor, neg: Tensor | None, with_queries: bool) -> tuple[Tensor, ...]:
+    """The columns as the caller holds them: the queries (when a direction reads them), the
+    positives, the negatives (row-major, a view), in this order (:func:`_column_meta`)."""
     parts = ([q] if with_queries else []) + [p]
     if neg is not None:
         parts.append(neg.reshape(-1, neg.shape[-1]))
-    return torch.cat(parts) if len(parts) > 1 else p
+    return tuple(parts)
 
 
 def _column_meta(n: int, k: int, with_queries: bool, row_meta: Tensor) -> Tensor:
     """``(M, 4)`` int64: each column's type, owner row, and the owner's anchor and positive
-    ids (read from ``row_meta``), in :func:`_columns`' order."""
+    ids (read from ``row_meta``), in :func:`_segments`' order."""
     dev = row_meta.device
     rows = torch.arange(n, device=dev)
     types = ([COL_QUERY] if with_queries else []) + [COL_POSITIVE]
@@ -361,9 +361,9 @@ def _retrieval_call(
 
     q, p = anchors.to(cd), positives.to(cd)
     negs = None if neg is None else neg.to(cd)
-    if dist.normalize:  # unit_rows: F.normalize with a backward of fewer (N, k, D) buffers
-        q, p = unit_rows(q), unit_rows(p)
-        negs = None if negs is None else unit_rows(negs)
+    # the rows are normalised here (unit_rows: F.normalize with a shorter backward), the
+    # columns by the engine, tile by tile: no normalised copy of the documents
+    q_hat, p_hat = (unit_rows(q), unit_rows(p)) if dist.normalize else (q, p)
     doc_rows = bool(chosen & {"doc_to_query", "doc_to_doc"})
     with_queries = bool(chosen & {"query_to_query", "doc_to_query"})
     opt = Retrieval(
@@ -378,8 +378,8 @@ def _retrieval_call(
         guide=guide is not None,
     )
     k = 0 if negs is None else negs.shape[1]
-    x = torch.stack([q, p], 1).reshape(2 * n, -1) if doc_rows else q
-    y = _columns(q, p, negs, with_queries)
+    x = torch.stack([q_hat, p_hat], 1).reshape(2 * n, -1) if doc_rows else q_hat
+    y = _segments(q, p, negs, with_queries)
     s_t = strength.to(dtype=cd, device=dev) if isinstance(strength, Tensor) else strength
     rows: tuple = (row_meta, torch.as_tensor(s_t, dtype=cd, device=dev))
     cols: tuple = (_column_meta(n, k, with_queries, row_meta),)
@@ -387,11 +387,14 @@ def _retrieval_call(
         ga, gp, gn, threshold = _guide(guide, anchors, neg, cd, margin_strategy, margin)
         g_rows = torch.stack([ga, gp], 1).reshape(2 * n, -1) if doc_rows else ga
         rows = (*rows, g_rows, threshold)
-        cols = (*cols, _columns(ga, gp, gn, with_queries))
-    if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
-        chunk = min(chunk, dense_rows(opt, x.shape[0], y.shape[0]))
+        cols = (*cols, torch.cat(_segments(ga, gp, gn, with_queries)))
     per_row = int(with_queries) + 1 + k  # the columns a row owns: the ring's block sizes
-    return EngineCall(opt, x, y, rows, cols, t, None, chunk, red, columns_per_row=per_row)
+    if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
+        chunk = min(chunk, dense_rows(opt, x.shape[0], n * per_row))
+    return EngineCall(
+        opt, x, y, rows, cols, t, None, chunk, red, columns_per_row=per_row,
+        unit=dist.normalize,
+    )  # fmt: skip
 
 
 def _engine_call(a, what: str | None) -> EngineCall:
