@@ -859,3 +859,50 @@ def test_a_nan_in_a_row_that_is_only_a_negative_gives_a_nan_loss(gen, kind, chun
         layout = "ref" if kind in ("ntxent", "supcon") else "pairs"
         loss = _call_kind(kind, reducer, layout, chunk, *inputs)
         assert torch.isnan(loss), (reducer, loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns: segments read as one matrix, normalised in the tile
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [True, False], ids=["formed-in-forward", "recomputed"])
+@pytest.mark.parametrize("chunk", [1, 3, B])
+@pytest.mark.parametrize("kind", ["ntxent", "supcon", "clip", "siglip"])
+def test_columns_in_segments_normalised_in_the_tile_equal_normalised_rows(
+    gen, kind, chunk, fused, monkeypatch
+):
+    """``tiled_loss(x, (y1, y2), unit=True)``, the engine reading two raw segments and
+    normalising each column in the tile, gives the value and the gradients (w.r.t. the rows, each
+    raw segment, the scale and the bias) of ``tiled_loss(x, F.normalize(cat(y1, y2)))``, the
+    normalisation differentiated by autograd; one column is zero and one has a norm below
+    ``F.normalize``'s ``ε`` (no projection there, as autograd's), in the walk that forms the
+    gradient in the forward and in the backward that recomputes the tiles."""
+    if not fused:
+        monkeypatch.setattr(_tiled, "_fused", lambda *a: False)
+    pairs = kind in ("clip", "siglip")
+    x = torch.nn.functional.normalize(torch.randn(B, D, generator=gen, dtype=F64), dim=-1)
+    y1 = torch.randn(4 if not pairs else 5, D, generator=gen, dtype=F64)
+    y2 = torch.randn(M - 4 if not pairs else B - 5, D, generator=gen, dtype=F64)
+    y1[1] = 0.0
+    y2[0] = 1e-14 * y2[0]
+    labels = None if pairs else torch.tensor(LABELS["uneven"])
+    ref_labels = None if pairs else torch.tensor(REF_LABELS["uneven"])
+    bias = torch.tensor(-0.3, dtype=F64) if kind == "siglip" else None
+    reducer = _tiled.KINDS[kind][0]
+
+    def run(unit):
+        leaves = [t.clone().requires_grad_() for t in (x, y1, y2, torch.tensor(2.5, dtype=F64))]
+        b = None if bias is None else bias.clone().requires_grad_()
+        xx, a, c, scale = leaves
+        y = (a, c) if unit else torch.nn.functional.normalize(torch.cat([a, c]), dim=-1)
+        loss = _tiled.tiled_loss(
+            xx, y, labels, ref_labels, scale=scale, bias=b, chunk=chunk, kind=kind,
+            reducer=reducer, unit=unit,
+        )  # fmt: skip
+        wrt = leaves + ([] if b is None else [b])
+        return loss.detach(), torch.autograd.grad(loss, wrt)
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    assert got[1][1][1].abs().max() > 1.0  # the zero column's gradient: 1/ε-sized, not lost

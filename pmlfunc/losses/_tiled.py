@@ -27,6 +27,11 @@ The columns come in *blocks*. One process has one block, ``y`` itself; the ring
   statistics and accumulates ``∂S y`` (the rows' gradient), ``∂Sᵀ x`` (the block's),
   ``Σ ∂S ⊙ x yᵀ`` (the scale's) and ``Σ ∂S`` (the bias's).
 
+The columns are read as the caller holds them (:class:`Columns`): several segments (a retrieval
+batch's positives and hard negatives) side by side without a concatenation, and, where the loss
+normalises them, normalised in the tile (``S = scale · (x yᵀ) ⊙ inv``) with the normalisation's
+backward applied to the column gradients in place: no normalised copy of the documents.
+
 Peak memory: the inputs, their gradients and a few tiles (masks are boolean), whatever ``N`` is.
 Shapes are static and every count is a tensor, so the one-block path (:func:`tiled_loss`) runs
 under ``torch.compile(fullgraph=True)``, ``torch.func`` and on the meta device; its backward
