@@ -125,6 +125,20 @@ def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "e
         raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {x.device}")
 
 
+def paired_rows(a: object, b: object, names: tuple[str, str], what: str) -> tuple[Tensor, Tensor]:
+    """Two sets whose row ``i`` pair (queries and their positives, two modalities): each
+    embeddings (:func:`embeddings`), the same space (:func:`same_space`) and as many rows,
+    else an error that says ``what`` pairs them."""
+    x, y = embeddings(a, names[0]), embeddings(b, names[1])
+    same_space(x, y, names[1], names[0])
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{what} pairs row i of {names[0]} with row i of {names[1]}: they need as many "
+            f"rows, got {x.shape[0]} and {y.shape[0]}"
+        )
+    return x, y
+
+
 def integer(value: object, name: str, *, minimum: int = 1) -> int:
     """A Python integer (not ``bool``) of at least ``minimum``: ``TypeError`` for any other type,
     ``ValueError`` below the minimum."""

@@ -120,3 +120,26 @@ def saved_bool_masks(recorded, rows: int) -> list[tuple[tuple[int, ...], str]]:
         for t, where in graph
         if t.dtype == torch.bool and t.ndim >= 2 and min(t.shape[-2:]) >= rows
     ]
+
+
+class GivenEmbeddings(torch.nn.Module):
+    """A stand-in sentence-transformers model for parity tests: ``forward`` returns the given
+    embeddings of the column it is fed (``features = {"column": i}``); ``model[0]`` is itself,
+    the module the Cached losses inspect."""
+
+    def __init__(self, columns):
+        super().__init__()
+        self.columns = columns
+
+    def forward(self, features):
+        return {"sentence_embedding": self.columns[features["column"]]}
+
+    def __getitem__(self, index):
+        return self
+
+
+def sentence_transformers_losses():
+    """``sentence_transformers``' loss classes, or the test skipped where it is not installed."""
+    import pytest
+
+    return pytest.importorskip("sentence_transformers.sentence_transformer.losses")

@@ -11,7 +11,12 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same, value_and_grads
+from helpers import (
+    GivenEmbeddings,
+    assert_same,
+    sentence_transformers_losses,
+    value_and_grads,
+)
 from reference import graded as ref
 
 import pmlfunc as pf
@@ -223,21 +228,6 @@ def test_the_teacher_scores_and_gold_scores_receive_no_gradient():
 # ----------------------------------------------------------------------------------------------
 # sentence-transformers' classes on the same embeddings
 # ----------------------------------------------------------------------------------------------
-class _Given(torch.nn.Module):
-    """A stand-in model: ``forward`` returns the given embeddings of the column it is fed."""
-
-    def __init__(self, columns):
-        super().__init__()
-        self.columns = columns
-
-    def forward(self, features):
-        return {"sentence_embedding": self.columns[features["column"]]}
-
-
-def _st():
-    return pytest.importorskip("sentence_transformers.sentence_transformer.losses")
-
-
 def _st_util():
     return pytest.importorskip("sentence_transformers.util")
 
@@ -260,14 +250,14 @@ def _columns(q, p, n):
 @pytest.mark.parametrize("similarity", ["pairwise_dot_score", "pairwise_cos_sim"])
 @pytest.mark.parametrize("layout", ["margins", "scores", "one-negative"])
 def test_margin_mse_equals_sentence_transformers(layout, similarity):
-    losses, util = _st(), _st_util()
+    losses, util = sentence_transformers_losses(), _st_util()
     k = 1 if layout == "one-negative" else K
     q, p, n = _leaves(*_triples(k))
     (labels,) = _draw((N, k + 1) if layout == "scores" else (N, k), seed=3, dtype=F32)
     if layout == "one-negative":
         labels = labels[:, 0]
     columns = _columns(q, p, n)
-    loss = losses.MarginMSELoss(_Given(columns), similarity_fct=getattr(util, similarity))
+    loss = losses.MarginMSELoss(GivenEmbeddings(columns), similarity_fct=getattr(util, similarity))
     theirs = loss.compute_loss_from_embeddings(columns, labels)
     distance = pf.distances.dot() if similarity == "pairwise_dot_score" else pf.distances.cosine()
     ours = L.margin_mse(q, p, n, labels, distance=distance)
@@ -278,12 +268,14 @@ def test_margin_mse_equals_sentence_transformers(layout, similarity):
 @pytest.mark.parametrize("similarity", ["pairwise_dot_score", "pairwise_cos_sim"])
 @pytest.mark.parametrize("temperatures", list(TEMPERATURES))
 def test_distill_kl_div_equals_sentence_transformers(temperatures, similarity):
-    losses, util = _st(), _st_util()
+    losses, util = sentence_transformers_losses(), _st_util()
     q, p, n = _leaves(*_triples())
     (labels,) = _draw((N, K + 1), seed=4, dtype=F32)
     columns = _columns(q, p, n)
     kw = TEMPERATURES[temperatures]
-    loss = losses.DistillKLDivLoss(_Given(columns), similarity_fct=getattr(util, similarity), **kw)
+    loss = losses.DistillKLDivLoss(
+        GivenEmbeddings(columns), similarity_fct=getattr(util, similarity), **kw
+    )
     theirs = loss.compute_loss_from_embeddings(columns, labels)
     distance = pf.distances.dot() if similarity == "pairwise_dot_score" else pf.distances.cosine()
     ours = L.distill_kl_div(q, p, n, labels, distance=distance, **kw)
@@ -307,44 +299,48 @@ COSENT_CASES = {
 
 @pytest.mark.parametrize("case", list(COSENT_CASES))
 def test_cosent_equals_sentence_transformers(case):
-    losses, util = _st(), _st_util()
+    losses, util = sentence_transformers_losses(), _st_util()
     a, b = _leaves(*_draw((N, D), (N, D)))
     st_kw, our_kw = COSENT_CASES[case]
     if "similarity_fct" in st_kw:
         st_kw = {**st_kw, "similarity_fct": getattr(util, st_kw["similarity_fct"])}
     gold = GOLD.float()
-    theirs = losses.CoSENTLoss(_Given([a, b]), **st_kw).compute_loss_from_embeddings([a, b], gold)
+    theirs = losses.CoSENTLoss(GivenEmbeddings([a, b]), **st_kw).compute_loss_from_embeddings(
+        [a, b], gold
+    )
     _same_loss_and_gradients(L.cosent(a, b, gold, **our_kw), theirs, (a, b))
 
 
 @pytest.mark.parametrize("width", [D, D + 1], ids=["even", "odd"])
 def test_angle_equals_sentence_transformers_on_pairs(width):
-    losses = _st()
+    losses = sentence_transformers_losses()
     a, b = _leaves(*_draw((N, width), (N, width)))
     gold = GOLD.float()
-    theirs = losses.AnglELoss(_Given([a, b])).compute_loss_from_embeddings([a, b], gold)
+    theirs = losses.AnglELoss(GivenEmbeddings([a, b])).compute_loss_from_embeddings([a, b], gold)
     _same_loss_and_gradients(L.angle(a, b, gold), theirs, (a, b))
 
 
 @pytest.mark.parametrize("gold", [None, "given"])
 @pytest.mark.parametrize("k", [1, K])
 def test_angle_equals_sentence_transformers_on_n_tuples(k, gold):
-    losses = _st()
+    losses = sentence_transformers_losses()
     q, p, n = _leaves(*_triples(k))
     y = None if gold is None else torch.rand(N, generator=torch.Generator().manual_seed(5))
     columns = _columns(q, p, n)
-    theirs = losses.AnglELoss(_Given(columns), scale=10.0).compute_loss_from_embeddings(columns, y)
+    theirs = losses.AnglELoss(GivenEmbeddings(columns), scale=10.0).compute_loss_from_embeddings(
+        columns, y
+    )
     _same_loss_and_gradients(L.angle(q, p, y, negatives=n, scale=10.0), theirs, (q, p, n))
 
 
 def test_sentence_transformers_forward_through_a_model_gives_the_same_loss():
     """The classes' ``forward`` (a model embeds each column) on a stand-in model."""
-    losses = _st()
+    losses = sentence_transformers_losses()
     q, p, n = _leaves(*_triples(1))
     columns = [q, p, n[:, 0]]
     features = [{"column": i} for i in range(3)]
     (scores,) = _draw((N, 2), seed=4, dtype=F32)
-    model = _Given(columns)
+    model = GivenEmbeddings(columns)
     pairs = [
         (losses.MarginMSELoss(model)(features, scores), L.margin_mse(q, p, n, scores)),
         (losses.DistillKLDivLoss(model)(features, scores), L.distill_kl_div(q, p, n, scores)),

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same, value_and_grads
+from helpers import (
+    GivenEmbeddings,
+    assert_same,
+    sentence_transformers_losses,
+    value_and_grads,
+)
 from reference import in_batch as ref
 
 import pmlfunc as pf
@@ -92,30 +97,15 @@ def test_the_loss_reaches_the_positives_only_through_the_chosen_negatives():
 # ----------------------------------------------------------------------------------------------
 # sentence-transformers
 # ----------------------------------------------------------------------------------------------
-class _Given(torch.nn.Module):
-    """A stand-in model: ``forward`` returns the given embeddings of the column it is fed."""
-
-    def __init__(self, columns):
-        super().__init__()
-        self.columns = columns
-
-    def forward(self, features):
-        return {"sentence_embedding": self.columns[features["column"]]}
-
-
-def _st():
-    return pytest.importorskip("sentence_transformers.sentence_transformer.losses")
-
-
 def _leaves(*tensors):
     return [t.float().detach().requires_grad_() for t in tensors]
 
 
 @pytest.mark.parametrize("margins", [{}, {"positive_margin": 0.5, "negative_margin": 0.0}])
 def test_equals_sentence_transformers_without_mini_batches(margins):
-    losses = _st()
+    losses = sentence_transformers_losses()
     a, p = _leaves(*_pairs(16, seed=4))
-    model = _Given([a, p])
+    model = GivenEmbeddings([a, p])
     loss = losses.MegaBatchMarginLoss(model, use_mini_batched_version=False, **margins)
     theirs = loss([{"column": 0}, {"column": 1}], None)
     ours = mega(a, p, **margins)
@@ -130,7 +120,7 @@ def test_equals_sentence_transformers_without_mini_batches(margins):
 def test_equals_sentence_transformers_mini_batched(mini_batch_size):
     """The mini-batched version's loss and cached gradients (its step 2, ``calculate_loss``
     with ``with_backward=True`` over the mini-batches' embeddings) against ``chunk_size``."""
-    losses = _st()
+    losses = sentence_transformers_losses()
     a, p = _pairs(16, seed=5, dtype=F32)
     loss = losses.MegaBatchMarginLoss.__new__(losses.MegaBatchMarginLoss)
     torch.nn.Module.__init__(loss)  # its constructor inspects a real model's first module

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import GivenEmbeddings, sentence_transformers_losses
 from reference import retrieval as ref
 
 import pmlfunc as pf
@@ -190,24 +191,6 @@ def test_a_nan_in_a_hard_negative_makes_the_loss_nan(directions, chunk):
 # ----------------------------------------------------------------------------------------------
 # sentence-transformers
 # ----------------------------------------------------------------------------------------------
-class _Given(torch.nn.Module):
-    """A stand-in model: ``forward`` returns the given embeddings of the column it is fed."""
-
-    def __init__(self, columns):
-        super().__init__()
-        self.columns = columns
-
-    def forward(self, features):
-        return {"sentence_embedding": self.columns[features["column"]]}
-
-    def __getitem__(self, index):  # model[0], the module the Cached losses inspect
-        return self
-
-
-def _st():
-    return pytest.importorskip("sentence_transformers.sentence_transformer.losses")
-
-
 def _same_loss_and_gradients(ours, theirs, wrt) -> None:
     """Equal to float32 rounding: the loss and its gradient with respect to each of ``wrt``."""
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -244,19 +227,21 @@ ST_CASES = {
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("case", list(ST_CASES))
 def test_equals_sentence_transformers_multiple_negatives_ranking_loss(case, k):
-    losses = _st()
+    losses = sentence_transformers_losses()
     st_kw, our_kw = ST_CASES[case]
     q, p, n = (t.float().detach().requires_grad_() for t in _batch(k))
     columns = [q, p, *n.unbind(1)]
-    theirs = _st_loss(losses.MultipleNegativesRankingLoss(_Given(columns), **st_kw), columns)
+    theirs = _st_loss(
+        losses.MultipleNegativesRankingLoss(GivenEmbeddings(columns), **st_kw), columns
+    )
     ours = mnrl(q, p, n if k else None, chunk_size=3, **our_kw)
     _same_loss_and_gradients(ours, theirs, (q, p, n) if k else (q, p))
 
 
 def test_equals_sentence_transformers_symmetric_ranking_loss():
-    losses = _st()
+    losses = sentence_transformers_losses()
     q, p, _ = (t.float().detach().requires_grad_() for t in _batch())
-    theirs = _st_loss(losses.MultipleNegativesSymmetricRankingLoss(_Given([q, p])), [q, p])
+    theirs = _st_loss(losses.MultipleNegativesSymmetricRankingLoss(GivenEmbeddings([q, p])), [q, p])
     ours = mnrl(q, p, directions=SYM, partition_mode="per_direction")
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
@@ -288,14 +273,16 @@ def _gist(losses, model, guide, *, temperature, margin_strategy="absolute", marg
     ids=["default", "q2d-only", "relative", "absolute-margin"],
 )
 def test_equals_sentence_transformers_gist_embed_loss(kw, k):
-    losses = _st()
+    losses = sentence_transformers_losses()
     if k and kw.get("contrast_positives", True):
         pytest.skip("GISTEmbed's positive–positive term reads positives only (documented)")
     q, p, n = (t.float().detach().requires_grad_() for t in _batch(k))
     gq, gp, gn = (t.float() for t in _guide(k))
     g_columns = [gq, gp, *gn.unbind(1)]
     columns = [q, p, *n.unbind(1)]
-    loss = _gist(losses, _Given(columns), _Given(g_columns), temperature=0.05, **kw)
+    loss = _gist(
+        losses, GivenEmbeddings(columns), GivenEmbeddings(g_columns), temperature=0.05, **kw
+    )
     features = [{"column": i} for i in range(len(columns))]
     theirs = loss(features, None)
     directions = ["query_to_doc"]
@@ -313,9 +300,9 @@ def test_equals_sentence_transformers_gist_embed_loss(kw, k):
 
 
 def test_equals_sentence_transformers_cached_multiple_negatives_ranking_loss():
-    losses = _st()
+    losses = sentence_transformers_losses()
     q, p, n = (t.float().detach() for t in _batch(1))
-    loss = losses.CachedMultipleNegativesRankingLoss(_Given([]), mini_batch_size=3)
+    loss = losses.CachedMultipleNegativesRankingLoss(GivenEmbeddings([]), mini_batch_size=3)
     reps = [[q], [p], [n[:, 0]]]
     theirs = loss.calculate_loss(reps, with_backward=False)
     ours = mnrl(q, p, n, chunk_size=3)

@@ -203,14 +203,7 @@ def _pair_call(
 ) -> EngineCall:
     """The validated call as the tiled engine runs it: ``â``, ``b̂`` in the compute dtype, the
     scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors."""
-    _checks.embeddings(emb_a, "emb_a")
-    _checks.embeddings(emb_b, "emb_b")
-    _checks.same_space(emb_a, emb_b, "emb_b", "emb_a")
-    if emb_b.shape[0] != emb_a.shape[0]:
-        raise ValueError(
-            f"{name} pairs row i of emb_a with row i of emb_b: they need as many rows, got "
-            f"{emb_a.shape[0]} and {emb_b.shape[0]}"
-        )
+    _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), name)
     if labels is not None:
         _checks.labels(labels, emb_a.shape[0], emb_a.device, "labels", "emb_a")
     if not isinstance(params, dict) or "logit_scale" not in params:

@@ -261,7 +261,7 @@ def cosent(
     (blog post; Huang et al., "CoSENT: Consistent Sentence Embedding via Similarity Ranking",
     IEEE/ACM TASLP 2024).
     """
-    a, b = _pair(emb_a, emb_b)
+    a, b = _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), "cosent")
     gold = _gold(scores, a.shape[0], a.device)
     lam = _scale(scale, a)
     dist = resolve(distance, cosine())
@@ -318,7 +318,7 @@ def angle(
     References: Li & Li, "AnglE-optimized Text Embeddings", 2023 (arXiv:2309.12871; "AoE:
     Angle-optimized Embeddings for Semantic Textual Similarity", ACL 2024).
     """
-    a, b = _pair(emb_a, emb_b)
+    a, b = _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), "angle")
     n = a.shape[0]
     lam = _scale(scale, a)
     cd = _checks.compute_dtype(a.dtype)
@@ -345,19 +345,6 @@ def angle(
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def _pair(emb_a: Tensor, emb_b: Tensor, names: tuple[str, str] = ("emb_a", "emb_b")):
-    """Two row-aligned ``(N, D)`` embedding tensors of one space."""
-    a = _checks.embeddings(emb_a, names[0])
-    b = _checks.embeddings(emb_b, names[1])
-    _checks.same_space(a, b, names[1], names[0])
-    if b.shape[0] != a.shape[0]:
-        raise ValueError(
-            f"{names[1]} must have as many rows as {names[0]} (row i of each is one pair), got "
-            f"{b.shape[0]} and {a.shape[0]}"
-        )
-    return a, b
-
-
 def _negatives(negatives: object, anchors: Tensor, *, required: bool = False) -> Tensor:
     """``negatives`` as ``(N, k, D)`` (a 2-D one is ``k = 1``), in the anchors' space."""
     given = _checks.tensor(negatives, "negatives")
@@ -382,7 +369,7 @@ def _candidates(
 ) -> tuple[Distance, Tensor, Tensor]:
     """The distance, the queries ``(N, D)`` and each row's candidates ``(N, 1 + k, D)``
     (positive first), validated and in the compute dtype."""
-    q, p = _pair(anchors, positives, ("anchors", "positives"))
+    q, p = _checks.paired_rows(anchors, positives, ("anchors", "positives"), what)
     if negatives is None:
         raise ValueError(f"{what} needs negatives: (N, D) or (N, k, D), k >= 1")
     neg = _negatives(negatives, q, required=True)

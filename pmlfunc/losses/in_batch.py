@@ -79,15 +79,8 @@ def mega_batch_margin(
     References: Wieting & Gimpel, "ParaNMT-50M: Pushing the Limits of Paraphrastic Sentence
     Embeddings with Millions of Machine Translations", ACL 2018.
     """
-    a = _checks.embeddings(anchors, "anchors")
-    p = _checks.embeddings(positives, "positives")
-    _checks.same_space(a, p, "positives", "anchors")
+    a, p = _checks.paired_rows(anchors, positives, ("anchors", "positives"), "mega_batch_margin")
     n = a.shape[0]
-    if p.shape[0] != n:
-        raise ValueError(
-            f"mega_batch_margin pairs row i of anchors with row i of positives: they need as "
-            f"many rows, got {n} and {p.shape[0]}"
-        )
     chunk = n if chunk_size is None else min(_checks.chunk_size(chunk_size), n)
     cd = _checks.compute_dtype(a.dtype)
     m_pos = _margin(positive_margin, "positive_margin", cd, a.device)

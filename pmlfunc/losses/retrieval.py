@@ -318,15 +318,8 @@ def _retrieval_call(
     """The validated call as the engine runs it (:class:`~pmlfunc.losses._tiled.Retrieval`):
     ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata."""
     what = what or "multiple_negatives_ranking"
-    _checks.embeddings(anchors, "anchors")
-    _checks.embeddings(positives, "positives")
-    _checks.same_space(anchors, positives, "positives", "anchors")
+    _checks.paired_rows(anchors, positives, ("anchors", "positives"), what)
     n = anchors.shape[0]
-    if positives.shape[0] != n:
-        raise ValueError(
-            f"{what} pairs row i of anchors with row i of positives: they need as many rows, "
-            f"got {n} and {positives.shape[0]}"
-        )
     neg = _documents(negatives, anchors)
     chosen, joint = _options(directions, partition_mode, hardness_mode)
     dist = resolve(distance, cosine())
