@@ -417,6 +417,18 @@ DISTRIBUTED = {
         },
         (0, 4, 3),
     ),
+    "dot-every-direction-relative-guide-anchor-ids": (
+        {
+            "distance": "dot",
+            "scale": 0.5,
+            "directions": ALL,
+            "guide": True,
+            "margin_strategy": "relative",
+            "margin": 0.3,
+            "anchor_ids": ANCHOR_IDS,
+        },
+        (4, 3),
+    ),
     "symmetric-learnable-scale-sum": (
         {
             "directions": SYM,
