@@ -29,6 +29,13 @@ def _batch(n: int, *, d: int = D, dtype=torch.float64, seed: int = 0):
 
 
 NTXENT = functools.partial(pf.losses.ntxent, temperature=0.1)
+MNRL = pf.losses.multiple_negatives_ranking
+
+
+def _negatives(k: int, n: int = 6, seed: int = 2) -> torch.Tensor:
+    """``k`` hard negatives for each of ``n`` queries, ``(n, k, D)``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, D, generator=g, dtype=torch.float64).requires_grad_()
 
 
 def _outcome(fn) -> tuple[str, str]:
@@ -66,6 +73,9 @@ def _disagreements() -> dict[str, tuple[str, str]]:
         )[0],
         "value_and_grad width": lambda: distributed.value_and_grad(NTXENT, 3)(_batch(6, d=D + rank)[0].detach(), labels)[0],
         "all_gather width": lambda: distributed.all_gather(_batch(6, d=D + rank)[0], name="emb").sum(),
+        "hard negatives a row (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2 if first else 3)),
+        "anchor ids on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2), **({"anchor_ids": labels} if first else {})),
+        "guide on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, **({"guide": (emb.detach(), pair_b.detach())} if first else {})),
         "labels of the wrong length on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels[:4]),
         "labels a list on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels.tolist()),
     }  # fmt: skip
@@ -84,6 +94,9 @@ DISAGREEMENTS = {
     "labels on one rank (ring)": ("labels", "None", "given on some ranks only"),
     "temperature": ("temperature", "0.1", "0.2"),
     "params keys": ("params", "'logit_bias'"),
+    "hard negatives a row (ring)": ("negatives", "(*, 2, 6)", "(*, 3, 6)"),
+    "anchor ids on one rank (ring)": ("anchor_ids", "None", "given on some ranks only"),
+    "guide on one rank (ring)": ("guide[0]", "(not given)", "given on some ranks only"),
     "different losses": ("different calls", "ntxent", "supcon"),
     "different exchanges": ("different calls", "exchange='ring'"),
     "requires_grad": ("embeddings", "requires_grad"),
@@ -183,9 +196,10 @@ def test_an_empty_rank_takes_part_and_contributes_nothing():
         assert got[1][1].shape == (0, D)
 
 
-def _ring_fault(phase: str) -> dict[str, object]:
+def _ring_fault(phase: str, loss: str) -> dict[str, object]:
     """Rank 1 raises inside the ring (its second tile walk of the forward, or the backward's
-    walk), catches it and calls the ring again; rank 0 is in the same call."""
+    walk), catches it and calls the ring again; rank 0 is in the same call. ``loss``: CLIP,
+    or the retrieval loss with hard negatives and ids (blocks with metadata)."""
     import pmlfunc._ring as ring_module
 
     rank = dist.get_rank()
@@ -202,13 +216,19 @@ def _ring_fault(phase: str) -> dict[str, object]:
         setattr(ring_module, name, failing)
     a, _ = _batch(8)
     b, _ = _batch(8, seed=1)
-    ring = distributed.global_objective(pf.losses.clip, exchange="ring", timeout=60.0)
+    fn = (
+        pf.losses.clip
+        if loss == "clip"
+        else functools.partial(MNRL, anchor_ids=torch.arange(8) // 2)
+    )
+    ring = distributed.global_objective(fn, exchange="ring", timeout=60.0)
     params = pf.losses.clip_init(dtype=torch.float64)
+    args = (a, b, params) if loss == "clip" else (a, b, _negatives(2, 8), params)
     out: dict[str, object] = {}
     for step in range(2):
         start = time.monotonic()
         try:
-            ring(a, b, params).backward()
+            ring(*args).backward()
             out[f"step {step}"] = ("ok", "")
         except Exception as err:
             ranks = err.ranks if isinstance(err, RankError) else None
@@ -217,9 +237,10 @@ def _ring_fault(phase: str) -> dict[str, object]:
     return out
 
 
+@pytest.mark.parametrize("loss", ["clip", "retrieval"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_a_rank_failing_inside_the_ring_makes_every_rank_fail_within_seconds_naming_it(phase):
-    results = spawn_ranks(_ring_fault, phase, world_size=2, timeout=SPAWN_TIMEOUT)
+def test_a_rank_failing_inside_the_ring_makes_every_rank_fail_within_seconds_naming_it(phase, loss):
+    results = spawn_ranks(_ring_fault, phase, loss, world_size=2, timeout=SPAWN_TIMEOUT)
     kind, text, ranks = results[0]["step 0"]
     assert kind == "RankError" and ranks == (1,), text
     assert f"rank 1 failed (in its pmlfunc call #0, while the ring's {phase})" in text
