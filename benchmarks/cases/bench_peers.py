@@ -6,8 +6,11 @@ loaded without torchvision). A member whose package is absent is skipped with th
 (``pytest.skip`` here, ``status: skipped`` in ``benchmarks.run``); the pmlfunc and floor
 members always run.
 
-Every group has ``N`` rows against ``N`` rows (one ``N × N`` similarity matrix), so the floor,
-``(E @ E.T).sum()`` of the suite's ``N × D`` embeddings, is the same matmul floor in all:
+Every group but ``peer-mnrl-k7`` has ``N`` rows against ``N`` rows (one ``N × N`` similarity
+matrix), so the floor, ``(E @ E.T).sum()`` of the suite's ``N × D`` embeddings, is the same
+matmul floor in all; ``peer-mnrl-k7``'s ``N`` queries read ``8N`` documents (their positives and
+7 hard negatives each, ``bench_retrieval``'s seeded sets), and its floor is that product
+(``bench_retrieval.floor``):
 
 ============================  =====================================================  =========================================================
 group                          peer                                                   pmlfunc (the reference, checked equal)
@@ -19,6 +22,8 @@ group                          peer                                             
                                ``partition_mode="per_direction"``
 ``peer-cached-mnrl``           ST ``CachedMultipleNegativesRankingLoss``'s loss stage  ``pf.losses.ntxent(..., chunk_size=TILE)`` (tiled) and
                                (mini-batches of ``TILE`` rows)                        ``pf.chunked.value_and_grad`` at ``TILE``
+``peer-mnrl-k7``               ST MNRL with 7 hard-negative columns                   ``pf.losses.multiple_negatives_ranking(q, p, n)`` (dense;
+                                                                                      ``pmlfunc-tiled``: ``chunk_size=TILE``)
 ``peer-lightly-ntxent``        lightly ``NTXentLoss(temperature=0.5)(v0, v1)``        ``pf.losses.ntxent(E, [0..N/2-1, 0..N/2-1], temperature=0.5)``
 ``peer-optax-ntxent``          ``jax.jit(jax.value_and_grad(optax.losses.ntxent))``    ``pf.losses.ntxent(E, y, temperature=0.07)`` (4 per class)
 ============================  =====================================================  =========================================================
@@ -95,6 +100,9 @@ from . import (
     reference_mismatch,
     reference_rtol,
 )
+from .bench_retrieval import _documents
+from .bench_retrieval import floor as _retrieval_floor
+from .bench_retrieval import mnrl as _pf_retrieval
 
 TILE = C.env_int("PMLFUNC_BENCH_TILE", 256)
 ST_SCALE = 20.0  # sentence-transformers' default scale (1 / temperature)
@@ -270,6 +278,23 @@ def _st_cached() -> Member:
     return Member(make)
 
 
+def _st_retrieval(k: int) -> Member:
+    """ST ``MultipleNegativesRankingLoss`` on the columns ``[q, p, n_1, ..., n_k]``: the same
+    positives and hard negatives as ``bench_retrieval.mnrl``'s (scale 20 and cosine, both
+    defaults)."""
+
+    def make(emb, labels):
+        st = P.sentence_transformers_losses()
+        loss = st.MultipleNegativesRankingLoss(None, scale=ST_SCALE)
+        pos, neg = _documents(emb, k)
+        return (lambda e, y: loss.compute_loss_from_embeddings([e, pos, *neg.unbind(1)], None)), [
+            pos,
+            neg,
+        ]
+
+    return Member(make)
+
+
 def _lightly() -> Member:
     def make(emb, labels):
         loss = P.lightly_ntxent().NTXentLoss(temperature=LIGHTLY_TEMPERATURE)
@@ -360,6 +385,22 @@ CASES = by_name(
             "sentence_transformers": _st_cached(),
         },
         reference="pmlfunc-tiled",
+    ),
+    Case(
+        "peer-mnrl-k7",
+        {
+            "pmlfunc": _pf_retrieval(7),
+            "pmlfunc-tiled": _pf_retrieval(7, chunk_size=TILE),
+            "sentence_transformers": _st_retrieval(7),
+            "floor": _retrieval_floor(7),
+        },
+        extra={
+            "peer": "sentence_transformers",
+            "peer_version": P.version("sentence_transformers"),
+            "reference": "pmlfunc",
+            "negatives": 7,
+        },
+        reference="pmlfunc",
     ),
     _case("peer-lightly-ntxent", "lightly", {"pmlfunc": _pf_two_views(), "lightly": _lightly()}),
     _case("peer-optax-ntxent", "optax", {"pmlfunc": _pf_ntxent(), "optax": _optax()}),
