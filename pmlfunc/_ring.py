@@ -193,13 +193,11 @@ class _RingLoss(torch.autograd.Function):
         def visit(owner, blk, travel):
             nonlocal gx
             col = tuple(blk[-1].unbind(-1)) if own_col else ()
-            part_x, part_y, x_dot, sum_ds = block_backward(
-                kind, x, blk[0] if self_mode else columns(blk[0], ctx.unit), rows,
-                _cols(kind, blk[1 : 1 + n_meta]), scale, bias, ctx.chunk, row, col, needs,
-                diag=owner == ring.rank, exclude=self_mode,
+            part_x, (part_y,), x_dot, sum_ds = block_backward(
+                kind, x, columns(blk[0], ctx.unit), rows, _cols(kind, blk[1 : 1 + n_meta]),
+                scale, bias, ctx.chunk, row, col, needs, diag=owner == ring.rank,
+                exclude=self_mode,
             )  # fmt: skip
-            if isinstance(part_y, tuple):  # one segment: the block
-                (part_y,) = part_y
             if part_x is not None:
                 gx = part_x if gx is None else gx + part_x
             for name, v in (("scale", x_dot), ("bias", sum_ds)):

@@ -761,7 +761,7 @@ def _walk_blocks(kind, reducer, x, y, rows, cols, scale, bias, chunk, x_sizes, y
     for r, (_, row_stats) in enumerate(reduced):
         for o, blk in enumerate(yb):
             col_stats = reduced[o][1][n_row:]
-            px, py, x_dot, sum_ds = _tiled.block_backward(
+            px, (py,), x_dot, sum_ds = _tiled.block_backward(
                 kind, part(x, xb[r]), part(yy, blk), part(rows, xb[r]), part(cc, blk), scale,
                 bias, chunk, row_stats[:n_row], col_stats, (True, True, True, bias is not None),
                 diag=o == r, exclude=self_mode,

@@ -245,14 +245,18 @@ def columns(y: Tensor | Columns | tuple[Tensor, ...], unit: bool = False) -> Col
     return Columns(segments, norm, 1.0 / norm.clamp_min(_NORMALIZE_EPS))
 
 
-def _logits(x: Tensor, y: Columns, r0: int, r1: int, scale, bias) -> Tensor:
+def _tile_factor(y: Columns, scale) -> float | Tensor:
+    """What a tile ``x yᵀ`` is multiplied by: ``scale``, times each column's ``inv`` where the
+    engine normalises the columns (one ``(M,)`` vector a walk)."""
+    return scale if y.inv is None else y.inv * scale
+
+
+def _logits(x: Tensor, y: Columns, r0: int, r1: int, factor, bias) -> Tensor:
     """``S = scale · x[r0:r1] ŷᵀ + bias``, one fresh ``(r1 − r0, M)`` tile updated in place
-    (``ŷ``: the columns, normalised where ``y.inv`` says)."""
+    (``ŷ``: the columns, normalised where ``y.inv`` says; ``factor``: :func:`_tile_factor`)."""
     s = y.product(x[r0:r1])
-    if y.inv is not None:
-        s = s.mul_(y.inv * scale)
-    elif not (isinstance(scale, float) and scale == 1.0):
-        s = s.mul_(scale)
+    if not (isinstance(factor, float) and factor == 1.0):
+        s = s.mul_(factor)
     return s if bias is None else s.add_(bias)
 
 
@@ -419,9 +423,10 @@ def block_forward(
     y = columns(y)
     n, m = x.shape[-2], y.m
     acc = _Partials(kind, x, m)
+    factor = _tile_factor(y, scale)
     roles = _roles(kind)
     for r0, r1 in _tiles(n // roles, chunk):
-        s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
+        s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
@@ -919,18 +924,19 @@ def block_backward(
     kind, x, y, rows, cols, scale, bias, chunk, row, col, needs, *, diag, exclude, into=None
 ):
     """One block's gradient sums for a unit cotangent, before the scale (:class:`_GradSums`),
-    from the forward's statistics: every tile recomputed. ``y``: a tensor (its gradient is
-    returned as one) or :class:`Columns` (a tuple, one a segment); ``needs[1]`` a bool for all
-    columns or one a segment."""
-    given, y = y, columns(y)
+    from the forward's statistics: every tile recomputed. ``y``: a tensor or :class:`Columns`;
+    the columns' gradients are a tuple, one a segment; ``needs[1]`` a bool for all columns or
+    one a segment."""
+    y = columns(y)
     m = y.m
+    factor = _tile_factor(y, scale)
     need_x, need_cols, need_scale, need_bias = needs
     if not isinstance(need_cols, tuple):
         need_cols = (bool(need_cols),) * len(y.segments)
     sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
-        s = _logits(x, y, r0 * roles, r1 * roles, scale, bias)
+        s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
         if isinstance(kind, Retrieval):
             keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, x.shape[-2], r0, diag)
@@ -945,8 +951,7 @@ def block_backward(
         ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col, at.eye)
         del s, pos, neg
         sums.add(ds, r0, r1)
-    gx, gy, x_dot, sum_ds = sums.result()
-    return gx, (gy if isinstance(given, (Columns, tuple)) else gy[0]), x_dot, sum_ds
+    return sums.result()
 
 
 def _times_cotangent(gx, gy, g_scale, g_bias, scale, g) -> tuple[Tensor, ...]:

@@ -390,10 +390,12 @@ def _retrieval_call(
     )  # fmt: skip
 
 
+_PARAMETERS = tuple(inspect.signature(multiple_negatives_ranking).parameters)
+
+
 def _engine_call(a, what: str | None) -> EngineCall:
     """``multiple_negatives_ranking``'s bound arguments ``a`` as the engine's call (the ring's)."""
-    names = list(inspect.signature(multiple_negatives_ranking).parameters)
-    return _retrieval_call(*(a[name] for name in names), what=what)
+    return _retrieval_call(*(a[name] for name in _PARAMETERS), what=what)
 
 
 builds(multiple_negatives_ranking)(_engine_call)
