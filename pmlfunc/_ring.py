@@ -10,7 +10,7 @@ What must reach a block's owner travels *with* the block and gets one last hop h
 | pass | travels with each block | comes home as |
 |---|---|---|
 | forward and backward | the block's metadata: its labels, or (retrieval) its columns' types, owners and ids, and the guide model's columns | |
-| forward (CLIP) | partial column statistics (log-sum-exp, ``|P|``, ``Σ_P S``) | the block's column statistics |
+| forward (CLIP; retrieval with ``doc_to_query``) | partial column statistics (log-sum-exp, ``|P|``, ``Σ_P S``; the positives' log-sum-exp) | the block's column statistics |
 | backward | ``∂L/∂y`` summed over the ranks visited | the owner's column gradient |
 
 A block has ``columns_per_row`` columns for each of its rank's rows (one; the retrieval kind's
@@ -45,6 +45,7 @@ from .losses._tiled import (
     Retrieval,
     block_backward,
     block_forward,
+    column_stats,
     columns,
     counts,
     kind_name,
@@ -112,9 +113,6 @@ class Ring:
         return {k: flat[i].to(values[k].dtype) for i, k in enumerate(names)}
 
 
-_COL = ("col_lse", "col_pos", "col_pos_sum")
-
-
 class _RingLoss(torch.autograd.Function):
     """``L`` of an :class:`EngineCall` over the ranks' rows. Inputs ``(x, y, scale, bias, call,
     ring)`` (``y=None``: self mode); the labels travel in ``call``."""
@@ -131,6 +129,7 @@ class _RingLoss(torch.autograd.Function):
         chunk = call.chunk or max(x.shape[-2], 1)
         meta = _block_meta(call)
         block = [x if self_mode else y, *meta]
+        col_keys = column_stats(kind)  # partial column statistics travel with their block
 
         def walk(lse: Tensor | None) -> dict[str, Tensor]:
             acc: dict[str, Tensor] | None = None
@@ -142,16 +141,16 @@ class _RingLoss(torch.autograd.Function):
                     scale, bias, chunk, diag=owner == ring.rank, exclude=self_mode, lse=lse,
                     final=False,
                 )  # fmt: skip
-                acc = merge(acc, {k: v for k, v in st.items() if not k.startswith("col")})
-                if kind != "clip":
+                acc = merge(acc, {k: v for k, v in st.items() if k not in col_keys})
+                if not col_keys:
                     return None
-                col = torch.stack([st[k] for k in _COL], -1)
-                return [col if travel is None else _merge_cols(travel[0], col)]
+                col = torch.stack([st[k] for k in col_keys], -1)
+                return [col if travel is None else _merge_cols(col_keys, travel[0], col)]
 
             home = ring.circulate(block, visit, "the forward" if lse is None else "the terms")
             assert acc is not None  # circulate visits every rank's block, this one's included
             if home is not None:
-                acc.update(zip(_COL, home[0].unbind(-1), strict=True))
+                acc.update(zip(col_keys, home[0].unbind(-1), strict=True))
             return acc
 
         st = walk(None)
@@ -226,12 +225,13 @@ class _RingLoss(torch.autograd.Function):
         return grad_x, grad_y, totals.get("scale"), totals.get("bias"), None, None
 
 
-def _merge_cols(a: Tensor, b: Tensor) -> Tensor:
-    """Two partial column statistics ``(lse, |P|, Σ_P S)`` stacked on the last dimension."""
+def _merge_cols(keys: tuple[str, ...], a: Tensor, b: Tensor) -> Tensor:
+    """Two partial column statistics (``keys``, :func:`column_stats`) stacked on the last
+    dimension."""
     cols = merge(
-        dict(zip(_COL, a.unbind(-1), strict=True)), dict(zip(_COL, b.unbind(-1), strict=True))
+        dict(zip(keys, a.unbind(-1), strict=True)), dict(zip(keys, b.unbind(-1), strict=True))
     )
-    return torch.stack([cols[k] for k in _COL], -1)
+    return torch.stack([cols[k] for k in keys], -1)
 
 
 def _block_meta(call: EngineCall) -> list[Tensor]:

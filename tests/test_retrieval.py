@@ -59,6 +59,27 @@ OPTIONS = {
     "guide": {"guide": True, "directions": ("query_to_doc", "query_to_query", "doc_to_doc")},
     "guide-relative": {"guide": True, "margin_strategy": "relative", "margin": 0.3},
     "guide-symmetric": {"guide": True, "directions": SYM, "partition_mode": "per_direction"},
+    # doc_to_query without doc_to_doc is read down the positives' columns: with every mask
+    "ids-symmetric": {
+        "anchor_ids": ANCHOR_IDS,
+        "positive_ids": POSITIVE_IDS,
+        "directions": SYM,
+        "partition_mode": "per_direction",
+    },
+    "symmetric-joint-hardness": {
+        "directions": SYM,
+        "hardness_mode": "in_batch_negatives",
+        "hardness_strength": 9.0,
+    },
+    "queries-both-ways": {
+        "directions": ("query_to_doc", "query_to_query", "doc_to_query"),
+        "hardness_mode": "all_negatives",
+        "hardness_strength": 2.0,
+        "anchor_ids": ANCHOR_IDS,
+        "positive_ids": POSITIVE_IDS,
+        "guide": True,
+        "margin": 0.1,
+    },
     "dot-sum": {"distance": "dot", "scale": 0.5, "reducer": "sum", "directions": ALL},
     "everything": {
         "directions": ALL,
@@ -439,6 +460,18 @@ DISTRIBUTED = {
             "hardness_strength": 3.0,
         },
         (2, 2, 3),
+    ),
+    # doc_to_query down the positives' columns: their log-sum-exps travel with the blocks
+    "symmetric-joint-ids-guide": (
+        {
+            "directions": SYM,
+            "anchor_ids": ANCHOR_IDS,
+            "positive_ids": POSITIVE_IDS,
+            "guide": True,
+            "margin": 0.2,
+            "chunk_size": 2,
+        },
+        (0, 4, 3),
     ),
 }
 

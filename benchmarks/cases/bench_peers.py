@@ -17,11 +17,15 @@ group                          peer                                             
 ============================  =====================================================  =========================================================
 ``peer-clip``                  open_clip ``ClipLoss()(â, b̂, exp(t))``                 ``pf.losses.clip(a, b, clip_init())`` (dense, no labels)
 ``peer-siglip``                open_clip ``SigLipLoss()(â, b̂, exp(t), bias)``         ``pf.losses.siglip(a, b, siglip_init())``
-``peer-mnrl``                  ST ``MultipleNegativesRankingLoss`` (scale 20)         ``pf.losses.ntxent(q, i, ref_emb=d, ref_labels=i, temperature=1/20)``
-``peer-mnrl-symmetric``        ST MNRL, ``directions=(query_to_doc, doc_to_query)``,   ``pf.losses.clip(q, d, {"logit_scale": log 20})``
-                               ``partition_mode="per_direction"``
-``peer-cached-mnrl``           ST ``CachedMultipleNegativesRankingLoss``'s loss stage  ``pf.losses.ntxent(..., chunk_size=TILE)`` (tiled) and
-                               (mini-batches of ``TILE`` rows)                        ``pf.chunked.value_and_grad`` at ``TILE``
+``peer-mnrl``                  ST ``MultipleNegativesRankingLoss`` (scale 20)         ``pf.losses.multiple_negatives_ranking(q, d)``;
+                                                                                      ``pmlfunc-ntxent``: ``pf.losses.ntxent(q, i, ref_emb=d,
+                                                                                      ref_labels=i, temperature=1/20)``
+``peer-mnrl-symmetric``        ST MNRL, ``directions=(query_to_doc, doc_to_query)``,   ``multiple_negatives_ranking`` with the same arguments;
+                               ``partition_mode="per_direction"``                     ``pmlfunc-clip``: ``pf.losses.clip(q, d, {"logit_scale":
+                                                                                      log 20})``
+``peer-cached-mnrl``           ST ``CachedMultipleNegativesRankingLoss``'s loss stage  ``multiple_negatives_ranking(q, d, chunk_size=TILE)``
+                               (mini-batches of ``TILE`` rows)                        (``pmlfunc-tiled``; ``pmlfunc-ntxent-tiled``: ``ntxent``'s),
+                                                                                      and ``pf.chunked.value_and_grad`` of ``ntxent`` at ``TILE``
 ``peer-mnrl-k7``               ST MNRL with 7 hard-negative columns                   ``pf.losses.multiple_negatives_ranking(q, p, n)`` (dense;
                                                                                       ``pmlfunc-tiled``: ``chunk_size=TILE``)
 ``peer-lightly-ntxent``        lightly ``NTXentLoss(temperature=0.5)(v0, v1)``        ``pf.losses.ntxent(E, [0..N/2-1, 0..N/2-1], temperature=0.5)``
@@ -175,6 +179,16 @@ def _pf_mnrl(**kw) -> Member:
             )
 
         return fn, [other]
+
+    return Member(make)
+
+
+def _pf_retrieval_pair(**kw) -> Member:
+    """``multiple_negatives_ranking(q, d, **kw)``: the retrieval loss, ST's own loss."""
+
+    def make(emb, labels):
+        other = _paired(emb)
+        return (lambda e, y: pf.losses.multiple_negatives_ranking(e, other, **kw)), [other]
 
     return Member(make)
 
@@ -369,18 +383,27 @@ CASES = by_name(
     _case(
         "peer-mnrl",
         "sentence_transformers",
-        {"pmlfunc": _pf_mnrl(), "sentence_transformers": _st_mnrl()},
+        {
+            "pmlfunc": _pf_retrieval_pair(),
+            "pmlfunc-ntxent": _pf_mnrl(),
+            "sentence_transformers": _st_mnrl(),
+        },
     ),
     _case(
         "peer-mnrl-symmetric",
         "sentence_transformers",
-        {"pmlfunc": _pf_symmetric(), "sentence_transformers": _st_mnrl(**SYMMETRIC)},
+        {
+            "pmlfunc": _pf_retrieval_pair(**SYMMETRIC),
+            "pmlfunc-clip": _pf_symmetric(),
+            "sentence_transformers": _st_mnrl(**SYMMETRIC),
+        },
     ),
     _case(
         "peer-cached-mnrl",
         "sentence_transformers",
         {
-            "pmlfunc-tiled": _pf_mnrl(chunk_size=TILE),
+            "pmlfunc-tiled": _pf_retrieval_pair(chunk_size=TILE),
+            "pmlfunc-ntxent-tiled": _pf_mnrl(chunk_size=TILE),
             "pmlfunc-chunked": _pf_chunked(),
             "sentence_transformers": _st_cached(),
         },

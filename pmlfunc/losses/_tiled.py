@@ -10,7 +10,7 @@ matrix ``S = scale · x yᵀ + bias`` over the ``N × M`` grid of query rows ``x
 | ``"supcon"`` | row ``i``: ``lse_{C(i)} S_i − mean_{P(i)} S_ij`` (``C = P ∪ N``) | ``lse`` over candidates, ``|P(i)|``, ``Σ_P S`` |
 | ``"clip"`` | row ``i`` and column ``j``: ``lse S_i − mean_{P(i)} S_ij``, likewise down columns | row and column ``lse``, ``|P|``, ``Σ_P S`` |
 | ``"siglip"`` | pair ``(i, j)``: ``softplus(−z_ij S_ij)``, ``z = ±1`` for positives/negatives | none |
-| :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile) ``− S(q_i, p_i)``, the positive read on the row's own block | ``lse`` per row (or per role), ``S(q_i, p_i)`` |
+| :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile) ``− S(q_i, p_i)``, the positive read on the row's own block | ``lse`` per row (or per role), ``S(q_i, p_i)``; ``doc_to_query`` alone: each positive column's ``lse`` down the query rows |
 
 The columns come in *blocks*. One process has one block, ``y`` itself; the ring
 (:mod:`pmlfunc._ring`) hands this engine the other ranks' blocks one at a time. Per block:
@@ -74,6 +74,7 @@ __all__ = [
     "block_forward",
     "builder_of",
     "builds",
+    "column_stats",
     "columns",
     "counts",
     "dense_rows",
@@ -117,6 +118,14 @@ class Retrieval(NamedTuple):
     other's query and positive. ``guide``: entries whose guide similarity exceeds the row's
     threshold are masked (the positive pair protected).
 
+    ``doc_columns``: ``doc_to_query`` without ``doc_to_doc``. Its logits ``S(p_i, q_r)`` are
+    ``S(q_r, p_i)``, the query rows' tiles read down the positives' columns, so the loss rows
+    are queries only (``roles = 1``) and each positive column keeps a second log-sum-exp (a
+    column statistic, as CLIP's) over the query rows it reads: half the logits of
+    ``roles = 2``, whose query and document rows read disjoint column types, and the same
+    tile count as CLIP. ``negatives``: ``k``, the hard negatives a row (a block's layout,
+    :attr:`per_row`, :meth:`positive_span`).
+
     A block of columns is one process's (or one rank's) documents: its queries when a direction
     reads them (:attr:`query_columns`), then its positives, then its hard negatives, each owned
     by a row of the block's process. A row's own columns (its query, its positive, its hard
@@ -130,11 +139,30 @@ class Retrieval(NamedTuple):
     hardness: str | None
     ids: tuple[bool, bool]
     guide: bool
+    doc_columns: bool = False
+    negatives: int = 0
 
     @property
     def query_columns(self) -> bool:
         """Whether the block's queries are columns (a direction reads them)."""
         return any(reads[COL_QUERY] for reads in self.allowed)
+
+    @property
+    def per_row(self) -> int:
+        """The columns a loss row owns: its query (when queries are columns), its positive, its
+        hard negatives."""
+        return int(self.query_columns) + 1 + self.negatives
+
+    @property
+    def parts(self) -> int:
+        """The log-sum-exps a loss row averages: one (``joint``) or one a direction's rows."""
+        return 1 if self.joint else self.roles + int(self.doc_columns)
+
+    def positive_span(self, m: int) -> tuple[int, int]:
+        """The columns ``[c0, c1)`` of a block of ``m`` columns that are its positives."""
+        nb = m // self.per_row
+        c0 = nb if self.query_columns else 0
+        return c0, c0 + nb
 
 
 COL_QUERY, COL_POSITIVE, COL_NEGATIVE = 0, 1, 2
@@ -428,8 +456,15 @@ def block_forward(
     for r0, r1 in _tiles(n // roles, chunk):
         s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
-            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
+            keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
+            if kind.doc_columns and grads is not None:  # one tile (_fused): columns complete
+                held = _retrieval_whole_(kind, s, keep, pen, col_keep, rows[1], scale, pos_at, acc)
+                grads.held = (held, pos_at)
+                continue
+            if kind.doc_columns:  # the raw logits, down the positives' columns (online)
+                c0, c1 = kind.positive_span(m)
+                acc.fold_columns(s[..., c0:c1], col_keep)
             tile_lse, target, ds = _retrieval_fold_(
                 kind, s, keep, pen, rows[1], scale, pos_at, grads is not None
             )
@@ -459,13 +494,36 @@ class _Partials:
     ROW = ("row_lse", "row_pos", "row_pos_sum", "row_q")
 
     def __init__(self, kind: Kind, x: Tensor, m: int):
-        self.kind = kind
+        self.kind, self.m = kind, m
         self.total = self.count = x.new_zeros(())
         self.parts: dict[str, list[Tensor]] = {k: [] for k in self.ROW}
+        if isinstance(kind, Retrieval):  # doc_columns: the positive columns' log-sum-exps
+            c0, c1 = kind.positive_span(m)
+            m = c1 - c0
         self.col_max = x.new_full((m,), -torch.finfo(x.dtype).max)
         self.col_sum = self.col_pos = self.col_pos_sum = x.new_zeros(m)
-        self.col_lse: Tensor | None = None  # set by CLIP's one whole tile (_clip_whole_)
+        self.col_lse: Tensor | None = None  # set by one whole tile (_clip_whole_, ...)
         self.x = x
+
+    def fold_columns(self, s: Tensor, keep: Tensor | None) -> None:
+        """Fold a tile's logits ``s`` (the kept entries; ``None``: all) into the online
+        log-sum-exp down each column (``s`` left as it is)."""
+        low = -torch.finfo(s.dtype).max
+        e = s - 0.0 if keep is None else torch.where(keep, s, low)  # a buffer of ours
+        new_max = torch.maximum(self.col_max, e.amax(0))
+        part = _exp_(e, new_max)
+        if keep is not None:
+            part = part.masked_fill_(keep.logical_not(), 0.0)
+        self.col_sum = self.col_sum * (self.col_max - new_max).clamp_min(-80.0).exp() + part.sum(0)
+        self.col_max = new_max
+
+    def column_lse(self) -> Tensor:
+        """The columns' log-sum-exps folded so far (``−finfo.max`` for a column that read
+        nothing; NaN propagates)."""
+        if self.col_lse is not None:
+            return self.col_lse
+        low = -torch.finfo(self.col_sum.dtype).max
+        return torch.where(self.col_sum == 0, low, torch.log(self.col_sum) + self.col_max)
 
     def last(self) -> dict[str, Tensor]:
         """The latest tile's per-row statistics."""
@@ -486,13 +544,16 @@ class _Partials:
         out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
         if isinstance(kind, Retrieval) and not parts["row_lse"]:  # (0, one lse or one a role)
             out["row_lse"] = x.new_zeros((0, 1 if kind.joint else kind.roles))
+        if isinstance(kind, Retrieval) and kind.doc_columns:  # over the block's M columns
+            c0, c1 = kind.positive_span(self.m)
+            lse = self.column_lse()
+            low = -torch.finfo(lse.dtype).max
+            out["col_lse"] = F.pad(lse, (c0, self.m - c1), value=low)
         if kind != "clip":
             out.update(total=self.total, count=self.count.to(x.dtype))
         else:
             out.update(
-                col_lse=torch.log(self.col_sum) + self.col_max
-                if self.col_lse is None
-                else self.col_lse,
+                col_lse=self.column_lse(),
                 col_pos=self.col_pos.to(x.dtype),
                 col_pos_sum=self.col_pos_sum,
             )
@@ -531,10 +592,7 @@ def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, l
         return ds
     # clip: every entry is a candidate, along rows and along columns (online)
     eye_pos = None if where.eye is None else s.diagonal(offset=where.eye, dim1=-2, dim2=-1).clone()
-    new_max = torch.maximum(acc.col_max, s.amax(0))
-    part = _exp_(s - new_max, 0.0).sum(0)
-    acc.col_sum = acc.col_sum * (acc.col_max - new_max).clamp_min(-80.0).exp() + part
-    acc.col_max = new_max
+    acc.fold_columns(s, None)
     parts["row_lse"].append(torch.logsumexp(s, -1))
     if eye_pos is not None and where.eye is not None:  # one positive a row, the diagonal
         c0, c1 = where.eye, where.eye + eye_pos.shape[-1]
@@ -602,18 +660,25 @@ def _tile_at(rows, r0: int, r1: int, m: int, diag: bool, exclude: bool) -> _Tile
 
 
 def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag: bool):
-    """``(keep, pen)`` of the retrieval kind's loss rows ``r0:r1``: ``keep`` ``(r, roles, M)``,
-    the entries that are candidates of their row; ``pen`` ``(r, M)``, the query rows' entries that
-    get the hardness term (``None``: no hardness). ``rows = (meta, strength, guide, threshold)``
-    with ``meta`` ``(N, 3)`` = (row index, anchor id, positive id); ``cols = (meta, guide)`` with
-    ``meta`` ``(M, 4)`` = (column type, owner row, its anchor id, its positive id); row indices
-    are the block's own, so a row owns columns of its own block only (``diag``).
+    """``(keep, pen, col_keep)`` of the retrieval kind's loss rows ``r0:r1``: ``keep``
+    ``(r, roles, M)``, the entries that are candidates of their row; ``pen`` ``(r, M)``, the
+    query rows' entries that get the hardness term (``None``: no hardness); ``col_keep``
+    (``doc_columns``) ``(r, P)`` over the block's ``P`` positive columns, the query rows each
+    positive reads (``None``: all). ``rows = (meta, strength, guide, threshold)`` with ``meta``
+    ``(N, 3)`` = (row index, anchor id, positive id); ``cols = (meta, guide, threshold)`` with
+    ``meta`` ``(M, 4)`` = (column type, owner row, its anchor id, its positive id) and the
+    threshold of each column's owner (``doc_columns`` only); row indices are the block's own,
+    so a row owns columns of its own block only (``diag``).
 
     A query row never reads its own query; a document row never reads its own documents (its
     own query, the positive pair read backwards, it does). With ids, another row whose anchor
     id or positive id is equal is the same query or document: its query and positive are
     masked. With a guide, an entry whose guide similarity exceeds the row's threshold is
-    masked, except the positive pair."""
+    masked, except the positive pair. ``keep`` is ``None`` where every entry is a candidate (a
+    query row against documents only, no ids, no guide): no mask is built or read."""
+    every = opt.roles == 1 and not opt.query_columns and not any(opt.ids) and not opt.guide
+    if every and opt.hardness is None:
+        return None, None, None
     meta, cm = rows[0][r0:r1], cols[0]
     ctype = cm[:, 0]
     own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
@@ -626,6 +691,8 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
         typed = functools.reduce(torch.logical_or, read)
         keeps.append(typed & ~(own & (is_query if role == 0 else is_doc)))
     keep = torch.stack(keeps, 1)
+    c0, c1 = opt.positive_span(m)
+    col_keep = None  # doc_columns: (r, c1 − c0), None when every query row is read
     if any(opt.ids):  # the ids given: a row's default id (its index) relates it to no other
         by_anchor, by_positive = (meta[:, 1:2] == cm[:, 2]), (meta[:, 2:3] == cm[:, 3])
         related = (
@@ -633,19 +700,26 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
         )
         same = related & ~own & (ctype != COL_NEGATIVE)
         keep = keep & ~same.unsqueeze(1)
+        if opt.doc_columns:  # related is symmetric: column p_j leaves out query q_r alike
+            col_keep = ~same[:, c0:c1]
     if opt.guide:
         guide_rows, threshold = rows[2], rows[3]
         g = matmul(guide_rows[r0 * opt.roles : r1 * opt.roles], cols[1].transpose(-1, -2))
         over = g.view(r1 - r0, opt.roles, m) > threshold[r0:r1, None, None]
         pair = [own & (ctype == COL_POSITIVE), own & is_query][: opt.roles]
         keep = keep & ~(over & ~torch.stack(pair, 1))
+        if opt.doc_columns:  # p_j reads q_r unless cos_guide(q_r, p_j) exceeds p_j's threshold
+            over_c = (g[:, c0:c1] > cols[2][c0:c1]) & ~own[:, c0:c1]
+            col_keep = ~over_c if col_keep is None else col_keep & ~over_c
+    if every:
+        keep = None
     if opt.hardness is None:
-        return keep, None
+        return keep, None, col_keep
     if opt.hardness == "in_batch_negatives":
-        return keep, is_doc & ~own
+        return keep, is_doc & ~own, col_keep
     if opt.hardness == "hard_negatives":
-        return keep, (ctype == COL_NEGATIVE) & own
-    return keep, is_doc & ~(own & (ctype == COL_POSITIVE))  # all_negatives
+        return keep, (ctype == COL_NEGATIVE) & own, col_keep
+    return keep, is_doc & ~(own & (ctype == COL_POSITIVE)), col_keep  # all_negatives
 
 
 def _hardness_(s: Tensor, opt: Retrieval, pen, strength, scale) -> Tensor:
@@ -673,14 +747,20 @@ def _retrieval_fold_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, 
     one a role; the positives' logits ``(r,)`` from column ``at`` on (:func:`_positive_at`;
     zeros where ``at`` is ``None``); ``∂L/∂S`` ``(r·roles, M)`` of ``mean_roles lse − S(q_i,
     p_i)`` for a unit weight: the softmax over the candidates (over a role's, divided by
-    ``roles``), from the same exponentials, minus 1 at the positive."""
+    ``roles``), from the same exponentials, minus 1 at the positive. ``doc_columns``: the
+    softmax alone (:func:`_retrieval_whole_ds_` weighs it once the columns' statistics are
+    known)."""
     s3 = _hardness_(s, opt, pen, strength, scale)  # the positive gets no hardness term
     r = s3.shape[0]
     target = s3.new_zeros(r) if at is None else _positives(s3, at).clone()
-    e, k = (s3.reshape(r, -1), keep.reshape(r, -1)) if opt.joint else (s3, keep)
+    e, k = (s3.reshape(r, -1), keep) if opt.joint else (s3, keep)
+    if k is not None and opt.joint:
+        k = k.reshape(r, -1)
     if not grad:
         return _row_lse_(e, k).reshape(r, -1), target, None
     lse, probs = _row_softmax(e, k)
+    if opt.doc_columns:
+        return lse.reshape(r, -1), target, probs.reshape(s.shape)
     if not opt.joint:
         probs = probs.div_(opt.roles)
     ds = probs.reshape(s3.shape)
@@ -696,16 +776,61 @@ def _positives(t3: Tensor, at: int) -> Tensor:
     return t3[:, 0, at : at + r].diagonal(dim1=-2, dim2=-1)
 
 
-def _retrieval_ds_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, lse, coef) -> Tensor:
+def _retrieval_ds_(
+    opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, lse, coef, col=None
+) -> Tensor:
     """The retrieval kind's ``∂L/∂S`` of one tile recomputed from the rows' log-sum-exps
-    ``lse`` ``(r, 1 or roles)`` (the backward of :class:`_TiledGrads`)."""
+    ``lse`` ``(r, 1 or roles)`` (the backward of :class:`_TiledGrads`); ``doc_columns``: ``col =
+    (col_keep, the block's column log-sum-exps (M,))`` adds the positive columns' softmax down
+    the query rows (from the raw logits: no hardness term)."""
+    col_part = None
+    if col is not None:
+        col_keep, col_lse = col
+        c0, c1 = opt.positive_span(s.shape[-1])
+        col_part = _exp_(s[..., c0:c1] - col_lse[c0:c1], 0.0)
+        if col_keep is not None:
+            col_part = col_part.masked_fill_(col_keep.logical_not(), 0.0)
     s3 = _hardness_(s, opt, pen, strength, scale)
-    p = _exp_(s3, lse.unsqueeze(-1)).masked_fill_(keep.logical_not(), 0.0)
-    if not opt.joint:
-        p = p.div_(opt.roles)
+    p = _exp_(s3, lse.unsqueeze(-1))
+    if keep is not None:
+        p = p.masked_fill_(keep.logical_not(), 0.0)
+    if col_part is not None:
+        p[:, 0, c0:c1] += col_part
+    if opt.parts != 1:
+        p = p.div_(opt.parts)
     if at is not None:
         _positives(p, at).sub_(1.0)
     return p.mul_(coef).reshape(s.shape)
+
+
+def _retrieval_whole_(opt: Retrieval, s: Tensor, keep, pen, col_keep, strength, scale, at, acc):
+    """``doc_columns`` over one tile that holds every row (the columns' statistics complete),
+    destroying ``s``: the rows' statistics into ``acc`` and, for :func:`_retrieval_whole_ds_`,
+    the rows' softmax, the positive columns' softmax down the rows (raw logits) and their
+    log-sum-exps."""
+    c0, c1 = opt.positive_span(s.shape[-1])
+    col_lse, col_p = _row_softmax(s[..., c0:c1], col_keep, 0)
+    row_lse, target, row_p = _retrieval_fold_(opt, s, keep, pen, strength, scale, at, True)
+    acc.parts["row_lse"].append(row_lse)
+    acc.parts["row_pos_sum"].append(target)
+    acc.col_lse = col_lse
+    return row_p, col_p, row_lse, col_lse
+
+
+def _retrieval_whole_ds_(opt: Retrieval, held, stats, at) -> Tensor:
+    """``doc_columns``' ``∂L/∂S`` over its one whole tile from :func:`_retrieval_whole_`'s
+    softmaxes (destroyed), each reweighed from its own log-sum-exp to the one the loss reads
+    (:func:`reduce`: the joint one, or its own with weight ``1/2``)."""
+    row_p, col_p, row_lse, col_lse = held
+    row_ref, coef, col_ref = stats
+    c0, c1 = opt.positive_span(row_p.shape[-1])
+    ds = row_p.mul_(torch.exp(row_lse - row_ref))
+    ds[:, c0:c1] += col_p.mul_(torch.exp(col_lse - col_ref[c0:c1]))
+    if opt.parts != 1:
+        ds = ds.div_(opt.parts)
+    if at is not None:
+        _positives(ds.unsqueeze(1), at).sub_(1.0)
+    return ds.mul_(coef)
 
 
 def merge(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -775,8 +900,21 @@ def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, 
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
     if isinstance(kind, Retrieval):  # Σ_i w · (mean_roles lse_i − S(q_i, p_i))
         coef = _batch_weight(kind, reducer, total)
-        terms = st["row_lse"].mean(-1) - st["row_pos_sum"]
-        return terms.sum() * coef, (st["row_lse"], coef)
+        row_lse = st["row_lse"]
+        if not kind.doc_columns:
+            terms = row_lse.mean(-1) - st["row_pos_sum"]
+            return terms.sum() * coef, (row_lse, coef)
+        # doc_to_query down the positive columns: row i's second log-sum-exp is its positive's
+        full = st["col_lse"]
+        c0, c1 = kind.positive_span(full.shape[-1])
+        col = full[c0:c1]
+        if kind.joint:  # one log-sum-exp over both directions' candidates
+            lse = torch.logaddexp(row_lse[:, 0], col)
+            row_ref, col_ref = lse.unsqueeze(-1), F.pad(lse, (c0, full.shape[-1] - c1))
+        else:  # the mean of the two
+            lse = (row_lse[:, 0] + col) / 2
+            row_ref, col_ref = row_lse, full
+        return (lse - st["row_pos_sum"]).sum() * coef, (row_ref, coef, col_ref)
     if kind == "siglip":
         coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (coef,)
@@ -938,11 +1076,12 @@ def block_backward(
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
         if isinstance(kind, Retrieval):
-            keep, pen = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
+            keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, x.shape[-2], r0, diag)
             lse, coef = row[0][r0:r1], row[1]
+            down = (col_keep, col[0]) if kind.doc_columns else None
             sums.add(
-                _retrieval_ds_(kind, s, keep, pen, rows[1], scale, pos_at, lse, coef),
+                _retrieval_ds_(kind, s, keep, pen, rows[1], scale, pos_at, lse, coef, down),
                 r0 * roles, r1 * roles,
             )  # fmt: skip
             continue
@@ -1051,10 +1190,21 @@ class _Scaled(torch.autograd.Function):
         return _TiledGrads.backward(ctx, *grads)
 
 
+def column_stats(kind: Kind) -> tuple[str, ...]:
+    """The statistics ``kind`` keeps per column (:func:`block_forward`'s ``col_*`` entries; the
+    ring carries them with their block): CLIP's, the retrieval kind's positives' log-sum-exp
+    (``doc_columns``), none for the row-complete kinds."""
+    if kind == "clip":
+        return ("col_lse", "col_pos", "col_pos_sum")
+    if isinstance(kind, Retrieval) and kind.doc_columns:
+        return ("col_lse",)
+    return ()
+
+
 def _fused(kind: Kind, n: int, chunk: int, needs) -> bool:
     """Whether the forward walk forms the gradient (``needs`` known): the row-complete kinds,
-    whose every term lies in one tile of rows, and CLIP in one tile."""
-    return needs is not None and (kind != "clip" or chunk >= n)
+    whose every term lies in one tile of rows, and those with column statistics in one tile."""
+    return needs is not None and (not column_stats(kind) or chunk >= n // _roles(kind))
 
 
 def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
@@ -1074,7 +1224,11 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     total = counts(kind, st, x.shape[-2])
     loss, stats = reduce(kind, st, reducer, total)
     glob: float | Tensor = 1.0
-    if sums.held is not None:  # CLIP's one tile, now that its columns are complete
+    if isinstance(kind, Retrieval) and sums.held is not None:  # one tile, columns complete
+        held, at = sums.held
+        sums.held = None
+        sums.add(_retrieval_whole_ds_(kind, held, stats, at), 0, x.shape[-2])
+    elif sums.held is not None:  # CLIP's one tile, now that its columns are complete
         p_r, p_c, pos, eye = sums.held
         sums.held = None
         sums.add(_clip_whole_ds_(p_r, p_c, pos, eye, stats[:3], stats[3:]), 0, x.shape[-2])

@@ -357,20 +357,24 @@ def _retrieval_call(
     # the rows are normalised here (unit_rows: F.normalize with a shorter backward), the
     # columns by the engine, tile by tile: no normalised copy of the documents
     q_hat, p_hat = (unit_rows(q), unit_rows(p)) if dist.normalize else (q, p)
-    doc_rows = bool(chosen & {"doc_to_query", "doc_to_doc"})
-    with_queries = bool(chosen & {"query_to_query", "doc_to_query"})
+    # document rows only for doc_to_doc: doc_to_query alone is read down the positives'
+    # columns of the query rows' tiles (Retrieval.doc_columns)
+    doc_rows = "doc_to_doc" in chosen
+    with_queries = "query_to_query" in chosen or (doc_rows and "doc_to_query" in chosen)
+    k = 0 if negs is None else negs.shape[1]
     opt = Retrieval(
         roles=2 if doc_rows else 1,
         allowed=(
             ("query_to_query" in chosen, True, True),
-            ("doc_to_query" in chosen, "doc_to_doc" in chosen, "doc_to_doc" in chosen),
+            ("doc_to_query" in chosen, True, True),
         )[: 2 if doc_rows else 1],
         joint=joint,
         hardness=hardness_mode,
         ids=(anchor_ids is not None, positive_ids is not None),
         guide=guide is not None,
+        doc_columns="doc_to_query" in chosen and not doc_rows,
+        negatives=k,
     )
-    k = 0 if negs is None else negs.shape[1]
     x = torch.stack([q_hat, p_hat], 1).reshape(2 * n, -1) if doc_rows else q_hat
     y = _segments(q, p, negs, with_queries)
     s_t = strength.to(dtype=cd, device=dev) if isinstance(strength, Tensor) else strength
@@ -381,7 +385,9 @@ def _retrieval_call(
         g_rows = torch.stack([ga, gp], 1).reshape(2 * n, -1) if doc_rows else ga
         rows = (*rows, g_rows, threshold)
         cols = (*cols, torch.cat(_segments(ga, gp, gn, with_queries)))
-    per_row = int(with_queries) + 1 + k  # the columns a row owns: the ring's block sizes
+        if opt.doc_columns:  # each column's owner's threshold: a positive column's rows
+            cols = (*cols, threshold[cols[0][:, 1]])
+    per_row = opt.per_row  # the columns a row owns: the ring's block sizes
     if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
         chunk = min(chunk, dense_rows(opt, x.shape[0], n * per_row))
     return EngineCall(
