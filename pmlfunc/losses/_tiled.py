@@ -58,7 +58,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio
+from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio, unit_rows
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -146,6 +146,13 @@ class Retrieval(NamedTuple):
     def query_columns(self) -> bool:
         """Whether the block's queries are columns (a direction reads them)."""
         return any(reads[COL_QUERY] for reads in self.allowed)
+
+    @property
+    def masked(self) -> bool:
+        """Whether a tile reads masks (and so the rows' and columns' metadata): not when a query
+        row reads every document (no query columns, ids, guide or hardness)."""
+        every = self.roles == 1 and not self.query_columns and not any(self.ids)
+        return not (every and not self.guide and self.hardness is None)
 
     @property
     def per_row(self) -> int:
@@ -676,9 +683,9 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
     masked. With a guide, an entry whose guide similarity exceeds the row's threshold is
     masked, except the positive pair. ``keep`` is ``None`` where every entry is a candidate (a
     query row against documents only, no ids, no guide): no mask is built or read."""
-    every = opt.roles == 1 and not opt.query_columns and not any(opt.ids) and not opt.guide
-    if every and opt.hardness is None:
+    if not opt.masked:
         return None, None, None
+    every = opt.roles == 1 and not opt.query_columns and not any(opt.ids) and not opt.guide
     meta, cm = rows[0][r0:r1], cols[0]
     ctype = cm[:, 0]
     own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
@@ -886,12 +893,17 @@ def _batch_weight(kind: Kind, reducer: str, total: Mapping[str, Tensor]) -> Tens
     one = next(iter(total.values())).new_ones(())
     if isinstance(kind, Retrieval):
         return ratio(one, total["n"]) if reducer == "mean" else one
-    if kind == "siglip":
-        return {"batch": one / total["n"], "mean": ratio(one, total["count"]), "sum": one}[reducer]
+    if kind == "siglip":  # (each weight computed only for its reducer: a few ops a call)
+        if reducer == "batch":
+            return one / total["n"]
+        return ratio(one, total["count"]) if reducer == "mean" else one
     if kind == "ntxent":
         return ratio(one, total["count"]) if reducer == "mean" else one
     # supcon: 0 unless the batch has a positive and a negative pair
-    glob = {"avg_nonzero": ratio(one, total["nonzero"]), "mean": one / total["n"]}.get(reducer, one)
+    if reducer == "avg_nonzero":
+        glob = ratio(one, total["nonzero"])
+    else:
+        glob = one / total["n"] if reducer == "mean" else one
     return torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
 
 
@@ -1097,7 +1109,8 @@ def _times_cotangent(gx, gy, g_scale, g_bias, scale, g) -> tuple[Tensor, ...]:
     """The gradient sums that are not ``None`` (for a unit cotangent, before the logit scale:
     ``gx``, each of ``gy``, ``g_scale``, ``g_bias``, in this order) times the cotangent ``g``,
     those of the rows and columns also times ``scale``."""
-    out = [t * (scale * g) for t in (gx, *gy) if t is not None]
+    sg = scale * g
+    out = [t * sg for t in (gx, *gy) if t is not None]
     out += [t * g for t in (g_scale, g_bias) if t is not None]
     return tuple(fresh(t) for t in out)
 
@@ -1232,6 +1245,8 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
         p_r, p_c, pos, eye = sums.held
         sums.held = None
         sums.add(_clip_whole_ds_(p_r, p_c, pos, eye, stats[:3], stats[3:]), 0, x.shape[-2])
+    elif isinstance(kind, Retrieval):  # reduce's batch weight, the second statistic
+        glob = stats[1]
     elif kind != "clip":
         glob = _batch_weight(kind, reducer, total)
     gx, gy, x_dot, sum_ds = sums.result()
@@ -1496,8 +1511,8 @@ def softmax_call(
     x = embeddings.to(cd)
     y = None if ref_emb is None else ref_emb.to(cd)
     if distance.normalize:
-        x = F.normalize(x, p=2, dim=-1)
-        y = None if y is None else F.normalize(y, p=2, dim=-1)
+        x = unit_rows(x)  # F.normalize's values, a shorter backward
+        y = None if y is None else unit_rows(y)
     t = (
         temperature.to(dtype=cd, device=x.device)
         if isinstance(temperature, Tensor)

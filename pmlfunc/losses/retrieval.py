@@ -379,7 +379,8 @@ def _retrieval_call(
     y = _segments(q, p, negs, with_queries)
     s_t = strength.to(dtype=cd, device=dev) if isinstance(strength, Tensor) else strength
     rows: tuple = (row_meta, torch.as_tensor(s_t, dtype=cd, device=dev))
-    cols: tuple = (_column_meta(n, k, with_queries, row_meta),)
+    # the columns' metadata where a tile reads masks (none: the ring sends the columns alone)
+    cols: tuple = (_column_meta(n, k, with_queries, row_meta),) if opt.masked else ()
     if guide is not None:
         ga, gp, gn, threshold = _guide(guide, anchors, neg, cd, margin_strategy, margin)
         g_rows = torch.stack([ga, gp], 1).reshape(2 * n, -1) if doc_rows else ga
