@@ -58,7 +58,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio, unit_rows
+from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio, readable, unit_rows
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -383,6 +383,20 @@ def _ntxent_q_(z: Tensor, pos: Tensor, *, reuse: bool = False) -> tuple[Tensor, 
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
 
+def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor):
+    """NT-Xent's positive terms where listing the positives is free (:func:`readable`: a CPU
+    tensor in eager mode, outside transforms): ``(rows, cols, q, σ(z) + ε)`` at the listed
+    positives of ``z = s − lse`` (the formulas of :func:`_ntxent_q_`, on a few entries a row
+    instead of the whole tile: its sigmoid, products and log cost ``O(|P|)``, not ``O(r × M)``);
+    ``None`` elsewhere (the static-shape path)."""
+    if not readable(s):
+        return None
+    rows, cols = pos.nonzero(as_tuple=True)
+    r = torch.sigmoid(s[rows, cols] - lse[rows])
+    q = torch.rsub(r, 1.0).mul_(r)
+    return rows, cols, q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
+
+
 def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
     """One tile of NT-Xent's terms ``−log(σ(S − lse_neg) + ε)`` on the positives, destroying
     ``s``: ``(Σ terms, lse, Σ_P q per row, ∂L/∂S or None)``. ``lse``: the rows' negatives'
@@ -394,6 +408,14 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
         lse, soft = _row_softmax(s, neg)
     elif lse is None:
         lse = _row_lse_(s.clone(), neg)
+    listed = _ntxent_listed(s, lse, pos)
+    if listed is not None:
+        rows, cols, q_p, r = listed
+        q_sum = q_p.new_zeros(s.shape[0]).index_add_(0, rows, q_p)
+        ds = None
+        if soft is not None:  # soft is 0 at the positives (they are not negatives)
+            ds = soft.mul_(q_sum.unsqueeze(-1)).index_put_((rows, cols), -q_p, accumulate=True)
+        return r.log_().sum().neg(), lse, q_sum, ds
     q, r = _ntxent_q_(s.sub_(lse.unsqueeze(-1)), pos, reuse=True)
     q_sum = q.sum(-1)
     ds = None
@@ -968,8 +990,13 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
         return s.mul_(sign).sigmoid_().mul_(sign).mul_(coef)
     if kind == "ntxent":
         lse, q_sum, coef = row[0][r0:r1], row[1][r0:r1], row[2]
+        listed = _ntxent_listed(s, lse, pos)  # read before s is overwritten
         z = s.sub_(lse.unsqueeze(-1))
         # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q, spread by softmax
+        if listed is not None:
+            rows, cols, q_p, _ = listed
+            soft = _exp_(z, 0.0).masked_fill_(neg.logical_not(), 0.0).mul_(q_sum.unsqueeze(-1))
+            return soft.index_put_((rows, cols), -q_p, accumulate=True).mul_(coef)
         q = _ntxent_q_(z, pos)[0]
         soft = _exp_(z, 0.0).masked_fill_(neg.logical_not(), 0.0)
         return soft.mul_(q_sum.unsqueeze(-1)).sub_(q).mul_(coef)
