@@ -383,15 +383,22 @@ def _ntxent_q_(z: Tensor, pos: Tensor, *, reuse: bool = False) -> tuple[Tensor, 
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
 
+def _listed(s: Tensor, pos: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A tile's positives as ``(rows, cols)`` where listing them is free (:func:`readable`: a
+    CPU tensor in eager mode, outside transforms), else ``None`` (the static-shape path). Work
+    on the positives alone (a few entries a row) then costs ``O(|P|)`` instead of a pass over
+    the ``r × M`` tile."""
+    return pos.nonzero(as_tuple=True) if readable(s) else None
+
+
 def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor):
-    """NT-Xent's positive terms where listing the positives is free (:func:`readable`: a CPU
-    tensor in eager mode, outside transforms): ``(rows, cols, q, σ(z) + ε)`` at the listed
-    positives of ``z = s − lse`` (the formulas of :func:`_ntxent_q_`, on a few entries a row
-    instead of the whole tile: its sigmoid, products and log cost ``O(|P|)``, not ``O(r × M)``);
-    ``None`` elsewhere (the static-shape path)."""
-    if not readable(s):
+    """NT-Xent's positive terms on the listed positives (:func:`_listed`): ``(rows, cols, q,
+    σ(z) + ε)`` at the positives of ``z = s − lse``, by :func:`_ntxent_q_`'s formulas, or
+    ``None``."""
+    listed = _listed(s, pos)
+    if listed is None:
         return None
-    rows, cols = pos.nonzero(as_tuple=True)
+    rows, cols = listed
     r = torch.sigmoid(s[rows, cols] - lse[rows])
     q = torch.rsub(r, 1.0).mul_(r)
     return rows, cols, q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
@@ -430,18 +437,28 @@ def _supcon_fold_(s: Tensor, pos, cand, local):
     rule giving each row's weight from its statistics (:func:`_row_weight`), or ``None`` for no
     gradient; the gradient ``w_i (softmax_C − [P]/|P(i)|)`` takes its softmax from the same
     exponentials as the log-sum-exp."""
-    n_pos = count_true(pos, -1).to(s.dtype)
+    listed = _listed(s, pos)
+    if listed is not None:  # |P| and Σ_P S from the listed positives
+        rows, cols = listed
+        n_pos = s.new_zeros(s.shape[0]).index_add_(0, rows, s.new_ones(rows.shape))
+        pos_sum = s.new_zeros(s.shape[0]).index_add_(0, rows, s[rows, cols])
+    else:
+        n_pos = count_true(pos, -1).to(s.dtype)
     if local is None:
-        lse, soft = _row_lse_(s.clone(), cand), None
+        lse, soft = _row_lse_(s if listed is not None else s.clone(), cand), None
     else:
         lse, soft = _row_softmax(s, cand)
-    pos_sum = s.masked_fill_(pos.logical_not(), 0.0).sum(-1)  # the positives' logits
+    if listed is None:
+        pos_sum = s.masked_fill_(pos.logical_not(), 0.0).sum(-1)  # the positives' logits
     ds = None
     if local is not None and soft is not None:
         w = local({"row_lse": lse, "row_pos": n_pos, "row_pos_sum": pos_sum})
-        w_pos = (w / n_pos.clamp_min(1.0)).unsqueeze(-1)
+        w_pos = w / n_pos.clamp_min(1.0)
         w_soft = torch.where(n_pos > 0, w, torch.zeros_like(w)).unsqueeze(-1)
-        ds = soft.mul_(w_soft).sub_(torch.where(pos, w_pos, 0.0))
+        ds = soft.mul_(w_soft)
+        if listed is not None:
+            return lse, n_pos, pos_sum, ds.index_put_(listed, -w_pos[listed[0]], accumulate=True)
+        ds = ds.sub_(torch.where(pos, w_pos.unsqueeze(-1), 0.0))
     return lse, n_pos, pos_sum, ds
 
 
@@ -1006,7 +1023,10 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
         # ∂ℓ_i/∂S_ij = −pos_ij / |P(i)| + [|P(i)| > 0] · softmax over the candidates
         w_pos = (-d / n_pos.clamp_min(1.0)).unsqueeze(-1)
         w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d)).unsqueeze(-1)
+        listed = _listed(s, pos)
         soft = _exp_(s, lse.unsqueeze(-1)).masked_fill_((pos | neg).logical_not(), 0.0)
+        if listed is not None:
+            return soft.mul_(w_soft).index_put_(listed, w_pos[listed[0], 0], accumulate=True)
         return soft.mul_(w_soft).add_(torch.where(pos, w_pos, 0.0))
     (row_lse, row_pos, row_coef), (col_lse, col_pos, col_coef) = row, col
     cr, cc = row_coef[r0:r1].unsqueeze(-1), col_coef.unsqueeze(0)
