@@ -77,6 +77,10 @@ def index(t: Tensor, size: int, name: str) -> Tensor:
     ``-1`` is the last row), after checking ``−size ≤ t < size`` (:func:`in_range`)."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 index tensor, got {t.dtype}")
+    if t.numel() and readable(t):  # one reduction reads both ends (the usual, valid case)
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if -size <= lo and hi < size:
+            return t if lo >= 0 else torch.where(t < 0, t + size, t)
     in_range(t, -size, size, name, f"for {size} rows")
     return torch.where(t < 0, t + size, t)
 
