@@ -388,7 +388,10 @@ def _listed(s: Tensor, pos: Tensor) -> tuple[Tensor, Tensor] | None:
     CPU tensor in eager mode, outside transforms), else ``None`` (the static-shape path). Work
     on the positives alone (a few entries a row) then costs ``O(|P|)`` instead of a pass over
     the ``r × M`` tile."""
-    return pos.nonzero(as_tuple=True) if readable(s) else None
+    if not readable(s):
+        return None
+    rows, cols = pos.nonzero(as_tuple=True)
+    return rows, cols
 
 
 def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor):
@@ -738,7 +741,7 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
         keeps.append(typed & ~(own & (is_query if role == 0 else is_doc)))
     keep = torch.stack(keeps, 1)
     c0, c1 = opt.positive_span(m)
-    col_keep = None  # doc_columns: (r, c1 − c0), None when every query row is read
+    col_keep: Tensor | None = None  # doc_columns: (r, c1 − c0), None: every query row read
     if any(opt.ids):  # the ids given: a row's default id (its index) relates it to no other
         by_anchor, by_positive = (meta[:, 1:2] == cm[:, 2]), (meta[:, 2:3] == cm[:, 3])
         related = (
@@ -757,15 +760,14 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
         if opt.doc_columns:  # p_j reads q_r unless cos_guide(q_r, p_j) exceeds p_j's threshold
             over_c = (g[:, c0:c1] > cols[2][c0:c1]) & ~own[:, c0:c1]
             col_keep = ~over_c if col_keep is None else col_keep & ~over_c
-    if every:
-        keep = None
+    kept: Tensor | None = None if every else keep
     if opt.hardness is None:
-        return keep, None, col_keep
+        return kept, None, col_keep
     if opt.hardness == "in_batch_negatives":
-        return keep, is_doc & ~own, col_keep
+        return kept, is_doc & ~own, col_keep
     if opt.hardness == "hard_negatives":
-        return keep, (ctype == COL_NEGATIVE) & own, col_keep
-    return keep, is_doc & ~(own & (ctype == COL_POSITIVE)), col_keep  # all_negatives
+        return kept, (ctype == COL_NEGATIVE) & own, col_keep
+    return kept, is_doc & ~(own & (ctype == COL_POSITIVE)), col_keep  # all_negatives
 
 
 def _hardness_(s: Tensor, opt: Retrieval, pen, strength, scale) -> Tensor:
@@ -946,7 +948,9 @@ def _batch_weight(kind: Kind, reducer: str, total: Mapping[str, Tensor]) -> Tens
     return torch.where((total["pos"] > 0) & (total["count"] > 0), glob, 0.0)
 
 
-def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]):
+def reduce(
+    kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, Tensor]
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
     if isinstance(kind, Retrieval):  # Σ_i w · (mean_roles lse_i − S(q_i, p_i))
@@ -980,7 +984,8 @@ def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, 
         )
         return matmul(coef, losses), (st["row_lse"], st["row_pos"], coef)
     # clip: (R(rows) + R(columns)) / 2 over the rows / columns that have a positive
-    loss, out = None, []
+    loss: Tensor | None = None
+    out: list[Tensor] = []
     for side in ("row", "col"):
         lse, n_pos, pos_sum = st[f"{side}_lse"], st[f"{side}_pos"], st[f"{side}_pos_sum"]
         has = (n_pos > 0).to(lse.dtype)
@@ -989,6 +994,7 @@ def reduce(kind: Kind, st: dict[str, Tensor], reducer: str, total: Mapping[str, 
         coef = (ratio(has, den) if reducer == "mean" else has) * 0.5
         loss = matmul(coef, terms) if loss is None else loss + matmul(coef, terms)
         out += [lse, n_pos, coef]
+    assert loss is not None  # two sides
     return loss, tuple(out)
 
 
