@@ -12,7 +12,7 @@ transforms and under ``torch.compile`` by ``torch.func.vjp``.
 
 The result equals the full-batch loss and gradient to rounding, and no autograd graph larger than
 one ``chunk × M`` block of the distance matrix is alive at once. Feed the gradient into an encoder
-with ``emb.backward(grad)`` (the GradCache pattern, ``examples/gradcache.py``).
+with ``emb.backward(grad)``, or let :func:`gradcache` run the whole GradCache step.
 
 What can be chunked is what the losses' specs say (:func:`chunkable` lists them): every batch loss
 whose terms belong to its anchors, with any distance, ``ref_emb``/``ref_labels``,
@@ -20,14 +20,19 @@ whose terms belong to its anchors, with any distance, ``ref_emb``/``ref_labels``
 classifier losses are per-sample already: use ``torch.func`` directly), settings that couple
 anchors (``triplet_margin(swap=True)``, ...) and ``mat=`` (a chunk computes its own rows) are
 rejected with an error that says why.
+
+:func:`gradcache` is the step around a loss: the encoders run in mini-batches twice (without a
+graph, then with one, replaying the random state), the loss once on the cached embeddings, so the
+encoders' activations are held for one mini-batch at a time (Gao et al., 2021).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
 import torch
@@ -39,7 +44,7 @@ from .losses._batch import LossCall, spec_of
 from .losses._regularize import regularize
 from .reducers import Reducer
 
-__all__ = ["chunkable", "value_and_grad"]
+__all__ = ["chunkable", "gradcache", "loss", "value_and_grad"]
 
 _WRT = ("embeddings", "ref_emb")
 
@@ -109,11 +114,14 @@ def value_and_grad(
         loss_fn: a chunkable loss (:func:`chunkable` lists them: ``pf.losses.ntxent``, ...), or
             a ``functools.partial`` of one with keyword arguments.
         chunk_size: anchors per chunk (a positive int; need not divide the batch).
-        wrt: ``"embeddings"``, ``"ref_emb"`` or both (a sequence): what to differentiate.
+        wrt: what to differentiate: ``"embeddings"``, ``"ref_emb"``, the name of a
+            hyper-parameter the call gives as a floating tensor (``"temperature"``: a learnable
+            temperature), or a sequence of these.
 
     Returns:
         A function with the loss's signature returning ``(loss, grad)``; ``grad`` is a tensor for
-        one ``wrt`` name, a tuple in ``wrt`` order for several.
+        one ``wrt`` name, a tuple in ``wrt`` order for several. Neither carries a graph in eager
+        mode, so a tensor hyper-parameter's gradient is returned only when ``wrt`` names it.
 
     Example:
         >>> encoder = torch.nn.Linear(16, 4)
@@ -138,6 +146,62 @@ def value_and_grad(
     return value_and_grad_fn
 
 
+def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tensor]:
+    r"""An anchor-decomposable loss as a chunked loss with a plain ``backward()``.
+
+    The forward runs :func:`value_and_grad` (every chunk's share and gradient, one pass) and
+    returns the loss as ``L + Σ_v ⟨∂L/∂v, v − sg(v)⟩`` over the embeddings, the reference set
+    and every floating tensor hyper-parameter: the value is ``L`` exactly (each added term is a
+    product with an exact zero) and the gradient reaching each ``v`` is the chunked ``∂L/∂v``.
+    So any chunkable loss (triplet, contrastive, multi-similarity, ...) trains through
+    ``loss.backward()``, :func:`gradcache` or ``torch.func.grad`` in ``O(chunk × M)`` memory, as
+    ``chunk_size=`` does for the tiled engine's losses.
+
+    The gradient is formed in the forward whether or not a backward follows (evaluate a loss
+    without it under ``torch.no_grad()`` with the plain function), and it is a first-order
+    gradient: differentiating it again gives no second-order terms.
+
+    Args:
+        loss_fn: a chunkable loss (:func:`chunkable`), or a ``functools.partial`` of one.
+        chunk_size: anchors per chunk (a positive int).
+
+    Returns:
+        A function with the loss's signature returning the 0-d loss.
+
+    Example:
+        >>> emb = torch.randn(64, 8, requires_grad=True)
+        >>> labels = torch.arange(64) // 4
+        >>> out = loss(pf.losses.multi_similarity, chunk_size=16)(emb, labels)
+        >>> out.backward()  # the full-batch gradient, 16 anchors at a time
+        >>> torch.allclose(out, pf.losses.multi_similarity(emb, labels))
+        True
+    """
+    _spec(loss_fn)
+    chunk_size = _checks.chunk_size(chunk_size)
+
+    def chunked_loss(*args: Any, **kwargs: Any) -> Tensor:
+        call = split_call(loss_fn, args, kwargs)
+        inputs = {"embeddings": call.embeddings}
+        if call.ref_emb is not None:
+            inputs["ref_emb"] = call.ref_emb
+        inputs |= {
+            n: v for n, v in call.hyper.items() if isinstance(v, Tensor) and v.is_floating_point()
+        }
+        names = tuple(inputs)
+        with torch.no_grad() if not _traced() else contextlib.nullcontext():
+            value, grads = _chunked(call, chunk_size, names, None)
+        out = value.detach()
+        for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
+            out = out + (g.detach().to(v.dtype) * (v - v.detach())).sum().to(out.dtype)
+        return out
+
+    chunked_loss.__doc__ = (
+        f"{getattr(loss_fn, '__name__', 'a loss')} chunked {chunk_size} anchors at a time, "
+        "with a plain backward (pmlfunc.chunked.loss)."
+    )
+    return chunked_loss
+
+
 def rows_value_and_grad(
     loss_fn: Callable[..., Tensor], chunk_size: int, wrt: str | Sequence[str]
 ) -> Callable[..., tuple[Tensor, Any]]:
@@ -149,19 +213,50 @@ def rows_value_and_grad(
     _spec(loss_fn)  # a loss that never splits fails here, not at the first call
     chunk_size = _checks.chunk_size(chunk_size)
     names = (wrt,) if isinstance(wrt, str) else tuple(wrt)
-    if not names or any(n not in _WRT for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"wrt must name one or both of {_WRT} (no repeats), got {wrt!r}")
+    if not names or any(not isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"wrt must name one or more of {_WRT} or tensor hyper-parameters (no repeats), "
+            f"got {wrt!r}"
+        )
 
     def fn(anchor_rows: tuple[int, int] | None, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         call = split_call(loss_fn, args, kwargs)
         if "ref_emb" in names and call.ref_emb is None:
             raise ValueError("wrt includes 'ref_emb' but no ref_emb was given")
+        _check_hyper_wrt(call, names)
         return _chunked(call, chunk_size, names, anchor_rows)
 
     fn.__doc__ = f"Chunked value and gradient of {getattr(loss_fn, '__name__', 'a loss')} " + (
         f"(chunk_size={chunk_size}, wrt={names})."
     )
     return fn
+
+
+def _check_hyper_wrt(call: LossCall, names: tuple[str, ...]) -> None:
+    """Every ``wrt`` name besides the embeddings' is a hyper-parameter of the loss given as a
+    floating tensor."""
+    for n in names:
+        if n in _WRT:
+            continue
+        if n not in call.hyper:
+            raise ValueError(
+                f"wrt names {n!r}, which is neither {' nor '.join(map(repr, _WRT))} nor a "
+                f"hyper-parameter of {call.spec.name} (its hyper-parameters: "
+                f"{', '.join(sorted(call.hyper)) or 'none'})"
+            )
+        value = call.hyper[n]
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            raise TypeError(
+                f"wrt names {n!r}, so it must be given as a floating tensor (a learnable "
+                f"parameter), got {type(value).__name__} {value!r}"
+            )
+
+
+def _with_hyper(call: LossCall, names: Sequence[str], values: Sequence[Tensor]) -> LossCall:
+    """The call with the named hyper-parameters replaced (by differentiable leaves)."""
+    if not names:
+        return call
+    return dataclasses.replace(call, hyper={**call.hyper, **dict(zip(names, values, strict=True))})
 
 
 def _traced() -> bool:
@@ -230,9 +325,15 @@ def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
     self-similarity's backward takes both sides from one product)."""
     x = call.embeddings.detach().requires_grad_(True)
     ref = None if call.ref_emb is None else call.ref_emb.detach().requires_grad_(True)
+    hyper = [n for n in names if n not in _WRT]
+    leaves = {n: call.hyper[n].detach().requires_grad_(True) for n in hyper}
+    leaves["embeddings"] = x
+    if ref is not None:
+        leaves["ref_emb"] = ref
     with torch.enable_grad():
-        loss = dataclasses.replace(call, embeddings=x, ref_emb=ref).loss()
-        wrt = [x if n == "embeddings" or ref is None else ref for n in names]
+        whole = _with_hyper(call, hyper, [leaves[n] for n in hyper])
+        loss = dataclasses.replace(whole, embeddings=x, ref_emb=ref).loss()
+        wrt = [leaves[n] for n in names]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     out = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True))
     return loss.detach(), (out[0] if len(names) == 1 else out)
@@ -241,13 +342,12 @@ def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
 @dataclasses.dataclass
 class _Sums:
     """Per sub-loss, summed over the chunks: the undivided shares, the normalisers and the
-    shares' gradients with respect to the normalised embeddings (``g_x``) and reference set
-    (``g_ref``); a list stays empty when nothing is summed into it."""
+    shares' gradients with respect to each differentiated input (``grads[name][k]``: the
+    normalised embeddings, the reference set, a hyper-parameter)."""
 
     shares: list[Tensor] = dataclasses.field(default_factory=list)
     norms: list[Tensor] = dataclasses.field(default_factory=list)
-    g_x: list[Tensor] = dataclasses.field(default_factory=list)
-    g_ref: list[Tensor] = dataclasses.field(default_factory=list)
+    grads: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
 
     def add_norms(self, parts: Sequence[Tensor]) -> None:
         self.norms = (
@@ -260,10 +360,11 @@ class _Sums:
             zero = zero + reducer.divide(s, n)
         return zero
 
-    def gradient(self, reducer: Reducer, grads: list[Tensor], like: Tensor) -> Tensor:
-        """``Σ_k grads[k] · divide(1, norms[k])``: the loss's gradient (zeros when empty)."""
+    def gradient(self, reducer: Reducer, name: str, like: Tensor) -> Tensor:
+        """``Σ_k grads[name][k] · divide(1, norms[k])``: the loss's gradient (zeros when
+        nothing was summed)."""
         out = None
-        for g, n in zip(grads, self.norms, strict=False):
+        for g, n in zip(self.grads.get(name, ()), self.norms, strict=False):
             g = g * reducer.divide(torch.ones_like(n), n).to(g.dtype)
             out = g if out is None else out + g
         return torch.zeros_like(like) if out is None else out
@@ -282,6 +383,8 @@ def _chunked(
     if anchor_rows is None and batch_size <= chunk_size and not _traced():
         return _whole(call, names)
     want_x, want_ref = "embeddings" in names, "ref_emb" in names
+    hyper = [n for n in names if n not in _WRT]
+    hyper_values = tuple(call.hyper[n] for n in hyper)
     # Normalise once, outside the chunks; its backward runs once at the end.
     normalize, rest = call.distance.split_normalization()
     cd = _checks.compute_dtype(embeddings.dtype)
@@ -295,54 +398,65 @@ def _chunked(
     if ref_emb is not None:
         (ref_hat,), _, ref_back = _vjp(prep, (ref_emb,))
 
-    def shares(rows: tuple[int, int], anchors: Tensor, x: Tensor, ref: Tensor | None):
+    def shares(
+        rows: tuple[int, int], anchors: Tensor, x: Tensor, ref: Tensor | None, h: Sequence[Tensor]
+    ):
         """Each sub-loss's undivided share, and (no graph) its part of the normaliser."""
-        batch = call.batch(rows, embeddings=x, ref_emb=ref, anchors=anchors, distance=rest)
-        pairs = [reducer.share_and_normalizer(t, batch.labels) for t in call.terms(batch).values()]
+        c = _with_hyper(call, hyper, h)
+        batch = c.batch(rows, embeddings=x, ref_emb=ref, anchors=anchors, distance=rest)
+        pairs = [reducer.share_and_normalizer(t, batch.labels) for t in c.terms(batch).values()]
         return tuple(s for s, _ in pairs), tuple(n.detach() for _, n in pairs)
 
     # A chunk differentiates its anchor rows (a tensor of their own) and the whole batch (as
-    # references) in self mode, else the reference set when its gradient is wanted.
+    # references) in self mode, else the reference set when its gradient is wanted; then the
+    # hyper-parameters in wrt.
     chunk: Callable[..., Any]
     if ref_hat is None:
         refs: tuple[Tensor, ...] = (x_hat,)
-        chunk = lambda rows, a, x: shares(rows, a, x, None)  # noqa: E731
+        chunk = lambda rows, a, x, *h: shares(rows, a, x, None, h)  # noqa: E731
     elif want_ref:
         refs = (ref_hat,)
-        chunk = lambda rows, a, ref: shares(rows, a, x_hat, ref)  # noqa: E731
+        chunk = lambda rows, a, ref, *h: shares(rows, a, x_hat, ref, h)  # noqa: E731
     else:
         refs = ()
-        chunk = lambda rows, a: shares(rows, a, x_hat, ref_hat)  # noqa: E731
+        chunk = lambda rows, a, *h: shares(rows, a, x_hat, ref_hat, h)  # noqa: E731
     sums = _Sums()
     for r0, r1, mine in _pieces(batch_size, chunk_size, anchor_rows):
         if not mine:  # anchors of another rank: their part of the normaliser only
             with torch.no_grad():
-                sums.add_norms(shares((r0, r1), x_hat[r0:r1], x_hat, ref_hat)[1])
+                sums.add_norms(shares((r0, r1), x_hat[r0:r1], x_hat, ref_hat, ())[1])
             continue
-        out, parts, pullback = _vjp(functools.partial(chunk, (r0, r1)), (x_hat[r0:r1], *refs))
+        primals = (x_hat[r0:r1], *refs, *hyper_values)
+        out, parts, pullback = _vjp(functools.partial(chunk, (r0, r1)), primals)
         sums.add_norms(parts)
         first = not sums.shares
-        if first:  # the first chunk of mine: one buffer per sub-loss
+        if first:  # the first chunk of mine: one buffer per sub-loss and differentiated input
             sums.shares = list(out)
-            sums.g_x = [torch.zeros_like(x_hat) for _ in out] if want_x else []
-            sums.g_ref = [torch.zeros_like(r) for _ in out for r in refs] if want_ref else []
+            like = {"embeddings": x_hat, **dict(zip(hyper, hyper_values, strict=True))}
+            if ref_hat is not None:
+                like["ref_emb"] = ref_hat
+            sums.grads = {n: [torch.zeros_like(like[n]) for _ in out] for n in names}
         for k, o in enumerate(out):
             if not first:
                 sums.shares[k] = sums.shares[k] + o
             grads = pullback(k, one)
             if want_x:
-                sums.g_x[k][r0:r1] += grads[0]
+                sums.grads["embeddings"][k][r0:r1] += grads[0]
                 if ref_hat is None:
-                    sums.g_x[k] += grads[1]
+                    sums.grads["embeddings"][k] += grads[1]
             if want_ref:
-                sums.g_ref[k] += grads[1]
+                sums.grads["ref_emb"][k] += grads[1]
+            for j, n in enumerate(hyper):
+                sums.grads[n][k] += grads[1 + len(refs) + j]
     total = sums.divided(reducer, torch.zeros((), dtype=cd, device=embeddings.device))
-    grad_x = x_back(0, sums.gradient(reducer, sums.g_x, x_hat))[0] if want_x else None
+    grad_x = x_back(0, sums.gradient(reducer, "embeddings", x_hat))[0] if want_x else None
     total, grad_x = _regularized(call, total, grad_x)
     grad_ref = None
     if want_ref and ref_back is not None and ref_hat is not None:
-        grad_ref = ref_back(0, sums.gradient(reducer, sums.g_ref, ref_hat))[0]
-    results = [grad_x if n == "embeddings" else grad_ref for n in names]
+        grad_ref = ref_back(0, sums.gradient(reducer, "ref_emb", ref_hat))[0]
+    got = {"embeddings": grad_x, "ref_emb": grad_ref}
+    got |= {n: sums.gradient(reducer, n, v) for n, v in zip(hyper, hyper_values, strict=True)}
+    results = [got[n] for n in names]
     out_value = total.to(cd)  # the loss's dtype: float32 for float16/bfloat16 embeddings
     return out_value, (results[0] if len(names) == 1 else tuple(results))
 
@@ -364,3 +478,255 @@ def _regularized(
     if grad_x is not None:
         grad_x = grad_x + reg_back(0, torch.ones_like(reg))[0]
     return total, grad_x
+
+
+# --- GradCache ----------------------------------------------------------------------------------
+
+Encoder: TypeAlias = Callable[..., Tensor]
+# One mini-batch of an encoder's input: its rows, positional and keyword arguments.
+_Piece: TypeAlias = tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]
+
+
+def gradcache(
+    encoders: Encoder | Sequence[Encoder],
+    inputs: Any,
+    loss_fn: Callable[..., Tensor],
+    *,
+    mini_batch: int,
+    replay_rng: bool = True,
+) -> Tensor:
+    r"""One GradCache step: ``loss_fn(*[encoder(input) ...]).backward()``, with the encoders'
+    activations held for one mini-batch at a time.
+
+    The three passes (Gao et al., 2021):
+
+    1. every encoder embeds its input ``mini_batch`` rows at a time without autograd; the random
+       state (CPU and every CUDA device) is recorded before each mini-batch;
+    2. ``loss_fn`` runs once on the cached embeddings, as leaves: ``backward()`` gives the
+       embeddings' gradient ``∂L/∂e`` and accumulates into the ``.grad`` of every tensor the loss
+       itself trains (a learnable temperature or logit scale it closes over);
+    3. every mini-batch is embedded again with autograd from its recorded random state (dropout
+       draws the same masks) and ``e.backward(∂L/∂e[rows])`` pushes the cached gradient into the
+       encoder's parameters.
+
+    The parameters' ``.grad`` then equal those of one backward through the pass-1 forward (the
+    encoders on the same mini-batches and random draws, the loss on all the rows at once), and
+    accumulate as ``loss.backward()`` does: zero them before, step the optimizer after. An
+    encoder with a ``no_sync()`` method (``DistributedDataParallel``) runs every mini-batch but
+    its last one under it, so its gradients are all-reduced once per step; an encoder used by
+    several towers (one model for queries and documents) is synchronised on its last mini-batch
+    of all.
+
+    Memory: one mini-batch of activations per encoder at a time, the ``B × D`` embeddings and
+    their gradient, and what the loss itself holds: give it ``chunk_size=`` (the tiled engine,
+    O(chunk × B)) or use :func:`value_and_grad` inside ``loss_fn`` for a chunkable batch loss.
+    The encoders run twice (about 1.3-1.5x a plain step's time).
+
+    Args:
+        encoders: a callable ``input -> embeddings`` (an ``nn.Module``, a ``DistributedDataParallel``
+            module, ``functools.partial(torch.func.functional_call, module, params)``), or a
+            sequence of them, one per tower.
+        inputs: each encoder's input: a tensor (``encoder(x)``), a tuple or list
+            (``encoder(*x)``) or a mapping (``encoder(**x)``, a tokenizer's output). Every
+            tensor in it is split along its first dimension, the batch; other values are passed
+            whole to each mini-batch. A sequence of these, one per encoder, when ``encoders`` is
+            a sequence. Towers may have different batch sizes.
+        loss_fn: ``loss_fn(emb_0, emb_1, ...) -> 0-d tensor``, one embeddings tensor per encoder
+            in order; close over labels and the loss's params (``lambda e: pf.losses.ntxent(e,
+            labels)``, ``lambda a, b: pf.losses.clip(a, b, params, chunk_size=1024)``).
+        mini_batch: rows per encoder call (a positive int; need not divide the batch).
+        replay_rng: record and replay the random state per mini-batch (default). Without it a
+            stochastic encoder (dropout) draws new masks in pass 3 and the gradients are not those
+            of any one forward.
+
+    Returns:
+        The loss (detached, from pass 2).
+
+    Raises:
+        TypeError: an encoder's output is not a floating tensor, an input holds no tensor, the
+            loss is not a 0-d floating tensor.
+        ValueError: encoders and inputs differ in number, an input's tensors disagree on the batch
+            size or the batch is empty, an encoder's output has a different number of rows.
+
+    Not covered: an encoder whose rows are not independent (BatchNorm in training mode: its
+    statistics and running averages see mini-batches, and the running averages are updated
+    twice), randomness from an explicit ``torch.Generator`` or another device type than CPU and
+    CUDA (not replayed). The step is an eager driver: compile the encoders and the loss, not it.
+
+    Example:
+        >>> encoder = torch.nn.Sequential(
+        ...     torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8))
+        >>> x, labels = torch.randn(64, 16), torch.arange(64) // 4
+        >>> loss = gradcache(encoder, x, lambda e: pf.losses.ntxent(e, labels), mini_batch=16)
+        >>> all(p.grad is not None for p in encoder.parameters())
+        True
+
+    References: Gao et al., "Scaling Deep Contrastive Learning Batch Size under Memory Limited
+    Setup" (GradCache), RepL4NLP 2021.
+    """
+    towers = _towers(encoders, inputs)
+    mini_batch = _checks.integer(mini_batch, "mini_batch")
+    plans = [_mini_batches(inp, mini_batch, where) for where, _, inp in towers]
+
+    # (1) embeddings without a graph, the random state before each mini-batch
+    states: list[list[_RandomState | None]] = []
+    cached: list[Tensor] = []
+    with torch.no_grad():
+        for (where, encoder, _), pieces in zip(towers, plans, strict=True):
+            states.append([])
+            outs = []
+            for rows, args, kwargs in pieces:
+                states[-1].append(_RandomState.capture() if replay_rng else None)
+                outs.append(_embedding(encoder(*args, **kwargs), rows, where))
+            cached.append(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    # (2) the loss on the cached embeddings: their gradient, and the loss's own params' .grad
+    leaves = [e.detach().requires_grad_(True) for e in cached]
+    with torch.enable_grad():
+        loss = loss_fn(*leaves)
+    if not (isinstance(loss, Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+        raise TypeError(
+            "loss_fn must return a 0-d floating tensor (the reduced loss), got "
+            + (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, Tensor)
+                else type(loss).__name__
+            )
+        )
+    if loss.requires_grad:
+        loss.backward()
+
+    # (3) each mini-batch again, with a graph, from its recorded random state
+    last = {
+        id(encoder): (t, len(pieces) - 1)
+        for t, ((_, encoder, _), pieces) in enumerate(zip(towers, plans, strict=True))
+    }
+    for t, ((where, encoder, _), pieces) in enumerate(zip(towers, plans, strict=True)):
+        grad = leaves[t].grad
+        if grad is None or not _trains(encoder):
+            continue
+        for c, (rows, args, kwargs) in enumerate(pieces):
+            state = states[t][c]
+            unsynced = (t, c) != last[id(encoder)]
+            with (
+                encoder.no_sync()
+                if unsynced and hasattr(encoder, "no_sync")
+                else contextlib.nullcontext(),
+                state.replayed() if state is not None else contextlib.nullcontext(),
+            ):
+                out = _embedding(encoder(*args, **kwargs), rows, where)
+                if out.requires_grad:
+                    out.backward(grad[rows[0] : rows[1]])
+    return loss.detach()
+
+
+def _towers(encoders: Encoder | Sequence[Encoder], inputs: Any) -> list[tuple[str, Encoder, Any]]:
+    """``(name in errors, encoder, input)`` per tower: one for a callable ``encoders``."""
+    if callable(encoders):
+        return [("encoders", encoders, inputs)]
+    if not isinstance(encoders, (tuple, list)) or not encoders:
+        raise TypeError(
+            "encoders must be a callable or a non-empty tuple/list of callables, got "
+            f"{type(encoders).__name__}"
+        )
+    for t, encoder in enumerate(encoders):
+        if not callable(encoder):
+            raise TypeError(f"encoders[{t}] must be callable, got {type(encoder).__name__}")
+    if not isinstance(inputs, (tuple, list)) or len(inputs) != len(encoders):
+        raise ValueError(
+            f"inputs must be a tuple/list with one input per encoder ({len(encoders)}), got "
+            + (f"{len(inputs)}" if isinstance(inputs, (tuple, list)) else type(inputs).__name__)
+        )
+    return [(f"encoders[{t}]", e, x) for t, (e, x) in enumerate(zip(encoders, inputs, strict=True))]
+
+
+def _mini_batches(inp: Any, mini_batch: int, where: str) -> list[_Piece]:
+    """The encoder's input cut into mini-batches of rows: each tensor along its first dimension;
+    other values passed whole."""
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    if isinstance(inp, Tensor):
+        args, kwargs = (inp,), {}
+    elif isinstance(inp, Mapping):
+        args, kwargs = (), dict(inp)
+    elif isinstance(inp, (tuple, list)):
+        args, kwargs = tuple(inp), {}
+    else:
+        raise TypeError(
+            f"the input of {where} must be a tensor, a tuple/list of arguments or a mapping of "
+            f"keyword arguments, got {type(inp).__name__}"
+        )
+    shapes = [tuple(v.shape) for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+    if not shapes:
+        raise TypeError(f"the input of {where} holds no tensor to split into mini-batches")
+    sizes = {s[0] if s else None for s in shapes}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"the tensors in the input of {where} must share their first dimension (the batch), "
+            f"got shapes {shapes}"
+        )
+    (n,) = cast(set[int], sizes)
+    if n == 0:
+        raise ValueError(f"the input of {where} is an empty batch")
+
+    def cut(v: Any, r0: int, r1: int) -> Any:
+        return v[r0:r1] if isinstance(v, Tensor) else v
+
+    return [
+        (
+            (r0, r1),
+            tuple(cut(v, r0, r1) for v in args),
+            {k: cut(v, r0, r1) for k, v in kwargs.items()},
+        )
+        for r0, r1 in ((r0, min(n, r0 + mini_batch)) for r0 in range(0, n, mini_batch))
+    ]
+
+
+def _embedding(out: Any, rows: tuple[int, int], where: str) -> Tensor:
+    if not (isinstance(out, Tensor) and out.is_floating_point() and out.ndim >= 1):
+        raise TypeError(
+            f"{where} must return a floating tensor of embeddings, one row per input row, got "
+            + (
+                f"{out.dtype} of shape {tuple(out.shape)}"
+                if isinstance(out, Tensor)
+                else type(out).__name__
+            )
+        )
+    if out.shape[0] != rows[1] - rows[0]:
+        raise ValueError(
+            f"{where} returned {out.shape[0]} rows for a mini-batch of {rows[1] - rows[0]} "
+            "(its first dimension must be the batch)"
+        )
+    return out
+
+
+def _trains(encoder: Encoder) -> bool:
+    """False for a module none of whose parameters require a gradient (a frozen tower: pass 3
+    is skipped); True for any other callable."""
+    if isinstance(encoder, torch.nn.Module):
+        return any(p.requires_grad for p in encoder.parameters())
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _RandomState:
+    """The global random state before a mini-batch's forward: the CPU generator's and, once
+    CUDA is initialised, every CUDA device's."""
+
+    cpu: Tensor
+    cuda: list[Tensor]
+
+    @staticmethod
+    def capture() -> _RandomState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return _RandomState(torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """The block runs from this state; the state from before it is restored after (a
+        replay consumes no random numbers)."""
+        with torch.random.fork_rng(devices=range(len(self.cuda))):
+            torch.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield

@@ -147,6 +147,47 @@ def test_low_precision_loss_is_float32_and_gradient_keeps_the_input_dtype():
     torch.testing.assert_close(g.float(), gf.float(), rtol=2e-2, atol=1e-3)
 
 
+HYPER = {  # a loss and hyper-parameters it can learn, as tensors
+    "ntxent": {"temperature": 0.2},
+    "supcon": {"temperature": 0.3},
+    "multi_similarity": {"alpha": 2.0, "beta": 40.0, "base": 0.4},
+    "contrastive": {"pos_margin": 0.2, "neg_margin": 0.6},
+    "triplet_margin": {"margin": 0.3},
+}
+
+
+@pytest.mark.parametrize("chunk_size", [4, 13], ids=["chunked", "whole"])
+@pytest.mark.parametrize("name", HYPER)
+def test_tensor_hyper_parameters_in_wrt_get_the_full_batch_gradient(name, chunk_size):
+    emb, labels, _ = _data(seed=8)
+    hyper = {k: torch.tensor(v, dtype=F64) for k, v in HYPER[name].items()}
+    wrt = ("embeddings", *hyper)
+    loss, grads = pf.chunked.value_and_grad(LOSSES[name], chunk_size, wrt=wrt)(emb, labels, **hyper)
+
+    leaves = {k: v.clone().requires_grad_() for k, v in hyper.items()}
+    x = emb.clone().requires_grad_()
+    full = LOSSES[name](x, labels, **leaves)
+    want = torch.autograd.grad(full, [x, *leaves.values()])
+    _assert_equal((loss, grads), (full, want))
+    assert any(float(g.abs()) > 0 for g in grads[1:])  # the test can see a wrong gradient
+    # one name alone: a tensor, not a tuple
+    _, g = pf.chunked.value_and_grad(LOSSES[name], chunk_size, wrt=wrt[1])(emb, labels, **hyper)
+    torch.testing.assert_close(g, want[1], rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_with_a_learnable_temperature():
+    torch._dynamo.reset()
+    emb, labels, _ = _data(seed=9, dtype=torch.float32)
+    vg = pf.chunked.value_and_grad(pf.losses.ntxent, 5, wrt=("embeddings", "temperature"))
+    t = torch.tensor(0.25)
+    lc, (gc, tc) = torch.compile(vg, fullgraph=True)(emb, labels, temperature=t)
+    le, (ge, te) = vg(emb, labels, temperature=t)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(tc, te, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.compile
 def test_compile_fullgraph_equals_eager():
     torch._dynamo.reset()
@@ -221,6 +262,63 @@ def test_no_tensor_larger_than_a_chunk_block(name):
     assert chunked.largest <= max(chunk * b, 8 * chunk * d, b * d)
 
 
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("name", HYPER)
+def test_chunked_loss_backward_gives_the_full_batch_gradients(name, with_ref):
+    """pf.chunked.loss: the same value, and backward() reaches the embeddings, the reference
+    set and the tensor hyper-parameters with the full-batch gradients."""
+    emb, labels, kw = _data(seed=12, with_ref=with_ref)
+
+    def leaves():
+        x = emb.clone().requires_grad_()
+        extra = {k: torch.tensor(v, dtype=F64, requires_grad=True) for k, v in HYPER[name].items()}
+        if with_ref:
+            extra |= {
+                "ref_emb": kw["ref_emb"].clone().requires_grad_(),
+                "ref_labels": kw["ref_labels"],
+            }
+        return x, extra
+
+    x, extra = leaves()
+    got = pf.chunked.loss(LOSSES[name], 4)(x, labels, **extra)
+    got.backward()
+    x_full, extra_full = leaves()
+    want = LOSSES[name](x_full, labels, **extra_full)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in [(x, x_full), *[(extra[k], extra_full[k]) for k in extra if k != "ref_labels"]]:
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-7, atol=1e-10)
+
+
+def test_chunked_loss_under_torch_func_grad_and_bounded_memory():
+    b, d, chunk = 192, 4, 16
+    g = torch.Generator().manual_seed(13)
+    emb = torch.randn(b, d, generator=g, dtype=F64)
+    labels = torch.arange(b) // 4
+    fn = pf.chunked.loss(pf.losses.multi_similarity, chunk)
+    got = torch.func.grad(lambda e: fn(e, labels))(emb)
+    _, (want,) = _full(pf.losses.multi_similarity, emb, labels)
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-10)
+    x = emb.float().requires_grad_()
+    with LargestTensor() as rec:
+        fn(x, labels).backward()
+    assert rec.largest <= max(chunk * b, 8 * chunk * d, b * d)
+
+
+@pytest.mark.compile
+def test_chunked_loss_compiles_fullgraph_with_its_backward():
+    torch._dynamo.reset()
+    emb, labels, _ = _data(seed=14, dtype=torch.float32)
+    fn = pf.chunked.loss(pf.losses.contrastive, 5)
+    x, y = emb.clone().requires_grad_(), emb.clone().requires_grad_()
+    compiled = torch.compile(fn, fullgraph=True)(x, labels)
+    compiled.backward()
+    eager = fn(y, labels)
+    eager.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("loss", [pf.losses.lifted_structure, pf.losses.intra_pair_variance])
 def test_losses_that_do_not_decompose_raise(loss):
     """lifted_structure's positive pair reads its positive's row; intra_pair_variance's
@@ -239,8 +337,13 @@ def test_errors():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
             pf.chunked.value_and_grad(pf.losses.ntxent, bad)
-    with pytest.raises(ValueError, match="wrt must name"):
-        pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="labels")
+    for bad_wrt in ((), ("embeddings", "embeddings"), (3,)):
+        with pytest.raises(ValueError, match="wrt must name"):
+            pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt=bad_wrt)
+    with pytest.raises(ValueError, match=r"'labels', which is neither .* hyper-parameters: "):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="labels")(emb, labels)
+    with pytest.raises(TypeError, match="'temperature', so it must be given as a floating tensor"):
+        pf.chunked.value_and_grad(pf.losses.ntxent, 4, wrt="temperature")(emb, labels)
     with pytest.raises(ValueError, match="swap=True"):
         pf.chunked.value_and_grad(pf.losses.triplet_margin, 4)(emb, labels, swap=True)
     with pytest.raises(ValueError, match="does not split over anchors"):

@@ -462,6 +462,23 @@ def _distinct_betas(num_classes: int, *, dtype: torch.dtype) -> dict[str, torch.
 
 # Losses whose ops inductor already generates code for in another entry (contrastive,
 # multi_similarity, ...): dynamo's full-graph capture and AOT autograd only, ~8 s less each.
+def _chunked_loss(fn: Callable, hyper: str, value: float) -> Callable[[Draw], Call]:
+    """``pf.chunked.loss(fn, 3)(embeddings, labels, ref_emb=, ref_labels=, hyper=)``, the
+    embeddings, the reference set and the tensor hyper-parameter differentiated."""
+
+    def make(d: Draw) -> Call:
+        y, ry = d.labels(LABELS), d.labels(REF_LABELS)
+        wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(M, D), hyper: _scalar(value)(d)}
+        chunked = pf.chunked.loss(fn, 3)
+
+        def run(embeddings, ref_emb, **h):
+            return chunked(embeddings, y, ref_emb=ref_emb, ref_labels=ry, **h)
+
+        return Call(wrt, run)
+
+    return make
+
+
 _SHARED = "aot_eager"
 _RANKING_GRADCHECK = {"eps": 1e-7, "atol": 1e-6}  # histogram bins: kinks at the bin nodes
 L = pf.losses
@@ -541,6 +558,14 @@ LOSSES: dict[str, Entry] = {
     "mega_batch_margin": Entry(L.mega_batch_margin, _mega_batch_margin),
     "mega_batch_margin[chunked]": Entry(
         L.mega_batch_margin, partial(_mega_batch_margin, chunk_size=3), backend=_SHARED
+    ),
+    # pf.chunked.loss: a chunkable loss, 3 anchors at a time, with a plain backward (the
+    # reference set and a tensor hyper-parameter differentiated too)
+    "multi_similarity[chunked.loss]": Entry(
+        L.multi_similarity, _chunked_loss(L.multi_similarity, "alpha", 2.0), backend=_SHARED
+    ),
+    "contrastive[chunked.loss]": Entry(
+        L.contrastive, _chunked_loss(L.contrastive, "neg_margin", 0.7), backend=_SHARED
     ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
