@@ -2,24 +2,24 @@
 
 A contrastive loss couples every embedding in the batch, so the batch cannot simply be split into
 independent micro-batches. GradCache (Gao et al., "Scaling Deep Contrastive Learning Batch Size
-under Memory Limited Setup", RepL4NLP 2021) splits the step in three:
+under Memory Limited Setup", RepL4NLP 2021) splits the step in three, and
+``pf.chunked.gradcache`` runs them:
 
-1. embed the whole batch **without** autograd (``torch.no_grad()``, in sub-batches if need be):
-   only the ``B x D`` embeddings are kept, no encoder activations;
-2. take the loss and its gradient with respect to the embeddings,
-   ``pf.chunked.value_and_grad(loss, chunk_size=...)(emb, labels)``, which never holds more than
-   a ``chunk x B`` block of the pair matrix at once (anchor-chunked, equal to the full batch);
-3. re-embed the batch in sub-batches **with** autograd and call ``sub_emb.backward(g[rows])``
-   for each: the chain rule pushes the cached embedding gradient into the encoder's parameters,
-   one sub-batch of activations at a time; then ``optimizer.step()``.
+1. embed the whole batch **without** autograd, ``sub_batch`` rows at a time, recording the random
+   state before each sub-batch: only the ``B x D`` embeddings are kept;
+2. the loss on the cached embeddings and its gradient with respect to them; ``chunk_size=`` puts
+   ``ntxent`` on the tiled engine, so no more than a ``chunk x B`` block of the pair matrix is
+   alive at once (``pf.chunked.loss`` does the same for any chunkable loss);
+3. re-embed sub-batch by sub-batch **with** autograd, from each sub-batch's recorded random state
+   (dropout draws the same masks), and push the cached gradient through: the encoder's
+   activations are held for one sub-batch at a time; then ``optimizer.step()``.
 
-The parameter gradients equal those of a plain full-batch ``loss.backward()`` (checked below), as
-long as the encoder treats samples independently and deterministically: no BatchNorm in training
-mode (its statistics would depend on the sub-batch) and no dropout unless its RNG state is replayed
-between steps 1 and 3.
+The parameter gradients equal those of one ``loss.backward()`` through the same forward (checked
+below, with dropout on), as long as the encoder treats samples independently: no BatchNorm in
+training mode (its statistics would depend on the sub-batch).
 
 Runs on CPU in seconds with no downloads: scikit-learn's bundled 8x8 digits (random clusters if
-scikit-learn is missing) and a small MLP.
+scikit-learn is missing) and a small MLP with dropout.
 
 Run: python examples/gradcache.py
 """
@@ -55,14 +55,22 @@ def load_data(dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
 
 
 def make_encoder(
-    in_dim: int = 64, hidden: int = 256, emb_dim: int = 64, *, seed: int = 0, dtype=torch.float32
+    in_dim: int = 64,
+    hidden: int = 256,
+    emb_dim: int = 64,
+    *,
+    dropout: float = 0.0,
+    seed: int = 0,
+    dtype=torch.float32,
 ) -> nn.Module:
-    """A small MLP encoder (no BatchNorm, no dropout: each sample is embedded independently)."""
+    """A small MLP encoder (no BatchNorm: each sample is embedded independently), with a dropout
+    layer after the first activation when ``dropout > 0``."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-        nn.Linear(hidden, emb_dim),
-    ).to(dtype)  # fmt: skip
+    layers = [nn.Linear(in_dim, hidden), nn.GELU()]
+    if dropout > 0:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, emb_dim)]
+    return nn.Sequential(*layers).to(dtype)
 
 
 def gradcache_backward(
@@ -80,16 +88,13 @@ def gradcache_backward(
     Returns the (detached) full-batch loss. Call ``optimizer.zero_grad()`` before and
     ``optimizer.step()`` after, as with ``loss.backward()``.
     """
-    # (1) Embed everything without a graph: only the B x D embeddings are kept.
-    with torch.no_grad():
-        emb = torch.cat([encoder(xs) for xs in x.split(sub_batch)])
-    # (2) Loss and d loss / d embeddings, anchor-chunked: at most chunk x B of the pair matrix.
-    value_and_grad = pf.chunked.value_and_grad(loss_fn, chunk_size=chunk_size)
-    loss, grad_emb = value_and_grad(emb, labels, **loss_kwargs)
-    # (3) Re-embed sub-batch by sub-batch with a graph and push the cached gradient through it.
-    for rows in torch.arange(x.shape[0]).split(sub_batch):
-        encoder(x[rows]).backward(grad_emb[rows])
-    return loss.detach()
+    if loss_fn in (pf.losses.ntxent, pf.losses.supcon):  # the tiled engine's own chunk_size=
+        loss_kwargs = {**loss_kwargs, "chunk_size": chunk_size}
+    else:  # any other chunkable loss, chunked over anchors with a plain backward
+        loss_fn = pf.chunked.loss(loss_fn, chunk_size)
+    return pf.chunked.gradcache(
+        encoder, x, lambda emb: loss_fn(emb, labels, **loss_kwargs), mini_batch=sub_batch
+    )
 
 
 def full_batch_backward(
@@ -98,10 +103,16 @@ def full_batch_backward(
     labels: Tensor,
     *,
     loss_fn: Loss = pf.losses.ntxent,
+    sub_batch: int | None = None,
     **loss_kwargs,
 ) -> Tensor:
-    """The plain path GradCache must reproduce: one graph for the whole batch, ``loss.backward()``."""
-    loss = loss_fn(encoder(x), labels, **loss_kwargs)
+    """The plain path GradCache must reproduce: one graph for the whole batch, ``loss.backward()``.
+
+    With ``sub_batch``, the forward runs over the same sub-batches in the same order as
+    GradCache's, so dropout draws the same masks from the same seed.
+    """
+    parts = [x] if sub_batch is None else list(x.split(sub_batch))
+    loss = loss_fn(torch.cat([encoder(p) for p in parts]), labels, **loss_kwargs)
     loss.backward()
     return loss.detach()
 
@@ -121,17 +132,22 @@ def train_step(
 
 
 def compare_with_full_batch(
-    x: Tensor, labels: Tensor, *, seed: int = 0, **kwargs
+    x: Tensor, labels: Tensor, *, seed: int = 0, dropout: float = 0.1, **kwargs
 ) -> tuple[float, float, float]:
-    """Gradients of two identical encoders, GradCache vs. full batch.
+    """Gradients of two identical encoders from the same random seed, GradCache vs. one
+    backward through the same forward.
 
     Returns ``(max |grad difference|, max |grad|, |loss difference|)`` over all parameters.
     """
     loss_kwargs = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "sub_batch")}
-    enc_a = make_encoder(x.shape[1], seed=seed, dtype=x.dtype)
-    enc_b = make_encoder(x.shape[1], seed=seed, dtype=x.dtype)
+    enc_a = make_encoder(x.shape[1], dropout=dropout, seed=seed, dtype=x.dtype)
+    enc_b = make_encoder(x.shape[1], dropout=dropout, seed=seed, dtype=x.dtype)
+    torch.manual_seed(seed + 1)
     loss_a = gradcache_backward(enc_a, x, labels, **kwargs)
-    loss_b = full_batch_backward(enc_b, x, labels, **loss_kwargs)
+    torch.manual_seed(seed + 1)
+    loss_b = full_batch_backward(
+        enc_b, x, labels, sub_batch=kwargs.get("sub_batch", 128), **loss_kwargs
+    )
     diff = scale = 0.0
     for pa, pb in zip(enc_a.parameters(), enc_b.parameters(), strict=True):
         diff = max(diff, float((pa.grad - pb.grad).abs().max()))
@@ -146,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sub-batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=0.1)
+    parser.add_argument("--dropout", type=float, default=0.1)
     args = parser.parse_args(argv)
 
     x_all, y_all = load_data()
@@ -155,13 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     # Once: GradCache gives the full-batch gradients.
     idx = torch.randperm(x_all.shape[0], generator=gen)[: args.batch]
     for dtype in (torch.float32, torch.float64):
-        diff, scale, dloss = compare_with_full_batch(x_all[idx].to(dtype), y_all[idx], **opts)
+        diff, scale, dloss = compare_with_full_batch(
+            x_all[idx].to(dtype), y_all[idx], dropout=args.dropout, **opts
+        )
         print(
             f"GradCache vs full-batch loss.backward() ({str(dtype).removeprefix('torch.')}): "
             f"max |grad diff| = {diff:.3e} (max |grad| = {scale:.3e}), |loss diff| = {dloss:.3e}"
         )
 
-    encoder = make_encoder(x_all.shape[1])
+    encoder = make_encoder(x_all.shape[1], dropout=args.dropout)
     optimizer = torch.optim.Adam(encoder.parameters(), lr=1e-3)
     print(f"training: batch {args.batch}, chunk {args.chunk_size}, sub-batch {args.sub_batch}")
     for step in range(args.steps):

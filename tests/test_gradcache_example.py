@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import pmlfunc as pf
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gradcache.py"
 
@@ -44,15 +46,25 @@ def _grads(encoder):
     [(256, 64, 64), (300, 77, 128)],  # even splits; chunk and sub-batch not dividing the batch
     ids=["even", "uneven"],
 )
-def test_gradcache_step_equals_full_batch_backward(dtype, tol, batch, chunk_size, sub_batch):
+@pytest.mark.parametrize(
+    ("loss_fn", "kw"),
+    [("ntxent", {"temperature": 0.1}), ("contrastive", {"neg_margin": 0.8})],
+    ids=["tiled-ntxent", "chunked-contrastive"],
+)
+def test_gradcache_step_equals_full_batch_backward(
+    dtype, tol, batch, chunk_size, sub_batch, loss_fn, kw
+):
     x, y = _batch(batch, dtype)
-    enc_cache = gc.make_encoder(x.shape[1], seed=1, dtype=dtype)
-    enc_full = gc.make_encoder(x.shape[1], seed=1, dtype=dtype)
+    enc_cache = gc.make_encoder(x.shape[1], dropout=0.2, seed=1, dtype=dtype)
+    enc_full = gc.make_encoder(x.shape[1], dropout=0.2, seed=1, dtype=dtype)
+    loss_fn = getattr(pf.losses, loss_fn)
 
+    torch.manual_seed(3)
     loss_cache = gc.gradcache_backward(
-        enc_cache, x, y, chunk_size=chunk_size, sub_batch=sub_batch, temperature=0.1
+        enc_cache, x, y, loss_fn=loss_fn, chunk_size=chunk_size, sub_batch=sub_batch, **kw
     )
-    loss_full = gc.full_batch_backward(enc_full, x, y, temperature=0.1)
+    torch.manual_seed(3)
+    loss_full = gc.full_batch_backward(enc_full, x, y, loss_fn=loss_fn, sub_batch=sub_batch, **kw)
 
     torch.testing.assert_close(loss_cache, loss_full, rtol=tol, atol=tol)
     for g_cache, g_full in zip(_grads(enc_cache), _grads(enc_full), strict=True):
