@@ -24,6 +24,7 @@ from . import (
     regularizers,
     samplers,
     testing,
+    transforms,
     tuples,
     wrappers,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "regularizers",
     "samplers",
     "testing",
+    "transforms",
     "tuples",
     "wrappers",
 ]

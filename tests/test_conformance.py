@@ -479,6 +479,26 @@ def _chunked_loss(fn: Callable, hyper: str, value: float) -> Callable[[Draw], Ca
     return make
 
 
+def _matryoshka(d: Draw) -> Call:
+    """``matryoshka(ntxent, (4, 2, 1))`` on the tiled engine (``chunk_size=3``)."""
+    y = d.labels(LABELS)
+    nested = pf.transforms.matryoshka(L.ntxent, (D, 2, 1), (1.0, 0.5, 0.25))
+    return Call(
+        {"embeddings": d.randn(B, D)}, lambda embeddings: nested(embeddings, y, chunk_size=3)
+    )
+
+
+def _adaptive_layers(d: Draw) -> Call:
+    """``adaptive_layers(supcon)`` over two layers (the first one as ``embeddings``), the KL
+    term on."""
+    y = d.labels(LABELS)
+    layered = pf.transforms.adaptive_layers(L.supcon, layer_weighting="log", kl_weight=0.5)
+    return Call(
+        {"embeddings": d.randn(B, D), "last_layer": d.randn(B, D)},
+        lambda embeddings, last_layer: layered([embeddings, last_layer], y),
+    )
+
+
 _SHARED = "aot_eager"
 _RANKING_GRADCHECK = {"eps": 1e-7, "atol": 1e-6}  # histogram bins: kinks at the bin nodes
 L = pf.losses
@@ -566,6 +586,18 @@ LOSSES: dict[str, Entry] = {
     ),
     "contrastive[chunked.loss]": Entry(
         L.contrastive, _chunked_loss(L.contrastive, "neg_margin", 0.7), backend=_SHARED
+    ),
+    # pf.transforms: matryoshka widths (the tiled path inside), adaptive layers (two layers, KL)
+    "ntxent[matryoshka]": Entry(L.ntxent, _matryoshka, backend=_SHARED),
+    "supcon[adaptive_layers]": Entry(
+        L.supcon,
+        _adaptive_layers,
+        backend=_SHARED,
+        constant=(
+            ("last_layer",),
+            "the last layer is the KL term's stop-gradient teacher: its gradient is its own "
+            "loss's only (test_transforms checks the formula)",
+        ),
     ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),

@@ -1,0 +1,289 @@
+"""pf.transforms: matryoshka equals the naive sum over widths, adaptive_layers its formula; both
+keep the base loss's signature, compose, compile, run under torch.func and on several ranks."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import pmlfunc as pf
+from pmlfunc.testing import check_distributed
+
+T = pf.transforms
+L = pf.losses
+F64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+DIMS = (12, 6, 3)
+
+
+def _randn(*shape, seed=0, dtype=F64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _leaves(*tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+def _grads(loss, leaves):
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _assert_same(got, want):
+    (lg, gg), (lw, gw) = got, want
+    torch.testing.assert_close(lg, lw, **TOL)
+    for a, b in zip(gg, gw, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+LABELS = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 4, 4])
+N = len(LABELS)
+
+# name -> (the call on embedding tensors, their shapes): each case cuts every embedding argument
+CASES = {
+    "ntxent": (lambda f, e: f(e, LABELS, temperature=0.2), [(N, 12)]),
+    "ntxent-tiled": (lambda f, e: f(e, LABELS, temperature=0.2, chunk_size=3), [(N, 12)]),
+    "supcon-keyword": (lambda f, e: f(embeddings=e, labels=LABELS), [(N, 12)]),
+    "contrastive-ref": (
+        lambda f, e, r: f(e, LABELS, ref_emb=r, ref_labels=torch.arange(7) % 4),
+        [(N, 12), (7, 12)],
+    ),
+    "clip": (
+        lambda f, a, b: f(a, b, {"logit_scale": torch.tensor(2.0, dtype=F64)}),
+        [(N, 12), (N, 12)],
+    ),
+    "siglip-keywords": (
+        lambda f, a, b: f(emb_a=a, emb_b=b, params=L.siglip_init(dtype=F64), chunk_size=4),
+        [(N, 12), (N, 12)],
+    ),
+    "mnrl-negatives": (lambda f, q, p, n: f(q, p, n), [(N, 12), (N, 12), (N, 2, 12)]),
+}
+BASE = {
+    "ntxent": L.ntxent,
+    "ntxent-tiled": L.ntxent,
+    "supcon-keyword": L.supcon,
+    "contrastive-ref": L.contrastive,
+    "clip": L.clip,
+    "siglip-keywords": L.siglip,
+    "mnrl-negatives": L.multiple_negatives_ranking,
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matryoshka_equals_the_naive_sum_over_widths(name):
+    call, shapes = CASES[name]
+    inputs = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
+    weights = (1.0, 0.5, 0.25)
+
+    got_in = _leaves(*inputs)
+    got = call(T.matryoshka(BASE[name], DIMS, weights), *got_in)
+    want_in = _leaves(*inputs)
+    want = sum(
+        w * call(BASE[name], *[x[..., :d] for x in want_in])
+        for d, w in zip(DIMS, weights, strict=True)
+    )
+    _assert_same((got, _grads(got, got_in)), (want, _grads(want, want_in)))
+
+
+def test_learnable_weights_get_each_width_s_loss_as_gradient():
+    e = _randn(N, 12)
+    w = torch.tensor([1.0, 0.3, 0.2], dtype=F64, requires_grad=True)
+    loss_fn = T.matryoshka(L.ntxent, DIMS, w)
+    for _ in range(2):  # a fresh graph every call: a second backward works
+        (g,) = torch.autograd.grad(loss_fn(e, LABELS), w)
+    torch.testing.assert_close(g, torch.stack([L.ntxent(e[:, :d], LABELS) for d in DIMS]), **TOL)
+
+
+def test_normalize_cuts_then_normalises_each_prefix_like_sentence_transformers():
+    e = _randn(N, 12)
+    got = T.matryoshka(L.ntxent, DIMS, normalize=True)(e, LABELS, distance=pf.distances.dot())
+    want = sum(
+        L.ntxent(
+            torch.nn.functional.normalize(e[:, :d], dim=-1), LABELS, distance=pf.distances.dot()
+        )
+        for d in DIMS
+    )
+    torch.testing.assert_close(got, want, **TOL)
+    # with a cosine loss the normalisation changes nothing
+    cos = T.matryoshka(L.ntxent, DIMS)
+    torch.testing.assert_close(
+        T.matryoshka(L.ntxent, DIMS, normalize=True)(e, LABELS), cos(e, LABELS), **TOL
+    )
+
+
+def _layer_reference(layers, loss_fn, weighting, indices, w_last, w_prior, kl_w, t):
+    """The formula written out in float64, the KL term from its definition."""
+    total = w_last * loss_fn(layers[-1])
+    prior = len(layers) - 1
+    p = torch.softmax(layers[-1].detach() / t, dim=-1)
+    for j in range(prior):
+        i = indices[j]
+        omega = {"uniform": 1.0, "log": 1 / (1 + math.log(1 + i)), "linear": 1 / (1 + i)}[weighting]
+        total = total + w_prior * omega / prior * loss_fn(layers[j])
+        q = torch.log_softmax(layers[j] / t, dim=-1)
+        kl = (p * (p.log() - q)).sum() / layers[j].shape[0]
+        total = total + kl_w * t * kl
+    return total
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "log", "linear"])
+def test_adaptive_layers_equals_its_formula(weighting):
+    layers = [_randn(N, 8, seed=s) for s in range(4)]
+    indices = (0, 3, 5, 11)
+    fn = T.adaptive_layers(
+        L.supcon, layer_weighting=weighting, last_layer_weight=1.5, prior_layers_weight=0.7,
+        kl_weight=0.4, temperature=0.5,
+    )  # fmt: skip
+    got_in = _leaves(*layers)
+    got = fn(got_in, LABELS, layer_indices=indices)
+    want_in = _leaves(*layers)
+    want = _layer_reference(
+        want_in, lambda e: L.supcon(e, LABELS), weighting, indices, 1.5, 0.7, 0.4, 0.5
+    )
+    _assert_same((got, _grads(got, got_in)), (want, _grads(want, want_in)))
+
+
+def test_adaptive_layers_teacher_is_a_stop_gradient_and_a_callable_weighting():
+    layers = _leaves(*[_randn(N, 8, seed=s) for s in range(3)])
+    fn = T.adaptive_layers(L.ntxent, layer_weighting=lambda i: 2.0**-i, kl_weight=3.0)
+    loss = fn(layers, LABELS)
+    g_last = _grads(loss, layers)[-1]
+    e = layers[-1].detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(L.ntxent(e, LABELS), e)
+    torch.testing.assert_close(g_last, want, **TOL)  # no KL gradient reaches the last layer
+    plain = T.adaptive_layers(L.ntxent, kl_weight=0.0)(layers, LABELS)
+    ref = (
+        L.ntxent(layers[2], LABELS)
+        + (L.ntxent(layers[0], LABELS) + L.ntxent(layers[1], LABELS)) / 2
+    )
+    torch.testing.assert_close(plain, ref, **TOL)
+
+
+def test_two_dimensional_matryoshka_is_the_composition():
+    layers = [_randn(N, 12, seed=s) for s in range(3)]
+    docs = [_randn(N, 12, seed=10 + s) for s in range(3)]
+    fn = T.adaptive_layers(T.matryoshka(L.multiple_negatives_ranking, DIMS), kl_weight=0.0)
+    got = fn(layers, docs)
+
+    def nested(q, p):
+        return sum(L.multiple_negatives_ranking(q[:, :d], p[:, :d]) for d in DIMS)
+
+    want = (
+        nested(layers[2], docs[2]) + (nested(layers[0], docs[0]) + nested(layers[1], docs[1])) / 2
+    )
+    torch.testing.assert_close(got, want, **TOL)
+    # the KL term reads every layered argument's rows at full width
+    with_kl = T.adaptive_layers(T.matryoshka(L.multiple_negatives_ranking, DIMS), temperature=0.3)
+    kl = 0.0
+    for j in range(2):
+        p = torch.softmax(torch.cat([layers[2], docs[2]]) / 0.3, -1)
+        q = torch.log_softmax(torch.cat([layers[j], docs[j]]) / 0.3, -1)
+        kl += 0.3 * (p * (p.log() - q)).sum() / (2 * N)
+    torch.testing.assert_close(with_kl(layers, docs), want + kl, **TOL)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["ntxent", "clip"])
+def test_compile_fullgraph_equals_eager(name):
+    torch._dynamo.reset()
+    call, shapes = CASES[name]
+    inputs = [_randn(*s, seed=i, dtype=torch.float32) for i, s in enumerate(shapes)]
+    fn = T.matryoshka(BASE[name], DIMS)
+    eager_in, comp_in = _leaves(*inputs), _leaves(*inputs)
+    eager = call(fn, *eager_in)
+    compiled = torch.compile(lambda *xs: call(fn, *xs), fullgraph=True)(*comp_in)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(_grads(compiled, comp_in), _grads(eager, eager_in), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    layered = T.adaptive_layers(L.ntxent)
+    layers = [_randn(N, 8, seed=s, dtype=torch.float32) for s in range(3)]
+    got = torch.compile(lambda ls: layered(ls, LABELS), fullgraph=True)(layers)
+    torch.testing.assert_close(got, layered(layers, LABELS), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_func_grad_and_meta_device():
+    e = _randn(N, 12)
+    fn = T.matryoshka(L.supcon, DIMS)
+    g = torch.func.grad(lambda x: fn(x, LABELS))(e)
+    x = e.clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn(x, LABELS), x)
+    torch.testing.assert_close(g, want, **TOL)
+    meta = fn(torch.empty(N, 12, device="meta"), LABELS.to("meta"))
+    assert meta.device.type == "meta" and meta.shape == ()
+    layers = [torch.empty(N, 12, device="meta") for _ in range(2)]
+    assert T.adaptive_layers(fn)(layers, LABELS.to("meta")).device.type == "meta"
+
+
+def test_non_finite_embeddings_give_a_non_finite_loss():
+    e = _randn(N, 12)
+    e[3, 1] = float("nan")  # inside every prefix
+    assert torch.isnan(T.matryoshka(L.ntxent, DIMS)(e, LABELS))
+    e = _randn(N, 12)
+    e[3, 10] = float("inf")  # in the widest prefix only: that term is non-finite
+    assert not torch.isfinite(T.matryoshka(L.ntxent, DIMS)(e, LABELS))
+
+
+def _bad(fn, *args, **kwargs):
+    return lambda: fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (_bad(T.matryoshka, L.ntxent, ()), ValueError, "at least one width"),
+        (_bad(T.matryoshka, L.ntxent, (8, 8)), ValueError, "must not repeat"),
+        (_bad(T.matryoshka, L.ntxent, (8, 0)), ValueError, "dims"),
+        (_bad(T.matryoshka, L.ntxent, (8, 4), (1.0,)), ValueError, r"one weight per entry \(2\)"),
+        (_bad(T.matryoshka, L.ntxent, (8, 4), (1.0, -1.0)), ValueError, "weights"),
+        (_bad(T.matryoshka, lambda x, y: x.sum(), (8,)), ValueError, "none of the embedding arguments"),
+        (_bad(T.matryoshka, 3, (8,)), TypeError, "callable"),
+        (_bad(T.matryoshka(L.ntxent, (16, 4)), _randn(N, 12), LABELS), ValueError,
+         r"dims \[16, 4\] exceed the embeddings' width 12"),
+        (_bad(T.matryoshka(L.clip, (4,)), _randn(N, 12), _randn(N, 8), L.clip_init()), ValueError,
+         "one width"),
+        (_bad(T.adaptive_layers, L.ntxent, layer_weighting="cubic"), ValueError, "layer_weighting"),
+        (_bad(T.adaptive_layers, L.ntxent, temperature=-1.0), ValueError, "temperature"),
+        (_bad(T.adaptive_layers(L.ntxent), _randn(N, 8), LABELS), ValueError,
+         "sequence of per-layer tensors"),
+        (_bad(T.adaptive_layers(L.clip), [_randn(N, 8)] * 2, [_randn(N, 8)] * 3, L.clip_init()),
+         ValueError, "same, non-zero number of layers"),
+        (_bad(T.adaptive_layers(L.ntxent), [_randn(N, 8)] * 2, LABELS, layer_indices=(0,)),
+         ValueError, "layer_indices"),
+    ],
+    ids=["no-dims", "repeat", "zero", "weight-count", "negative-weight", "no-embeddings",
+         "not-callable", "too-wide", "widths-differ", "weighting", "temperature", "not-layered",
+         "layer-counts", "layer-indices"],
+)  # fmt: skip
+def test_bad_input_is_a_clear_error(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+# --- several ranks: the distributed objective inside the transform ------------------------------
+
+
+def _nested_global_ntxent(emb, labels):
+    inner = pf.distributed.global_objective(functools.partial(L.ntxent, temperature=0.2))
+    return T.matryoshka(inner, DIMS)(emb, labels)
+
+
+def _nested_ring_clip(a, b, params):
+    return T.matryoshka(pf.distributed.global_objective(L.clip, exchange="ring"), DIMS)(
+        a, b, params
+    )
+
+
+def test_matryoshka_of_the_global_objective_equals_one_process():
+    e = _randn(11, 12)
+    y = torch.arange(11) % 4
+    check_distributed(
+        T.matryoshka(functools.partial(L.ntxent, temperature=0.2), DIMS), e, y,
+        distributed_fn=_nested_global_ntxent, sizes=(7, 4), rtol=1e-10, atol=1e-12,
+    )  # fmt: skip
+    params = {"logit_scale": torch.tensor(2.0, dtype=F64)}
+    check_distributed(
+        T.matryoshka(L.clip, DIMS), _randn(9, 12), _randn(9, 12, seed=1), params,
+        distributed_fn=_nested_ring_clip, sizes=(5, 4), rtol=1e-10, atol=1e-12,
+    )  # fmt: skip
