@@ -41,6 +41,12 @@ MS_BETA = 50.0
 MS_BASE = 0.5
 
 
+def timing_disabled(config) -> bool:
+    """Whether pytest-benchmark will not time this session (the untimed ``pytest`` run), known
+    at collection time: pytest-benchmark's own rule (``BenchmarkSession.disabled``)."""
+    return bool(config.getoption("benchmark_disable")) and not config.getoption("benchmark_enable")
+
+
 def env_int(name: str, default: int) -> int:
     """Read a positive integer from the environment (``default`` when unset or empty)."""
     raw = os.environ.get(name, "").strip()

@@ -74,16 +74,11 @@ def _batches() -> list[int]:
     return batches
 
 
-def _disabled(config) -> bool:
-    # pytest-benchmark's own rule (BenchmarkSession.disabled), known at collection time.
-    return bool(config.getoption("benchmark_disable")) and not config.getoption("benchmark_enable")
-
-
 def pytest_generate_tests(metafunc) -> None:
     """Timed: every configured batch; untimed: the smoke batch only (no duplicate cases)."""
     if "batch" not in metafunc.fixturenames:
         return
-    batches = [SMOKE_BATCH] if _disabled(metafunc.config) else _batches()
+    batches = [SMOKE_BATCH] if C.timing_disabled(metafunc.config) else _batches()
     params = [
         pytest.param(
             batch,

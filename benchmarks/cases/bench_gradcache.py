@@ -84,14 +84,10 @@ def step(impl: str, enc: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor)
     return run
 
 
-def _disabled(config) -> bool:
-    return bool(config.getoption("benchmark_disable")) and not config.getoption("benchmark_enable")
-
-
 def pytest_generate_tests(metafunc) -> None:
     if "impl" not in metafunc.fixturenames:
         return
-    batch = SMOKE_BATCH if _disabled(metafunc.config) else BATCH
+    batch = SMOKE_BATCH if C.timing_disabled(metafunc.config) else BATCH
     metafunc.parametrize(
         ("batch", "impl"),
         [
