@@ -47,6 +47,17 @@ def timing_disabled(config) -> bool:
     return bool(config.getoption("benchmark_disable")) and not config.getoption("benchmark_enable")
 
 
+def parametrize_members(metafunc, case: str, members, batch: int, smoke_batch: int) -> None:
+    """Parametrize a case file's body over ``(batch, impl)``: every member at ``batch`` in one
+    group ``{case}-b{batch}``, or at ``smoke_batch`` in the untimed run."""
+    if "impl" not in metafunc.fixturenames:
+        return
+    b = smoke_batch if timing_disabled(metafunc.config) else batch
+    group = pytest.mark.benchmark(group=f"{case}-b{b}")
+    params = [pytest.param(b, impl, id=f"b{b}-{impl}", marks=group) for impl in members]
+    metafunc.parametrize(("batch", "impl"), params)
+
+
 def env_int(name: str, default: int) -> int:
     """Read a positive integer from the environment (``default`` when unset or empty)."""
     raw = os.environ.get(name, "").strip()

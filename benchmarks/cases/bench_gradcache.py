@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import pytest
 import torch
 
 import pmlfunc as pf
@@ -85,16 +84,7 @@ def step(impl: str, enc: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor)
 
 
 def pytest_generate_tests(metafunc) -> None:
-    if "impl" not in metafunc.fixturenames:
-        return
-    batch = SMOKE_BATCH if C.timing_disabled(metafunc.config) else BATCH
-    metafunc.parametrize(
-        ("batch", "impl"),
-        [
-            pytest.param(batch, impl, id=f"b{batch}-{impl}", marks=pytest.mark.benchmark(group=f"gradcache-b{batch}"))
-            for impl in MEMBERS
-        ],
-    )  # fmt: skip
+    C.parametrize_members(metafunc, "gradcache", MEMBERS, BATCH, SMOKE_BATCH)
 
 
 def bench_gradcache(benchmark, request, batch: int, impl: str) -> None:
