@@ -120,6 +120,21 @@ def test_towers_of_different_batch_sizes_hard_negatives():
     _assert_same_grads(enc, ref)
 
 
+def test_a_functional_encoder_accumulates_into_its_params_leaves():
+    x, y = _data(21)
+    module, ref = _mlp(), _mlp()
+    params = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
+    encoder = functools.partial(torch.func.functional_call, module, params)
+    loss_fn = functools.partial(pf.losses.ntxent, labels=y)
+    torch.manual_seed(9)
+    pf.chunked.gradcache(encoder, x, loss_fn, mini_batch=6)
+    torch.manual_seed(9)
+    _reference([ref], [x], loss_fn, 6)
+    for (name, p), q in zip(params.items(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert all(p.grad is None for p in module.parameters())  # the module's own are untouched
+
+
 class _Recorder(torch.nn.Module):
     """An encoder with DDP's ``no_sync`` interface that records, per call, whether autograd
     was on and whether it ran inside ``no_sync``."""
