@@ -187,12 +187,15 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
         inputs |= {
             n: v for n, v in call.hyper.items() if isinstance(v, Tensor) and v.is_floating_point()
         }
-        names = tuple(inputs)
+        if not _traced():  # eager: only what autograd will ask for
+            inputs = {n: v for n, v in inputs.items() if v.requires_grad}
+        names = tuple(inputs) or ("embeddings",)  # nothing to differentiate: the value alone
         with torch.no_grad() if not _traced() else contextlib.nullcontext():
             value, grads = _chunked(call, chunk_size, names, None)
         out = value.detach()
-        for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
-            out = out + (g.detach().to(v.dtype) * (v - v.detach())).sum().to(out.dtype)
+        if inputs:
+            for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
+                out = out + (g.detach().to(v.dtype) * (v - v.detach())).sum().to(out.dtype)
         return out
 
     chunked_loss.__doc__ = (
@@ -546,7 +549,9 @@ def gradcache(
         TypeError: an encoder's output is not a floating tensor, an input holds no tensor, the
             loss is not a 0-d floating tensor.
         ValueError: encoders and inputs differ in number, an input's tensors disagree on the batch
-            size or the batch is empty, an encoder's output has a different number of rows.
+            size, an encoder's output has a different number of rows. An empty batch runs
+            (an empty rank under DDP takes part in the sync); the loss decides whether it is
+            an error.
 
     Not covered: an encoder whose rows are not independent (BatchNorm in training mode: its
     statistics and running averages see mini-batches, and the running averages are updated
@@ -602,9 +607,13 @@ def gradcache(
         for t, ((_, encoder, _), pieces) in enumerate(zip(towers, plans, strict=True))
     }
     for t, ((where, encoder, _), pieces) in enumerate(zip(towers, plans, strict=True)):
-        grad = leaves[t].grad
-        if grad is None or not _trains(encoder):
+        if not _trains(encoder):
             continue
+        # a tower the loss did not read (or an empty rank's) still runs pass 3: under DDP every
+        # rank must reach the synchronised backward
+        grad = leaves[t].grad
+        if grad is None:
+            grad = torch.zeros_like(leaves[t])
         for c, (rows, args, kwargs) in enumerate(pieces):
             state = states[t][c]
             unsynced = (t, c) != last[id(encoder)]
@@ -666,8 +675,8 @@ def _mini_batches(inp: Any, mini_batch: int, where: str) -> list[_Piece]:
             f"got shapes {shapes}"
         )
     (n,) = cast(set[int], sizes)
-    if n == 0:
-        raise ValueError(f"the input of {where} is an empty batch")
+    if n == 0:  # an empty rank under DDP still runs its encoder and takes part in the sync
+        return [((0, 0), args, kwargs)]
 
     def cut(v: Any, r0: int, r1: int) -> Any:
         return v[r0:r1] if isinstance(v, Tensor) else v

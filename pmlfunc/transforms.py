@@ -388,6 +388,11 @@ def adaptive_layers(
     Returns:
         A function with ``loss_fn``'s signature plus the keyword-only ``layer_indices``.
 
+    References: Li et al., "2D Matryoshka Sentence Embeddings" (2DMSE), 2024; Li and Li, "ESE:
+    Espresso Sentence Embeddings", 2024 (``"log"``); Zhuang et al., "Starbucks: Improved
+    Training for 2D Matryoshka Embeddings", 2024; sentence-transformers' ``AdaptiveLayerLoss``
+    (the KL term).
+
     Example:
         >>> layers = [torch.randn(16, 8) for _ in range(4)]  # e.g. each layer's pooled output
         >>> labels = torch.arange(16) // 4

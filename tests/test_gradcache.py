@@ -276,16 +276,14 @@ def test_bad_input_is_a_clear_error(call, error, match):
 
 # --- under DDP: two gloo processes -------------------------------------------------------------
 
-SIZES = (10, 7)
 
-
-def _ddp_rank(mode: str) -> dict:
+def _ddp_rank(mode: str, sizes: tuple[int, ...]) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    x, y = _data(sum(SIZES))
-    r0 = sum(SIZES[:rank])
-    x, y = x[r0 : r0 + SIZES[rank]], y[r0 : r0 + SIZES[rank]]
+    x, y = _data(sum(sizes))
+    r0 = sum(sizes[:rank])
+    x, y = x[r0 : r0 + sizes[rank]], y[r0 : r0 + sizes[rank]]
     model = DDP(_mlp(seed=3))
     syncs = []
 
@@ -303,20 +301,22 @@ def _ddp_rank(mode: str) -> dict:
     if mode == "gradcache":
         loss = pf.chunked.gradcache(model, x, lambda e: loss_fn(e, y), mini_batch=4)
     else:  # the plain DDP step through the forward gradcache replays
-        loss = loss_fn(torch.cat([model(xs) for xs in x.split(4)]), y)
+        loss = loss_fn(torch.cat([model(xs) for xs in x.split(4)] or [model(x)]), y)
         loss.backward()
     return {"loss": loss.detach(), "grads": _grads(model.module), "syncs": len(syncs)}
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-def test_under_ddp_equal_to_the_plain_step_with_one_all_reduce():
-    cached = spawn_ranks(_ddp_rank, "gradcache", world_size=2)
-    plain = spawn_ranks(_ddp_rank, "plain", world_size=2)
+@pytest.mark.parametrize("sizes", [(10, 7), (9, 0)], ids=["unequal", "empty-rank"])
+def test_under_ddp_equal_to_the_plain_step_with_one_all_reduce(sizes):
+    cached = spawn_ranks(_ddp_rank, "gradcache", sizes, world_size=2, timeout=120)
+    plain = spawn_ranks(_ddp_rank, "plain", sizes, world_size=2, timeout=120)
     for got, want in zip(cached, plain, strict=True):
         torch.testing.assert_close(got["loss"], want["loss"], **TOL)
         for a, b in zip(got["grads"], want["grads"], strict=True):
             torch.testing.assert_close(a, b, **TOL)
-        # 3 mini-batches on rank 0, 2 on rank 1, yet the buckets are reduced once, as in the
-        # plain step (a rank with more mini-batches would otherwise wait on the other)
+        # 3 mini-batches on rank 0, 2 (or none: an empty rank) on rank 1, yet the buckets are
+        # reduced once, as in the plain step (a rank with more mini-batches would otherwise wait
+        # on the other)
         assert got["syncs"] == want["syncs"] >= 1
     torch.testing.assert_close(cached[0]["grads"][0], cached[1]["grads"][0], **TOL)
