@@ -188,7 +188,9 @@ def run_probe(args: argparse.Namespace) -> str:
     from .run import _Step
 
     device = torch.device(args.device)
-    torch.cuda.set_per_process_memory_fraction(args.budget_fraction, device)
+    # the index, not "cuda": set_per_process_memory_fraction refuses a device without one
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(args.budget_fraction, index)
     chosen = member(args.case, args.impl)
     emb, labels = C.make_inputs(
         args.probe, args.dimensions, args.samples_per_class,

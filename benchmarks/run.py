@@ -265,6 +265,11 @@ def prepare(case: Case, impl: str, args, mode: str) -> tuple[dict[str, Any], Tim
             record["loss"] = step.check(out, grads)
             first = time.perf_counter() - t0
             reference = None if member.kind == "mine" else (_detached(out), _detached(grads))
+            # the first step's graph must not outlive it: a live graph keeps the inputs'
+            # AccumulateGrad nodes, made on the default stream, and a CUDA-graph capture that
+            # reaches them waits on that stream, which invalidates the capture (seen on an H200,
+            # torch 2.11: every cudagraph entry failed, the floor's too)
+            del out, grads
             if first > args.max_step_seconds:
                 return _skipped(
                     record,

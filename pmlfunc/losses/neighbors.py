@@ -618,7 +618,9 @@ def manifold(
     d_inv_half = s.sum(-1).pow(-0.5)
     s_bar = d_inv_half.unsqueeze(-1) * s * d_inv_half
     a = scalar_like(alpha, s)
-    f = (1 - a) * torch.linalg.inv(eye - a * s_bar)
+    # inv_ex: linalg.inv reads its error code on the host (a sync that CUDA-graph capture
+    # refuses); eye − a·s_bar is invertible for 0 ≤ a < 1 (s_bar's spectral radius is ≤ 1)
+    f = (1 - a) * torch.linalg.inv_ex(eye - a * s_bar)[0]
     f_e, f_p = f[:n], f[n:]
     own = F.one_hot(meta, k).to(cd)
     m = scalar_like(margin, s)
