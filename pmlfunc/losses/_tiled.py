@@ -124,7 +124,10 @@ class Retrieval(NamedTuple):
     column statistic, as CLIP's) over the query rows it reads: half the logits of
     ``roles = 2``, whose query and document rows read disjoint column types, and the same
     tile count as CLIP. ``negatives``: ``k``, the hard negatives a row (a block's layout,
-    :attr:`per_row`, :meth:`positive_span`).
+    :attr:`per_row`, :meth:`positive_span`). ``memory``: the columns after the block's own,
+    a queue of earlier steps' documents (and queries) that no row owns
+    (:mod:`pmlfunc.queues`): typed as documents or queries, masked by the ids as another row's
+    would be, :data:`COL_EMPTY` where the slot is empty.
 
     A block of columns is one process's (or one rank's) documents: its queries when a direction
     reads them (:attr:`query_columns`), then its positives, then its hard negatives, each owned
@@ -141,6 +144,7 @@ class Retrieval(NamedTuple):
     guide: bool
     doc_columns: bool = False
     negatives: int = 0
+    memory: int = 0
 
     @property
     def query_columns(self) -> bool:
@@ -152,7 +156,7 @@ class Retrieval(NamedTuple):
         """Whether a tile reads masks (and so the rows' and columns' metadata): not when a query
         row reads every document (no query columns, ids, guide or hardness)."""
         every = self.roles == 1 and not self.query_columns and not any(self.ids)
-        return not (every and not self.guide and self.hardness is None)
+        return not (every and not self.guide and self.hardness is None and not self.memory)
 
     @property
     def per_row(self) -> int:
@@ -167,12 +171,13 @@ class Retrieval(NamedTuple):
 
     def positive_span(self, m: int) -> tuple[int, int]:
         """The columns ``[c0, c1)`` of a block of ``m`` columns that are its positives."""
-        nb = m // self.per_row
+        nb = (m - self.memory) // self.per_row
         c0 = nb if self.query_columns else 0
         return c0, c0 + nb
 
 
 COL_QUERY, COL_POSITIVE, COL_NEGATIVE = 0, 1, 2
+COL_EMPTY = 3  # an empty memory slot: no row reads it
 
 # a kind: its name (a key of KINDS), or the retrieval kind's options
 Kind = str | Retrieval
@@ -727,7 +732,13 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
     query row against documents only, no ids, no guide): no mask is built or read."""
     if not opt.masked:
         return None, None, None
-    every = opt.roles == 1 and not opt.query_columns and not any(opt.ids) and not opt.guide
+    every = (
+        opt.roles == 1
+        and not opt.query_columns
+        and not any(opt.ids)
+        and not opt.guide
+        and not opt.memory
+    )
     meta, cm = rows[0][r0:r1], cols[0]
     ctype = cm[:, 0]
     own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
@@ -1168,10 +1179,11 @@ def _times_cotangent(gx, gy, g_scale, g_bias, scale, g) -> tuple[Tensor, ...]:
     return tuple(fresh(t) for t in out)
 
 
-# Column segments a call may have (the retrieval kind's queries, positives and hard negatives):
-# the Functions below take them in fixed argument slots, padded with None (dynamo traces a
-# Function's forward by its fixed parameters, not *args)
-MAX_SEGMENTS = 3
+# Column segments a call may have (the retrieval kind's queries, positives and hard negatives,
+# then a queue's queries and documents): the Functions below take them in fixed argument slots,
+# padded with None (dynamo traces a Function's forward by its fixed parameters, not *args)
+MAX_SEGMENTS = 5
+MAX_FORMED = MAX_SEGMENTS + 3  # the gradients a walk may form: x, each segment, scale, bias
 
 
 def _padded(tensors, size: int) -> tuple:
@@ -1194,11 +1206,11 @@ class _TiledGrads(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y0, y1, y2, rows, cols, scale, bias, s0, s1, s2, s3, s4, s5, g, chunk, kind,
-                needs, unit):  # fmt: skip
-        # y0..y2: the column segments, s0..s5: the forward's statistics, each padded with None
+    def forward(x, y0, y1, y2, y3, y4, rows, cols, scale, bias, s0, s1, s2, s3, s4, s5, g, chunk,
+                kind, needs, unit):  # fmt: skip
+        # y0..y4: the column segments, s0..s5: the forward's statistics, each padded with None
         # (one argument each: transforms see every tensor)
-        segments = tuple(v for v in (y0, y1, y2) if v is not None)
+        segments = tuple(v for v in (y0, y1, y2, y3, y4) if v is not None)
         stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
         split = ROW_STATS[kind_name(kind)]
         row, col = stats[:split], stats[split:]
@@ -1241,9 +1253,9 @@ class _Scaled(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y0, y1, y2, scale, bias, g, needs, f0, f1, f2, f3, f4, f5):
-        # f0..f5: the formed gradients in _slots order, padded with None
-        formed = iter((f0, f1, f2, f3, f4, f5))
+    def forward(x, y0, y1, y2, y3, y4, scale, bias, g, needs, f0, f1, f2, f3, f4, f5, f6, f7):
+        # f0..f7: the formed gradients in _slots order, padded with None (MAX_FORMED)
+        formed = iter((f0, f1, f2, f3, f4, f5, f6, f7))
         gx, *gy, g_scale, g_bias = (next(formed) if n else None for n in _slots(needs))
         return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
@@ -1315,8 +1327,8 @@ def _scaled_(t: Tensor | None, factor: float | Tensor) -> Tensor:
 
 
 class _TiledLoss(torch.autograd.Function):
-    """The loss over tiles of one block. Inputs ``(x, y0, y1, y2, rows, cols, scale, bias,
-    chunk, kind, reducer, needs, unit)`` (``y0..y2``: the column segments, padded with ``None``;
+    """The loss over tiles of one block. Inputs ``(x, y0, …, y4, rows, cols, scale, bias,
+    chunk, kind, reducer, needs, unit)`` (``y0..y4``: the column segments, padded with ``None``;
     none: self mode; ``unit``: the engine normalises the columns, :class:`Columns`); outputs ``(loss, *statistics, *gradients)``, all but the
     loss non-differentiable and saved. ``needs``: which of ``(x, (segment, ...), scale,
     bias)`` the backward will differentiate, when known before the walk (:func:`tiled_loss`);
@@ -1327,8 +1339,8 @@ class _TiledLoss(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, y0, y1, y2, rows, cols, scale, bias, chunk, kind, reducer, needs, unit):
-        segments = tuple(v for v in (y0, y1, y2) if v is not None)
+    def forward(x, y0, y1, y2, y3, y4, rows, cols, scale, bias, chunk, kind, reducer, needs, unit):
+        segments = tuple(v for v in (y0, y1, y2, y3, y4) if v is not None)
         y = None if y0 is None else columns(segments, unit)
         if _fused(kind, x.shape[-2], chunk, needs):
             loss, stats, grads = fused_loss(
@@ -1343,8 +1355,8 @@ class _TiledLoss(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, y0, y1, y2, rows, cols, scale, bias, chunk, kind, _, needs, unit = inputs
-        segments = tuple(v for v in (y0, y1, y2) if v is not None)
+        x, y0, y1, y2, y3, y4, rows, cols, scale, bias, chunk, kind, _, needs, unit = inputs
+        segments = tuple(v for v in (y0, y1, y2, y3, y4) if v is not None)
         fused = _fused(kind, x.shape[-2], chunk, needs)
         n_grads = sum(_slots(needs)) if fused else 0
         rest = output[1:]
@@ -1372,16 +1384,18 @@ class _TiledLoss(torch.autograd.Function):
         (rows, cols), (scale, bias, *rest) = meta, saved
         stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
         nig = ctx.needs_input_grad
-        needs = (nig[0], tuple(nig[1 : 1 + ctx.n_segments]), nig[6], nig[7])
+        at = 1 + MAX_SEGMENTS + 2  # the inputs' scale and bias: after x, the segments, rows, cols
+        needs = (nig[0], tuple(nig[1 : 1 + ctx.n_segments]), nig[at], nig[at + 1])
         if not any(_slots(needs)) or g is None:  # g None: the loss itself is not differentiated
-            return (None,) * 13
+            return (None,) * len(nig)
         scale = ctx.scale_float if scale is None else scale
         wanted = _slots(needs)
         if ctx.needs is not None and all(
             f or not w for f, w in zip(_slots(ctx.needs), wanted, strict=True)
         ):
             ys = _padded(segments, MAX_SEGMENTS)
-            grads = iter(apply(_Scaled, x, *ys, scale, bias, g, ctx.needs, *_padded(formed, 6)))
+            formed_ = _padded(formed, MAX_FORMED)
+            grads = iter(apply(_Scaled, x, *ys, scale, bias, g, ctx.needs, *formed_))
             out = [next(grads) if f else None for f in _slots(ctx.needs)]
         else:
             padded = (*stats, *(None,) * (6 - len(stats)))
