@@ -395,6 +395,11 @@ def _ring_objective(loss_fn, group, timeout):
                     f"{what} circulates the batch itself: ref_emb is not supported "
                     "(use exchange='gather', which passes it through)"
                 )
+            if getattr(call.kind, "memory", 0):
+                raise ValueError(
+                    f"{what} does not read a queue (memory=): each rank's blocks would read it "
+                    "once each; use exchange='gather', which passes it through"
+                )
             if call.finish is not None:
                 raise ValueError(
                     f"{what} does not support embedding_regularizer (a term of the "

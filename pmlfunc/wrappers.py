@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from .queues import check_counters, ring_write
 from .tuples import MinedPairs, MinedTriplets, TripletMask, TripletWindow
 
 __all__ = [
@@ -118,9 +119,7 @@ def _check_memory(memory: object, embeddings: Tensor) -> tuple[int, int]:
         raise ValueError(
             f"the batch ({embeddings.shape[0]} rows) is larger than the memory ({size} slots)"
         )
-    slots = f"for a memory of {size} slots"
-    _checks.in_range(memory["count"], 0, size + 1, "memory['count']", slots, ValueError)
-    _checks.in_range(memory["index"], 0, size, "memory['index']", slots, ValueError)
+    check_counters(memory, size, "memory", "memory")
     return size, embeddings.shape[0]
 
 
@@ -141,13 +140,12 @@ def enqueue(
     _checks.embeddings(embeddings)
     _checks.labels(labels, embeddings.shape[0], embeddings.device)
     size, b = _check_memory(memory, embeddings)
-    slots = (memory["index"] + torch.arange(b, device=embeddings.device)) % size
+    slots, counters = ring_write(memory, size, b)
     stored = memory["embeddings"]
     new = {
         "embeddings": stored.index_copy(0, slots, embeddings.detach().to(stored.dtype)),
         "labels": memory["labels"].index_copy(0, slots, labels.to(torch.int64)),
-        "index": (memory["index"] + b) % size,
-        "count": torch.clamp_max(memory["count"] + b, size),
+        **counters,
     }
     return new, slots
 

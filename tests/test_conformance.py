@@ -308,14 +308,27 @@ def _vicreg(d: Draw) -> Call:
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
 
 
-def paired(fn: Callable, init: Callable, **hp: Any) -> dict[str, Entry]:
+def _queue(d: Draw) -> dict[str, torch.Tensor]:
+    """A document queue (:mod:`pmlfunc.queues`) of 6 slots holding 4 entries, queries and
+    ids too (anchor id 0 and positive id 1 equal to the retrieval entries' rows'), drawn."""
+    queue = pf.queues.document_queue_init(6, D, queries=True, dtype=d.dtype, device=d.device)
+    queue = pf.queues.document_queue_push(
+        queue, d.randn(4, D), queries=d.randn(4, D), anchor_ids=d.labels([0, 9, 9, 9]),
+        positive_ids=d.labels([9, 1, 9, 9]),
+    )  # fmt: skip
+    return {k: d._made(v) for k, v in queue.items()}
+
+
+def paired(fn: Callable, init: Callable, memory: bool = False, **hp: Any) -> dict[str, Entry]:
     """A loss of two aligned sets ``fn(emb_a, emb_b, params, **hp)``: dense, tiled
     (``name[tiled]``, ``chunk_size=3``) and with labels on the tiled path
-    (``name[tiled,labels]``); both sets and the params leaves differentiated."""
+    (``name[tiled,labels]``); both sets and the params leaves differentiated. ``memory``: also
+    tiled against a queue of earlier rows (``name[tiled,memory]``, :func:`_queue`)."""
 
-    def make(d: Draw, chunk: int | None, labelled: bool) -> Call:
-        params = d.params(init, logit_bias=0.5)
+    def make(d: Draw, chunk: int | None, labelled: bool, queued: bool = False) -> Call:
+        params = d.params(init, logit_bias=None if queued else 0.5)
         y = d.labels() if labelled else None
+        kw = {**hp, "memory": _queue(d)} if queued else hp
         wrt = {
             "embeddings": d.randn(B, D),
             "ref_emb": d.randn(B, D),
@@ -324,33 +337,40 @@ def paired(fn: Callable, init: Callable, **hp: Any) -> dict[str, Entry]:
 
         def run(embeddings, ref_emb, **leaves):
             given = {k.removeprefix("params."): v for k, v in leaves.items()}
-            return fn(embeddings, ref_emb, given, labels=y, chunk_size=chunk, **hp)
+            return fn(embeddings, ref_emb, given, labels=y, chunk_size=chunk, **kw)
 
         return Call(wrt, run)
 
     name = fn.__name__
-    return {
+    entries = {
         name: Entry(fn, partial(make, chunk=None, labelled=False)),
         f"{name}[tiled]": Entry(fn, partial(make, chunk=3, labelled=False)),
         f"{name}[tiled,labels]": Entry(fn, partial(make, chunk=3, labelled=True)),
     }
+    if memory:
+        make_queued = partial(make, chunk=3, labelled=False, queued=True)
+        entries[f"{name}[tiled,memory]"] = Entry(fn, make_queued, backend=_SHARED)
+    return entries
 
 
 def retrieval(fn: Callable) -> dict[str, Entry]:
     """``multiple_negatives_ranking(anchors, positives, negatives, params, ...)``: queries
     (``embeddings``), positives (``ref_emb``) and hard negatives differentiated; dense with the
     default options, tiled with every direction and ids (``name[tiled]``), and tiled with a
-    guide's masks and a learnable scale (``name[tiled,guide]``). Hardness weighting detaches its
+    guide's masks and a learnable scale (``name[tiled,guide]``), and tiled with every direction
+    and ids against a queue (``name[tiled,memory]``, :func:`_queue`). Hardness weighting detaches its
     term by design (no gradcheck): tests/test_retrieval.py checks it against the reference."""
     all_directions = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
     def make(d: Draw, chunk: int | None, variant: str) -> Call:
         wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D), "negatives": d.randn(B, 2, D)}
         kw: dict[str, Any] = {"chunk_size": chunk}
-        if variant == "ids":
+        if variant in ("ids", "memory"):
             kw["directions"] = all_directions
             kw["anchor_ids"] = d.labels([0, 1, 2, 0, 4, 5, 6, 7])
             kw["positive_ids"] = d.labels([0, 1, 2, 3, 4, 1, 6, 7])
+        if variant == "memory":
+            kw["memory"] = _queue(d)
         if variant == "guide":
             kw["directions"] = ("query_to_doc", "query_to_query", "doc_to_doc")
             kw["guide"] = (d.randn(B, 3), d.randn(B, 3), d.randn(B, 2, 3))
@@ -370,6 +390,9 @@ def retrieval(fn: Callable) -> dict[str, Entry]:
         name: Entry(fn, partial(make, chunk=None, variant="plain")),
         f"{name}[tiled]": Entry(fn, partial(make, chunk=3, variant="ids"), backend=_SHARED),
         f"{name}[tiled,guide]": Entry(fn, partial(make, chunk=3, variant="guide"), backend=_SHARED),
+        f"{name}[tiled,memory]": Entry(
+            fn, partial(make, chunk=3, variant="memory"), backend=_SHARED
+        ),
     }
 
 
@@ -543,7 +566,7 @@ LOSSES: dict[str, Entry] = {
     **batch(L.decoupled_contrastive, temperature=0.3, sigma=0.5),
     **batch(L.multi_supcon, labels=_multi_hot, temperature=0.5, threshold=0.2),
     # cross_modal: two aligned sets, dense and on the tiled engine
-    **paired(L.clip, L.clip_init),
+    **paired(L.clip, L.clip_init, memory=True),
     **paired(L.siglip, L.siglip_init),
     # retrieval: queries, positives and hard negatives on the tiled engine
     **retrieval(L.multiple_negatives_ranking),

@@ -24,6 +24,7 @@ sync-debug and compiled tests need the real device and stay skipped.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pkgutil
@@ -186,6 +187,37 @@ def retrieval(**kw: Any) -> Callable[..., Any]:
             e[:q], e[q : 2 * q], e[2 * q :].reshape(q, 2, -1), p, anchor_ids=y[:q],
             directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), **kw,
         )  # fmt: skip
+
+    return call
+
+
+@functools.cache
+def document_queue() -> dict[str, torch.Tensor]:
+    """A document queue (:mod:`pmlfunc.queues`) of 48 slots, 20 filled, with queries and ids,
+    made once on the device: static tensors of a capture."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(20, D, generator=g).to(DEVICE) for _ in range(2)]
+    queue = pf.queues.document_queue_init(48, D, queries=True, device=DEVICE)
+    ids = torch.arange(20).to(DEVICE)
+    return pf.queues.document_queue_push(queue, rows[0], queries=rows[1], anchor_ids=ids)
+
+
+def retrieval_queued(**kw: Any) -> Callable[..., Any]:
+    """:func:`retrieval` against :func:`document_queue`, the step pushing its queries and
+    positives after the loss: ``(loss, the new queue)``."""
+    q = B // 4
+
+    def call(e, y, p):
+        queue = document_queue()
+        loss = L.multiple_negatives_ranking(
+            e[:q], e[q : 2 * q], e[2 * q :].reshape(q, 2, -1), p, anchor_ids=y[:q],
+            directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+            memory=queue, **kw,
+        )  # fmt: skip
+        pushed = pf.queues.document_queue_push(
+            queue, e[q : 2 * q].detach(), queries=e[:q].detach(), anchor_ids=y[:q]
+        )
+        return loss, pushed
 
     return call
 
@@ -355,6 +387,9 @@ TILED = {
     "multiple_negatives_ranking": Loss(
         retrieval(chunk_size=5), lambda: on_device(L.multiple_negatives_ranking_init())
     ),
+    "multiple_negatives_ranking[memory]": Loss(
+        retrieval_queued(chunk_size=5), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
 }
 DENSE = {
     "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
@@ -363,6 +398,9 @@ DENSE = {
     "siglip": Loss(halves(L.siglip), lambda: on_device(L.siglip_init())),
     "multiple_negatives_ranking": Loss(
         retrieval(), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
+    "multiple_negatives_ranking[memory]": Loss(
+        retrieval_queued(), lambda: on_device(L.multiple_negatives_ranking_init())
     ),
 }
 

@@ -34,6 +34,7 @@ from torch import Tensor
 from .. import _checks
 from .. import params as _params
 from .._ops import unit_rows
+from ..distances import cosine, dot
 from ..reducers import Reducer
 from ._tiled import EngineCall, builds, run_local, tiled_reducer
 
@@ -50,6 +51,7 @@ def clip(
     max_logit_scale: float | None = None,
     chunk_size: int | None = None,
     reducer: Reducer | None = None,
+    memory: dict[str, Tensor] | None = None,
 ) -> Tensor:
     r"""CLIP's symmetric contrastive loss (InfoNCE in both directions), multi-positive with labels.
 
@@ -78,6 +80,14 @@ def clip(
         chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
             ``None``: one ``N × N`` tile.
         reducer: ``mean()`` (default) or ``sum()`` over rows and columns (``R`` above).
+        memory: ``None`` or a queue of earlier steps' ``emb_b`` rows
+            (:func:`pmlfunc.queues.document_queue_init`; with ``queries=True`` their ``emb_a``
+            rows too): its filled entries join the candidates, ``ℓ^{a→b}_i``'s sum over ``j``
+            the queued ``b`` rows, ``ℓ^{b→a}_j``'s sum over ``i`` the queued ``a`` rows. Then
+            ``clip`` is :func:`~pmlfunc.losses.multiple_negatives_ranking` with
+            ``directions=("query_to_doc", "doc_to_query")``,
+            ``partition_mode="per_direction"`` and this ``memory``. Refused with ``labels``
+            (use the retrieval loss's ids) and with a ``logit_bias``.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -85,15 +95,19 @@ def clip(
     Example:
         >>> a, b = torch.randn(8, 16), torch.randn(8, 16)
         >>> loss = pf.losses.clip(a, b, pf.losses.clip_init())
+        >>> queue = pf.queues.document_queue_init(64, 16, queries=True)
+        >>> loss = pf.losses.clip(a, b, pf.losses.clip_init(), memory=queue)
+        >>> queue = pf.queues.document_queue_push(queue, b, queries=a)
 
     References: Radford et al., "Learning Transferable Visual Models From Natural Language
     Supervision" (CLIP), ICML 2021; Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020.
     """
     return run_local(
         _pair_call(
-            "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+            "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
+            memory=memory,
         )
-    )
+    )  # fmt: skip
 
 
 def siglip(
@@ -199,10 +213,17 @@ def _init(logit_scale, logit_bias, dtype, device) -> dict[str, Tensor]:
 
 
 def _pair_call(
-    name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what=None
-) -> EngineCall:
+    name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
+    what=None, memory=None,
+) -> EngineCall:  # fmt: skip
     """The validated call as the tiled engine runs it: ``â``, ``b̂`` in the compute dtype, the
-    scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors."""
+    scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors. CLIP
+    with a ``memory`` queue is the retrieval kind's call (:func:`_clip_memory_call`)."""
+    if memory is not None:
+        return _clip_memory_call(
+            emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
+            what or name, memory,
+        )  # fmt: skip
     _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), name)
     if labels is not None:
         _checks.labels(labels, emb_a.shape[0], emb_a.device, "labels", "emb_a")
@@ -229,11 +250,38 @@ def _pair_call(
     return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
 
 
+def _clip_memory_call(
+    emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what, memory
+) -> EngineCall:
+    """CLIP against a queue: symmetric InfoNCE with per-direction log-sum-exps is the
+    retrieval kind's ``query_to_doc`` + ``doc_to_query`` (``emb_a`` the queries), which reads
+    a queue's documents and queries (:func:`~pmlfunc.losses.multiple_negatives_ranking`)."""
+    from .retrieval import _retrieval_call
+
+    if labels is not None:
+        raise ValueError(
+            f"{what} with memory= does not take labels: a queued row has no label; mask "
+            "duplicates with pf.losses.multiple_negatives_ranking's anchor_ids/positive_ids"
+        )
+    if isinstance(params, dict) and "logit_bias" in params:
+        raise ValueError(f"{what} with memory= has no logit_bias (params holds one)")
+    if not isinstance(params, dict) or "logit_scale" not in params:
+        raise TypeError(
+            "params must be a dict with a 'logit_scale' entry (from pf.losses.clip_init()), got "
+            f"{params if not isinstance(params, dict) else sorted(params)!r}"
+        )
+    return _retrieval_call(
+        emb_a, emb_b, None, params, 1.0, cosine() if normalize else dot(),
+        ("query_to_doc", "doc_to_query"), "per_direction", None, 0.0, None, None, None,
+        "absolute", 0.0, max_logit_scale, chunk_size, reducer, memory, what=what,
+    )  # fmt: skip
+
+
 def _engine_call(kind: str, a, what: str | None) -> EngineCall:
     """``clip``/``siglip``'s bound arguments ``a`` as the engine's call (the ring's)."""
     return _pair_call(
         kind, a["emb_a"], a["emb_b"], a["params"], a["labels"], a["normalize"],
-        a["max_logit_scale"], a["chunk_size"], a["reducer"], what,
+        a["max_logit_scale"], a["chunk_size"], a["reducer"], what, a.get("memory"),
     )  # fmt: skip
 
 

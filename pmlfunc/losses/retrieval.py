@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,12 @@ from torch import Tensor
 
 from .. import _checks
 from .. import params as _params
-from .._ops import unit_rows
+from .._ops import scalar_tensor, unit_rows
 from ..distances import _Dot, cosine, resolve
+from ..queues import check_queue
 from ..reducers import Reducer
 from ._tiled import (
+    COL_EMPTY,
     COL_NEGATIVE,
     COL_POSITIVE,
     COL_QUERY,
@@ -85,6 +88,7 @@ def multiple_negatives_ranking(
     max_logit_scale: float | None = None,
     chunk_size: int | None = None,
     reducer: Reducer | None = None,
+    memory: dict[str, Tensor] | None = None,
 ) -> Tensor:
     r"""In-batch negatives ranking loss (InfoNCE) with hard negatives, directions and masks.
 
@@ -154,6 +158,12 @@ def multiple_negatives_ranking(
         chunk_size: the engine's tile (``O(chunk_size × M)`` memory in both passes); ``None``:
             tiles of ``2²²`` entries.
         reducer: ``mean()`` (default, sentence-transformers') or ``sum()`` over rows.
+        memory: ``None`` or a document queue (:func:`pmlfunc.queues.document_queue_init`):
+            its filled entries are candidates as another row's would be: its documents for
+            ``query_to_doc`` (and ``doc_to_doc``), its queries (a queue made with
+            ``queries=True``) for ``query_to_query`` and ``doc_to_query``; masked by the ids
+            the batch gives. No gradient reaches the queue. Refused with ``guide`` (the guide
+            model has no rows for the queue) and on the ring.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -173,7 +183,7 @@ def multiple_negatives_ranking(
     call = _retrieval_call(
         anchors, positives, negatives, params, scale, distance, directions, partition_mode,
         hardness_mode, hardness_strength, anchor_ids, positive_ids, guide, margin_strategy,
-        margin, max_logit_scale, chunk_size, reducer,
+        margin, max_logit_scale, chunk_size, reducer, memory,
     )  # fmt: skip
     return run_local(call)
 
@@ -310,10 +320,50 @@ def _guide(guide, anchors: Tensor, neg: Tensor | None, cd, margin_strategy, marg
     return ga, gp, gn, threshold
 
 
+class _Queue(NamedTuple):
+    """A document queue as the engine reads it: its column ``segments`` in the compute dtype
+    (queries where a direction reads them, then documents), their ``meta`` rows (``(M, 4)``:
+    type, owner ``−1`` (no row owns them), anchor and positive ids; an empty slot's type
+    :data:`~pmlfunc.losses._tiled.COL_EMPTY`), ``width`` their columns, ``queries`` the queued
+    queries read (or ``None``)."""
+
+    segments: tuple[Tensor, ...]
+    meta: Tensor
+    width: int
+    queries: Tensor | None
+
+
+def _queue(memory, q: Tensor, guide, chosen: frozenset[str], cd: torch.dtype) -> _Queue | None:
+    """``memory`` checked (:func:`pmlfunc.queues.check_queue`) and laid out as columns: its
+    queries when the queue holds them and a direction reads queries, then its documents."""
+    if memory is None:
+        return None
+    if guide is not None:
+        raise ValueError(
+            "memory= with guide= is not supported: the guide model has no embeddings of the "
+            "queued rows (mask them by ids instead)"
+        )
+    size, has_queries = check_queue(memory, q)
+    reads_queries = bool(chosen & {"query_to_query", "doc_to_query"})
+    queries = memory["queries"].detach().to(cd) if has_queries and reads_queries else None
+    filled = torch.arange(size, device=q.device) < memory["count"]
+    ids = (memory["anchor_ids"], memory["positive_ids"])
+    owner = torch.full((size,), -1, dtype=torch.int64, device=q.device)
+
+    def meta(col_type: int) -> Tensor:
+        t = torch.where(filled, col_type, COL_EMPTY)
+        return torch.stack([t, owner, *ids], 1)
+
+    parts = [] if queries is None else [(queries, meta(COL_QUERY))]
+    parts.append((memory["documents"].detach().to(cd), meta(COL_POSITIVE)))
+    segs = tuple(p[0] for p in parts)
+    return _Queue(segs, torch.cat([p[1] for p in parts]), size * len(parts), queries)
+
+
 def _retrieval_call(
     anchors, positives, negatives, params, scale, distance, directions, partition_mode,
     hardness_mode, hardness_strength, anchor_ids, positive_ids, guide, margin_strategy, margin,
-    max_logit_scale, chunk_size, reducer, *, what=None,
+    max_logit_scale, chunk_size, reducer, memory=None, *, what=None,
 ) -> EngineCall:  # fmt: skip
     """The validated call as the engine runs it (:class:`~pmlfunc.losses._tiled.Retrieval`):
     ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata."""
@@ -357,30 +407,34 @@ def _retrieval_call(
     # the rows are normalised here (unit_rows: F.normalize with a shorter backward), the
     # columns by the engine, tile by tile: no normalised copy of the documents
     q_hat, p_hat = (unit_rows(q), unit_rows(p)) if dist.normalize else (q, p)
-    # document rows only for doc_to_doc: doc_to_query alone is read down the positives'
-    # columns of the query rows' tiles (Retrieval.doc_columns)
-    doc_rows = "doc_to_doc" in chosen
-    with_queries = "query_to_query" in chosen or (doc_rows and "doc_to_query" in chosen)
+    queue = _queue(memory, q, guide, chosen, cd)
+    # document rows for doc_to_doc, and for doc_to_query against a queue's queries (a row's
+    # candidates); doc_to_query alone is read down the positives' columns of the query rows'
+    # tiles (Retrieval.doc_columns)
+    d2q, d2d = "doc_to_query" in chosen, "doc_to_doc" in chosen
+    doc_rows = d2d or (d2q and queue is not None and queue.queries is not None)
+    with_queries = "query_to_query" in chosen or (doc_rows and d2q)
     k = 0 if negs is None else negs.shape[1]
     opt = Retrieval(
         roles=2 if doc_rows else 1,
-        allowed=(
-            ("query_to_query" in chosen, True, True),
-            ("doc_to_query" in chosen, True, True),
-        )[: 2 if doc_rows else 1],
+        allowed=(("query_to_query" in chosen, True, True), (d2q, d2d, d2d))[: 2 if doc_rows else 1],
         joint=joint,
         hardness=hardness_mode,
         ids=(anchor_ids is not None, positive_ids is not None),
         guide=guide is not None,
-        doc_columns="doc_to_query" in chosen and not doc_rows,
+        doc_columns=d2q and not doc_rows,
         negatives=k,
+        memory=0 if queue is None else queue.width,
     )
     x = torch.stack([q_hat, p_hat], 1).reshape(2 * n, -1) if doc_rows else q_hat
     y = _segments(q, p, negs, with_queries)
     s_t = strength.to(dtype=cd, device=dev) if isinstance(strength, Tensor) else strength
-    rows: tuple = (row_meta, torch.as_tensor(s_t, dtype=cd, device=dev))
+    rows: tuple = (row_meta, scalar_tensor(s_t, q))  # filled on the device: no host copy
     # the columns' metadata where a tile reads masks (none: the ring sends the columns alone)
     cols: tuple = (_column_meta(n, k, with_queries, row_meta),) if opt.masked else ()
+    if queue is not None:  # after the block's own columns: Retrieval.memory
+        y = (*y, *queue.segments)
+        cols = (torch.cat([cols[0], queue.meta]),)
     if guide is not None:
         ga, gp, gn, threshold = _guide(guide, anchors, neg, cd, margin_strategy, margin)
         g_rows = torch.stack([ga, gp], 1).reshape(2 * n, -1) if doc_rows else ga
@@ -390,7 +444,7 @@ def _retrieval_call(
             cols = (*cols, threshold[cols[0][:, 1]])
     per_row = opt.per_row  # the columns a row owns: the ring's block sizes
     if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
-        chunk = min(chunk, dense_rows(opt, x.shape[0], n * per_row))
+        chunk = min(chunk, dense_rows(opt, x.shape[0], n * per_row + opt.memory))
     return EngineCall(
         opt, x, y, rows, cols, t, None, chunk, red, columns_per_row=per_row,
         unit=dist.normalize,

@@ -19,6 +19,13 @@ Hardness (Lan et al. 2025): ``α · s`` (the raw similarity, no gradient) added 
 ``query_to_doc`` negatives. ``ℓ_i = lse(candidates) − t·s(q_i, p_i)`` (``per_direction``: the
 mean of the directions' log-sum-exps); the loss is the mean (or sum) over rows. Nothing is
 shared with the library: every candidate is a separate dot product.
+
+``memory``: a queue of earlier steps' rows (a dict of plain tensors, as
+``pf.queues.document_queue_init`` lays it out; only its first ``count`` slots are read, the
+ring buffer's filled ones before it wraps): every queued document is one more candidate of
+``query_to_doc`` and ``doc_to_doc``, every queued query one more of ``query_to_query`` and
+``doc_to_query``, no row's own, dropped when its anchor id (or positive id) equals the row's
+and the batch gives that kind of id (MoCo, He et al. 2020, for the queue).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ def multiple_negatives_ranking(
     margin_strategy="absolute",
     margin=0.0,
     reducer="mean",
+    memory=None,
 ):
     n = q.shape[0]
     k = 0 if neg is None else neg.shape[1]
@@ -59,6 +67,24 @@ def multiple_negatives_ranking(
 
     def related(i, r):
         return r != i and (aid[i] == aid[r] or pid[i] == pid[r])
+
+    queued = []  # (query or None, document, anchor id, positive id) of each filled slot
+    if memory is not None:
+        for s in range(int(memory["count"])):
+            mq = memory["queries"][s] if "queries" in memory else None
+            queued.append(
+                (
+                    None if mq is None else _unit(mq.to(q.dtype), normalize),
+                    _unit(memory["documents"][s].to(q.dtype), normalize),
+                    int(memory["anchor_ids"][s]),
+                    int(memory["positive_ids"][s]),
+                )
+            )
+
+    def related_queued(i, entry):
+        return (anchor_ids is not None and aid[i] == entry[2]) or (
+            positive_ids is not None and pid[i] == entry[3]
+        )
 
     if guide is not None:
         gq = [guide[0][i] / guide[0][i].norm() for i in range(n)]
@@ -103,7 +129,15 @@ def multiple_negatives_ranking(
                 if pen:
                     logit = logit + hardness_strength * sim.detach()
             terms.append(logit)
+        for entry in queued:
+            if related_queued(i, entry):
+                continue
+            sim = torch.dot(Q[i], entry[1])
+            pen = hardness_mode in ("in_batch_negatives", "all_negatives")
+            terms.append(scale * sim + (hardness_strength * sim.detach() if pen else 0.0))
         per_direction["query_to_doc"] = terms
+        own_queries = [e[0] for e in queued if e[0] is not None and not related_queued(i, e)]
+        own_docs = [e[1] for e in queued if not related_queued(i, e)]
         if "query_to_query" in directions:
             per_direction["query_to_query"] = [
                 scale * torch.dot(Q[i], Q[r])
@@ -111,14 +145,14 @@ def multiple_negatives_ranking(
                 if r != i
                 and not related(i, r)
                 and not (guide is not None and guided_out(gq[i], gq[r], False))
-            ]
+            ] + [scale * torch.dot(Q[i], v) for v in own_queries]
         if "doc_to_query" in directions:
             per_direction["doc_to_query"] = [
                 scale * torch.dot(P[i], Q[r])
                 for r in range(n)
                 if not related(i, r)
                 and not (guide is not None and guided_out(gp[i], gq[r], r == i))
-            ]
+            ] + [scale * torch.dot(P[i], v) for v in own_queries]
         if "doc_to_doc" in directions:
             per_direction["doc_to_doc"] = [
                 scale * torch.dot(P[i], d)
@@ -126,7 +160,7 @@ def multiple_negatives_ranking(
                 if r != i
                 and not (what == "pos" and related(i, r))
                 and not (guide is not None and guided_out(gp[i], gd, False))
-            ]
+            ] + [scale * torch.dot(P[i], v) for v in own_docs]
         positive = scale * torch.dot(Q[i], P[i])
         if partition_mode == "joint":
             every = [t for v in per_direction.values() for t in v]
