@@ -77,12 +77,8 @@ def index(t: Tensor, size: int, name: str) -> Tensor:
     ``-1`` is the last row), after checking ``−size ≤ t < size`` (:func:`in_range`)."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 index tensor, got {t.dtype}")
-    if t.numel() and readable(t):  # one reduction reads both ends (the usual, valid case)
-        lo, hi = (int(v) for v in torch.aminmax(t))
-        if -size <= lo and hi < size:
-            return t if lo >= 0 else torch.where(t < 0, t + size, t)
-    in_range(t, -size, size, name, f"for {size} rows")
-    return torch.where(t < 0, t + size, t)
+    low = in_range(t, -size, size, name, f"for {size} rows")
+    return t if low is not None and low >= 0 else torch.where(t < 0, t + size, t)
 
 
 def in_range(
@@ -92,20 +88,21 @@ def in_range(
     name: str,
     what: str = "",
     error: type[Exception] = IndexError,
-) -> None:
+) -> int | None:
     """Check ``low ≤ t < high`` where reading the values costs nothing and cannot break a
     trace: in eager mode on CPU an ``error`` (default ``IndexError``) naming ``name``, the first
     offending position (none for a 0-d ``t``) and the valid range. On CUDA and under
     ``torch.compile`` it is a device-side assert (``torch._assert_async``: no host sync; a
     ``RuntimeError`` when it fires). Not checked on ``meta`` or inside ``torch.func``
     transforms (no batching rule for the assert). ``what`` (e.g. ``"for 8 rows"``) follows "is
-    out of range" in the message."""
+    out of range" in the message. Returns the smallest value where it was read (eager, CPU: one
+    reduction reads both ends), else ``None``."""
     if t.numel() == 0 or inside_transform():
-        return
+        return None
     if readable(t):  # the usual, valid case: both ends from one reduction
-        lo, hi = torch.aminmax(t)
-        if bool(lo >= low) and bool(hi < high):
-            return
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if lo >= low and hi < high:
+            return lo
     inside = (t >= low) & (t < high)
     what = f" {what}" if what else ""
     if readable(t):
@@ -119,6 +116,7 @@ def in_range(
     elif t.device.type != "meta":
         # (pyright: torch's __all__ omits the private name)
         torch._assert_async(inside.all(), f"{name}: a value is out of range{what} [{low}, {high})")  # pyright: ignore[reportPrivateImportUsage]
+    return None
 
 
 def same_space(x: Tensor, ref: Tensor, ref_name: str = "ref_emb", name: str = "embeddings") -> None:

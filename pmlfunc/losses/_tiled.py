@@ -152,11 +152,22 @@ class Retrieval(NamedTuple):
         return any(reads[COL_QUERY] for reads in self.allowed)
 
     @property
+    def reads_every(self) -> bool:
+        """Whether every column is a candidate of every row: query rows only, against documents
+        only (no query columns), no ids, no guide, no queue (whose empty slots are not)."""
+        return (
+            self.roles == 1
+            and not self.query_columns
+            and not any(self.ids)
+            and not self.guide
+            and not self.memory
+        )
+
+    @property
     def masked(self) -> bool:
-        """Whether a tile reads masks (and so the rows' and columns' metadata): not when a query
-        row reads every document (no query columns, ids, guide or hardness)."""
-        every = self.roles == 1 and not self.query_columns and not any(self.ids)
-        return not (every and not self.guide and self.hardness is None and not self.memory)
+        """Whether a tile reads masks (and so the rows' and columns' metadata): not when every
+        column is a candidate (:attr:`reads_every`) and no hardness term is added."""
+        return not (self.reads_every and self.hardness is None)
 
     @property
     def per_row(self) -> int:
@@ -732,13 +743,6 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
     query row against documents only, no ids, no guide): no mask is built or read."""
     if not opt.masked:
         return None, None, None
-    every = (
-        opt.roles == 1
-        and not opt.query_columns
-        and not any(opt.ids)
-        and not opt.guide
-        and not opt.memory
-    )
     meta, cm = rows[0][r0:r1], cols[0]
     ctype = cm[:, 0]
     own = meta[:, :1] == cm[:, 1]  # (r, M): this row's query and documents
@@ -771,7 +775,7 @@ def _retrieval_masks(opt: Retrieval, rows, cols, r0: int, r1: int, m: int, diag:
         if opt.doc_columns:  # p_j reads q_r unless cos_guide(q_r, p_j) exceeds p_j's threshold
             over_c = (g[:, c0:c1] > cols[2][c0:c1]) & ~own[:, c0:c1]
             col_keep = ~over_c if col_keep is None else col_keep & ~over_c
-    kept: Tensor | None = None if every else keep
+    kept: Tensor | None = None if opt.reads_every else keep
     if opt.hardness is None:
         return kept, None, col_keep
     if opt.hardness == "in_batch_negatives":
