@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _global
 from ._agree import DEFAULT_TIMEOUT, RankError, Session
 from .losses._tiled import unpartial
 
@@ -314,6 +314,12 @@ def global_objective(
       hard negatives, ids and guide rows in rank order (unequal sizes too: no rank offset is
       assumed), so every rank's rows see every rank's documents as in-batch negatives.
 
+    Losses of batch statistics (:func:`~pmlfunc.losses.barlow_twins`; ``pmlfunc/_global.py``)
+    are not gathered: each rank calls the loss on its own rows and every sum over rows in it (the
+    mean, the variance, the ``D × D`` cross-correlation) is all-reduced with autograd, so the
+    statistics are the global batch's and per-rank memory does not grow with the world size.
+    Eager only (the waits are on the host); unequal and empty ranks work.
+
     ``exchange="ring"``, for :func:`~pmlfunc.losses.clip`, :func:`~pmlfunc.losses.siglip`,
     :func:`~pmlfunc.losses.ntxent`, :func:`~pmlfunc.losses.supcon` and
     :func:`~pmlfunc.losses.multiple_negatives_ranking` (dense, or tiled with ``chunk_size``):
@@ -343,6 +349,13 @@ def global_objective(
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if timeout is not None:
         Session.check_timeout(timeout)
+    if unpartial(loss_fn)[0] in _global.STATISTICS:
+        if exchange == "ring":
+            raise ValueError(
+                f"{_name(loss_fn)} is a function of batch statistics, which global_objective "
+                "all-reduces (no gather): use exchange='gather' (the default)"
+            )
+        return _statistics_objective(loss_fn, group, timeout)
     if exchange == "ring":
         return _ring_objective(loss_fn, group, timeout)
     if _aligned_rows(loss_fn) is not None:
@@ -372,6 +385,74 @@ def global_objective(
             if split is None:  # not decomposable over anchors: every rank computes all of it
                 return loss_fn(all_emb, all_labels, *args, **kwargs)
             return split((r0, r0 + sizes[session.rank]), session)
+
+    return wrapped
+
+
+class _AllReduce(torch.autograd.Function):
+    """``x`` summed over the ranks; its backward the cotangent summed over the ranks. Every rank
+    computes the same loss from the sums, so each rank's rows receive ``W · ∂L/∂x``, as under
+    the gather (module docstring). Both one bounded collective of a
+    :class:`~pmlfunc._agree.Session`."""
+
+    @staticmethod
+    def forward(x: Tensor, session: Session, name: str) -> Tensor:
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        return session.all_reduce(out, f"summing {name}")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.session, ctx.name = inputs
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        where = f"the backward of summing {ctx.name}"
+        with ctx.session.guard(where):
+            g = ctx.session.all_reduce(g.clone(memory_format=torch.contiguous_format), where)
+        return g, None, None
+
+
+def _statistics_objective(loss_fn, group, timeout):
+    """``global_objective`` of a loss of batch statistics (:mod:`pmlfunc._global`): each rank
+    calls it on its own rows, every sum over rows (:func:`pmlfunc._global.total`) all-reduced
+    with autograd; no rank holds the global batch."""
+    batch = _global.STATISTICS[unpartial(loss_fn)[0]]
+    what = f"global_objective({_name(loss_fn)})"
+
+    def statistics(*args: Any, **kwargs: Any) -> Tensor:
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, args, kwargs)
+
+        def checks() -> None:
+            for key in batch:
+                _check_batch(arguments.get(key), key)
+            for key in batch[1:]:
+                _check_rows(arguments[key], key, arguments[batch[0]], batch[0])
+
+        error = _local(checks)
+        first = arguments.get(batch[0])
+        device = first.device if isinstance(first, Tensor) else None
+        sizes = session.agree(arguments, batch=batch, error=error, device=device)
+        _refuse_empty(sizes[batch[0]], what, batch[0])
+        count = iter(range(1, 1 << 30))
+
+        def summed(t: Tensor) -> Tensor:
+            return _AllReduce.apply(t, session, f"statistic {next(count)} of {what}")
+
+        with session.guard("computing the loss"), _global.summing(summed):
+            return loss_fn(*args, **kwargs)
+
+    eager = _eager_only(
+        statistics,
+        f"pmlfunc: {what} runs eagerly (its all-reduces wait on the host); under "
+        "torch.compile(fullgraph=True) compile the loss's callers, not the objective",
+    )
+
+    @functools.wraps(loss_fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Tensor:
+        if not is_active(group):
+            return loss_fn(*args, **kwargs)
+        return eager(*args, **kwargs)
 
     return wrapped
 

@@ -308,6 +308,11 @@ def _vicreg(d: Draw) -> Call:
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
 
 
+def _barlow_twins(d: Draw) -> Call:
+    wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
+    return Call(wrt, lambda embeddings, ref_emb: pf.losses.barlow_twins(embeddings, ref_emb))
+
+
 def _queue(d: Draw) -> dict[str, torch.Tensor]:
     """A document queue (:mod:`pmlfunc.queues`) of 6 slots holding 4 entries, queries and
     ids too (anchor id 0 and positive id 1 equal to the retrieval entries' rows'), drawn."""
@@ -624,6 +629,7 @@ LOSSES: dict[str, Entry] = {
     ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
+    "barlow_twins": Entry(L.barlow_twins, _barlow_twins),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

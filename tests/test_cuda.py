@@ -234,6 +234,7 @@ LOSSES: dict[str, Loss] = {
     "softmax.ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
     "softmax.supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1)),
     "self_supervised.vicreg": Loss(lambda e, y, p: L.vicreg(e[: B // 2], e[B // 2 :])),
+    "self_supervised.barlow_twins": Loss(lambda e, y, p: L.barlow_twins(e[: B // 2], e[B // 2 :])),
     "neighbors.nca": Loss(lambda e, y, p: L.nca(e, y)),
     "neighbors.manifold": Loss(
         lambda e, y, p: L.manifold(e, None, p, generator=seed_tensor(), margin=0.05),

@@ -1,4 +1,4 @@
-"""Tests for ``pmlfunc.losses.self_supervised``: ``vicreg``.
+"""Tests for ``pmlfunc.losses.self_supervised``: ``vicreg`` and ``barlow_twins``.
 
 Checked against a naive float64 loop reference (PML 2.9.0's semantics, tests/reference/) and
 against PML 2.9.0's ``VICRegLoss`` (values and the gradients of both views), with reducers, wide
@@ -15,8 +15,9 @@ from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import reducers as pml_reducers
 from reference import self_supervised
 
+import pmlfunc as pf
 import pmlfunc.reducers as pfr
-from pmlfunc.losses import vicreg
+from pmlfunc.losses import barlow_twins, vicreg
 
 REF_TOL = {"rtol": 1e-9, "atol": 1e-12}
 TOL = {F64: {"rtol": 1e-9, "atol": 1e-12}, F32: {"rtol": 2e-4, "atol": 2e-6}}
@@ -129,3 +130,75 @@ def test_vicreg_vmap_equals_a_loop(gen):
     emb = randn(gen, 9, 4)
 
     assert_vmap_equals_a_loop(lambda x: vicreg(x, emb.flip(0)), emb)
+
+
+# ----------------------------------------------------------------------------------------------
+# barlow_twins: float64 loops, the global statistics under DDP (all-reduced, no gather)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "hp",
+    [{}, {"lambda_param": 0.3}, {"unbiased": False, "eps": 1e-5}, {"lambda_param": 0.0}],
+    ids=["paper", "lambda", "batchnorm", "no-redundancy"],
+)
+def test_barlow_twins_equals_the_float64_loops_on_values_and_both_gradients(gen, hp):
+    z1 = randn(gen, 7, 5)
+    z2 = z1 + 0.7 * randn(gen, 7, 5)
+    got = value_and_grads(lambda a, b: barlow_twins(a, b, **hp), z1, z2)
+    want = value_and_grads(lambda a, b: self_supervised.barlow_twins(a, b, **hp), z1, z2)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_barlow_twins_is_zero_for_identical_decorrelated_views():
+    """Two equal views whose dimensions are uncorrelated over the batch: ``C = I``, ``L = 0``."""
+    z = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]], dtype=F64)
+    torch.testing.assert_close(barlow_twins(z, z, unbiased=False), torch.tensor(0.0, dtype=F64))
+
+
+def test_barlow_twins_low_precision_views_give_float32_statistics(gen):
+    z1, z2 = randn(gen, 32, 6), randn(gen, 32, 6)
+    got = barlow_twins(z1.to(torch.bfloat16), z2.to(torch.bfloat16))
+    want = barlow_twins(z1.to(torch.bfloat16).double(), z2.to(torch.bfloat16).double())
+    assert got.dtype == F32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_barlow_twins_a_constant_dimension_without_eps_is_nan():
+    z = torch.randn(6, 3, dtype=F64)
+    z[:, 1] = 2.0
+    assert torch.isnan(barlow_twins(z, torch.randn(6, 3, dtype=F64)))
+    assert torch.isfinite(barlow_twins(z, torch.randn(6, 3, dtype=F64), eps=1e-5))
+
+
+@pytest.mark.parametrize("sizes", [(3, 7), (0, 4, 6)], ids=["unequal", "an-empty-rank"])
+def test_barlow_twins_under_global_objective_is_the_single_process_loss(gen, sizes):
+    """Every rank's loss and both views' gradients equal one process's on the whole batch
+    (each rank's statistics all-reduced: the mean, the variance and ``C`` of the global batch,
+    where standardising each rank's rows on their own would not give it)."""
+    z1 = randn(gen, 10, 4) + torch.arange(10, dtype=F64).unsqueeze(-1)  # ranks' means differ
+    z2 = z1 + 0.5 * randn(gen, 10, 4)
+    report = pf.testing.check_distributed(
+        barlow_twins, z1, z2, world_size=len(sizes), sizes=sizes, rtol=1e-9, atol=1e-11,
+        lambda_param=0.1,
+    )  # fmt: skip
+    assert set(report.grad_diffs) == {"emb_a", "emb_b"}
+
+
+def test_barlow_twins_refuses_the_ring():
+    with pytest.raises(ValueError, match=r"batch statistics.*exchange='gather'"):
+        pf.distributed.global_objective(barlow_twins, exchange="ring")
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"emb_b": torch.randn(5, 4, dtype=F64)}, ValueError, "as many"),
+        ({"emb_b": torch.randn(6, 3, dtype=F64)}, ValueError, "embedding size"),
+        ({"lambda_param": -1.0}, ValueError, "lambda_param"),
+        ({"eps": -1.0}, ValueError, "eps"),
+        ({"emb_a": torch.zeros(0, 4, dtype=F64)}, ValueError, "emb_a"),
+    ],
+)
+def test_barlow_twins_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {"emb_a": torch.randn(6, 4, dtype=F64), "emb_b": torch.randn(6, 4, dtype=F64), **change}
+    with pytest.raises(error, match=match):
+        barlow_twins(**kw)

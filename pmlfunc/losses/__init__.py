@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -98,7 +98,7 @@ from .ranking import (
     smooth_ap,
 )
 from .retrieval import multiple_negatives_ranking, multiple_negatives_ranking_init
-from .self_supervised import vicreg
+from .self_supervised import barlow_twins, vicreg
 from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
 from .triplets import margin, margin_init, selectively_contrastive_triplet, triplet_margin
 
@@ -108,6 +108,7 @@ __all__ = [
     "angular",
     "arcface",
     "arcface_init",
+    "barlow_twins",
     "circle",
     "clip",
     "clip_init",

@@ -3,6 +3,12 @@
 | function | what it is | PML |
 |---|---|---|
 | :func:`vicreg` | invariance + variance + covariance of two views | ``VICRegLoss`` |
+| :func:`barlow_twins` | the two views' cross-correlation pulled to the identity | none (lightly's ``BarlowTwinsLoss``) |
+
+:func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
+cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
+:func:`pmlfunc.distributed.global_objective` those sums are all-reduced, so every rank computes
+the global batch's statistics from its own rows, with no gather.
 
 The contrastive self-supervised objectives (NT-Xent/SimCLR, DCL) are softmax losses
 (:mod:`pmlfunc.losses.softmax`): with ``labels`` the sample index, both views of a sample are a
@@ -15,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _global
+from .._global import total
 from .._ops import matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, reduce
 
-__all__ = ["vicreg"]
+__all__ = ["barlow_twins", "vicreg"]
 
 
 def vicreg(
@@ -117,3 +124,82 @@ def _off_diagonal_cov_sq(x: Tensor) -> Tensor:
     cov = matmul(xc.t(), xc) / (x.shape[0] - 1)
     off = cov - torch.diag_embed(cov.diagonal())
     return (off * off).sum()
+
+
+@_global.reduces_statistics("emb_a", "emb_b")
+def barlow_twins(
+    emb_a: Tensor,
+    emb_b: Tensor,
+    *,
+    lambda_param: float | Tensor = 5e-3,
+    unbiased: bool = True,
+    eps: float | Tensor = 0.0,
+) -> Tensor:
+    r"""Barlow Twins: the cross-correlation of two views' standardised embeddings pulled to the
+    identity.
+
+    Each view ``Z`` (``N × D``, row ``n`` of each is the same sample) is standardised along the
+    batch, ``Ẑ = (Z − μ) / \sqrt{σ² + ε}`` with ``μ``, ``σ²`` its per-dimension mean and
+    variance over the ``N`` rows; then
+
+    .. math::
+        C = \tfrac{1}{N} Ẑ_aᵀ Ẑ_b, \qquad
+        L = \sum_i (1 - C_{ii})^2 + λ \sum_{i \ne j} C_{ij}^2 .
+
+    The defaults are the paper's Algorithm 1 and lightly's ``BarlowTwinsLoss``: the unbiased
+    variance (``torch.std``), no ``ε``, ``λ = 5·10⁻³``; the authors' training code normalises
+    with ``BatchNorm1d(affine=False)`` instead: ``unbiased=False, eps=1e-5``. Under
+    :func:`pmlfunc.distributed.global_objective` ``μ``, ``σ²`` and ``C`` are the global batch's
+    (two all-reduces of ``D`` and ``D × D`` sums; per-rank memory does not grow with the world
+    size), where lightly's ``gather_distributed=True`` averages the ranks' ``C``, each
+    standardised with its own rank's statistics.
+
+    Args:
+        emb_a: ``(N, D)`` float tensor, the first view (``N ≥ 2``).
+        emb_b: ``(N, D)`` float tensor, the second view, row-aligned with ``emb_a``.
+        lambda_param: ``λ ≥ 0``, the weight of the off-diagonal (redundancy) term.
+        unbiased: divide the variance by ``N − 1`` (default) or ``N``.
+        eps: ``ε ≥ 0`` added to the variance (default 0: a constant dimension gives NaN).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings (the statistics in float32), else
+        their dtype.
+
+    Example:
+        >>> z1, z2 = torch.randn(16, 8), torch.randn(16, 8)
+        >>> loss = pf.losses.barlow_twins(z1, z2)
+
+    Reference: Zbontar, Jing, Misra, LeCun, Deny, "Barlow Twins: Self-Supervised Learning via
+    Redundancy Reduction", ICML 2021.
+    """
+    a, b = _two_views(emb_a, emb_b, "barlow_twins")
+    lam = _checks.hyper(lambda_param, "lambda_param", nonnegative=True)
+    eps = _checks.hyper(eps, "eps", nonnegative=True)
+    cd = _checks.compute_dtype(a.dtype)
+    a, b = a.to(cd), b.to(cd)
+    n = total(torch.full((), a.shape[0], dtype=cd, device=a.device))
+    ddof = 1 if unbiased else 0
+    za, zb = (_standardised(z, n, ddof, eps) for z in (a, b))
+    c = total(matmul(za.transpose(0, 1), zb)) / n
+    d = c.shape[0]
+    off = c.flatten()[1:].view(d - 1, d + 1)[:, :-1]  # the off-diagonal entries, a view
+    return (1 - c.diagonal()).pow(2).sum() + scalar_like(lam, c) * off.pow(2).sum()
+
+
+def _two_views(emb_a: object, emb_b: object, what: str) -> tuple[Tensor, Tensor]:
+    """Two row-aligned views (:func:`pmlfunc._checks.paired_rows`); under a statistics
+    objective (:func:`pmlfunc._global.active`) a rank may hold no rows."""
+    if _global.active() and isinstance(emb_a, Tensor) and emb_a.ndim == 2 and not len(emb_a):
+        if not isinstance(emb_b, Tensor) or emb_b.shape != emb_a.shape:
+            raise ValueError(f"{what}: emb_b must have emb_a's shape {tuple(emb_a.shape)}")
+        _checks.same_space(emb_a, emb_b, "emb_b", "emb_a")
+        return emb_a, emb_b
+    return _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), what)
+
+
+def _standardised(z: Tensor, n: Tensor, ddof: int, eps: float | Tensor) -> Tensor:
+    """``(z − μ) / sqrt(σ² + ε)`` with the batch's (:func:`pmlfunc._global.total`) mean and
+    variance (divided by ``n − ddof``), per dimension."""
+    centred = z - total(z.sum(0)) / n
+    var = total((centred * centred).sum(0)) / (n - ddof)
+    return centred * torch.rsqrt(var + scalar_like(eps, z))

@@ -1,4 +1,4 @@
-"""Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg.
+"""Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg and Barlow Twins.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -46,3 +46,27 @@ def vicreg(z1, z2, lam=25.0, mu=25.0, nu=1.0, eps=1e-4, reducer="mean"):
         return total / d
 
     return red(inv) + red(var_terms(z1)) + red(var_terms(z2)) + nu * (cov(z1) + cov(z2))
+
+
+def barlow_twins(za, zb, lambda_param=5e-3, unbiased=True, eps=0.0):
+    """Barlow Twins (Zbontar et al. 2021, Algorithm 1), entry by entry: each view standardised
+    per dimension over the batch (``unbiased``: ``N − 1``), ``C_ij = Σ_n ẑa_ni ẑb_nj / N``,
+    ``L = Σ_i (1 − C_ii)² + λ Σ_{i≠j} C_ij²``."""
+    n, d = za.shape
+
+    def standardised(z):
+        cols = []
+        for j in range(d):
+            col = z[:, j]
+            mu = sum(col[k] for k in range(n)) / n
+            var = sum((col[k] - mu) ** 2 for k in range(n)) / (n - 1 if unbiased else n)
+            cols.append([(col[k] - mu) / (var + eps) ** 0.5 for k in range(n)])
+        return cols  # cols[j][k]
+
+    a, b = standardised(za), standardised(zb)
+    loss = 0.0
+    for i in range(d):
+        for j in range(d):
+            c = sum(a[i][k] * b[j][k] for k in range(n)) / n
+            loss = loss + ((1 - c) ** 2 if i == j else lambda_param * c**2)
+    return loss
