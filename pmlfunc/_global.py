@@ -13,6 +13,7 @@ as under the gather (DDP's averaging cancels ``W``).
 | :func:`total` | ``Σ_ranks t`` (``t`` in one process) |
 | :func:`summing` | the context in which :func:`total` sums over the ranks |
 | :func:`active` | whether :func:`total` sums over the ranks now |
+| :func:`reduced` | a reducer's value over the global batch's row terms (its normaliser and share summed) |
 | :func:`reduces_statistics` | registers a loss written this way, with its batch arguments |
 | :data:`STATISTICS` | the registered losses: their batch arguments (sharded by rows) |
 
@@ -55,6 +56,16 @@ def summing(fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
         yield
     finally:
         _SUM[0] = previous
+
+
+def reduced(reducer, terms, labels=None) -> Tensor:
+    """``reducer(terms, labels)`` over the global batch's terms: in one process the reducer
+    itself; inside :func:`summing` its normaliser and this rank's share of the value
+    (``Reducer.normalizer``, ``Reducer.partial``), each summed over the ranks."""
+    if not active():
+        return reducer(terms, labels)
+    normaliser = total(reducer.normalizer(terms, labels))
+    return total(reducer.partial(terms, labels, normaliser))
 
 
 def reduces_statistics(*batch: str) -> Callable[[F], F]:

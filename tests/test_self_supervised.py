@@ -202,3 +202,26 @@ def test_barlow_twins_bad_input_raises_naming_the_argument(change, error, match)
     kw = {"emb_a": torch.randn(6, 4, dtype=F64), "emb_b": torch.randn(6, 4, dtype=F64), **change}
     with pytest.raises(error, match=match):
         barlow_twins(**kw)
+
+
+@pytest.mark.parametrize(
+    ("reducer", "sizes"),
+    [("mean", (3, 7)), ("sum", (0, 4, 6)), ("avg_nonzero", (5, 5)), ("threshold", (2, 8))],
+)
+def test_vicreg_under_global_objective_is_the_single_process_loss(gen, reducer, sizes):
+    """The invariance term's reducer (its normaliser and each rank's share summed), each view's
+    variance and covariance of the global batch, all-reduced: every rank's loss and both views'
+    gradients equal one process's on the whole batch, unequal and empty ranks included."""
+    z1 = 0.3 * randn(gen, 10, 4) + torch.arange(10, dtype=F64).unsqueeze(-1) / 10
+    z2 = z1 + 0.2 * randn(gen, 10, 4)
+    red = {
+        "mean": pfr.mean(),
+        "sum": pfr.sum(),
+        "avg_nonzero": pfr.avg_nonzero(),
+        "threshold": pfr.threshold(low=0.05),
+    }[reducer]
+    report = pf.testing.check_distributed(
+        vicreg, z1, z2, world_size=len(sizes), sizes=sizes, rtol=1e-9, atol=1e-11,
+        reducer=red, **VICREG_HP,
+    )  # fmt: skip
+    assert set(report.grad_diffs) == {"embeddings", "ref_emb"}

@@ -24,11 +24,12 @@ from torch import Tensor
 from .. import _checks, _global
 from .._global import total
 from .._ops import matmul, scalar_like
-from ..reducers import AlreadyReduced, Reducer, elements, mean, reduce
+from ..reducers import AlreadyReduced, Reducer, elements, mean, none, reduce
 
 __all__ = ["barlow_twins", "vicreg"]
 
 
+@_global.reduces_statistics("embeddings", "ref_emb")
 def vicreg(
     embeddings: Tensor,
     ref_emb: Tensor,
@@ -56,6 +57,10 @@ def vicreg(
     as it is, whatever the reducer (as in PML). There are no labels, pairs or distance: PML's
     ``VICRegLoss`` rejects them too. The covariance term costs one ``D × D`` matrix per view.
 
+    Under :func:`pmlfunc.distributed.global_objective` every statistic is the global batch's,
+    all-reduced (the invariance term's reducer share and normaliser, each view's mean, variance
+    and covariance: ``O(D²)`` numbers, no gather); ``reducer=none()`` is refused there.
+
     Args:
         embeddings: ``(B, D)`` float tensor, the first view (``B ≥ 2``: the variance is unbiased).
         ref_emb: ``(B, D)`` float tensor, the second view, row-aligned with ``embeddings``
@@ -76,18 +81,21 @@ def vicreg(
     Reference: Bardes, Ponce, LeCun, "VICReg: Variance-Invariance-Covariance Regularization for
     Self-Supervised Learning", ICLR 2022.
     """
-    _checks.embeddings(embeddings)
     if ref_emb is None:
         raise ValueError("vicreg needs ref_emb: the second view of the batch, row-aligned")
-    _checks.embeddings(ref_emb, "ref_emb")
-    _checks.same_space(embeddings, ref_emb)
-    if ref_emb.shape[0] != embeddings.shape[0]:
-        raise ValueError(
-            f"ref_emb must have as many rows as embeddings (two views of one batch), got "
-            f"{ref_emb.shape[0]} and {embeddings.shape[0]}"
-        )
-    if embeddings.shape[0] < 2:
-        raise ValueError("vicreg needs a batch of at least 2 rows (the variance is unbiased)")
+    if _global.active():  # a rank may hold fewer than 2 rows (the variance is the global one)
+        _two_views(embeddings, ref_emb, "vicreg", ("embeddings", "ref_emb"))
+    else:
+        _checks.embeddings(embeddings)
+        _checks.embeddings(ref_emb, "ref_emb")
+        _checks.same_space(embeddings, ref_emb)
+        if ref_emb.shape[0] != embeddings.shape[0]:
+            raise ValueError(
+                f"ref_emb must have as many rows as embeddings (two views of one batch), got "
+                f"{ref_emb.shape[0]} and {embeddings.shape[0]}"
+            )
+        if embeddings.shape[0] < 2:
+            raise ValueError("vicreg needs a batch of at least 2 rows (the variance is unbiased)")
     lam = _checks.hyper(invariance_lambda, "invariance_lambda")
     mu = _checks.hyper(variance_mu, "variance_mu")
     nu = _checks.hyper(covariance_v, "covariance_v")
@@ -97,33 +105,41 @@ def vicreg(
     x, y = embeddings.to(cd), ref_emb.to(cd)
     lam, mu, nu, eps = (scalar_like(v, x) for v in (lam, mu, nu, eps))
     diff = x - y
-    invariance = (diff * diff).mean(-1)
-    covariance = nu * (_off_diagonal_cov_sq(x) + _off_diagonal_cov_sq(y)) / x.shape[1]
+    invariance = elements(lam * (diff * diff).mean(-1))
+    n = total(torch.full((), x.shape[0], dtype=cd, device=x.device))
+    (x_var, x_off), (y_var, y_off) = (_covariance(z, n) for z in (x, y))
+    covariance = nu * (x_off + y_off) / x.shape[1]
     terms = {
-        "invariance_loss": elements(lam * invariance),
-        "variance_loss1": elements(mu * _variance_hinge(x, eps)),
-        "variance_loss2": elements(mu * _variance_hinge(y, eps)),
+        "variance_loss1": elements(mu * _variance_hinge(x_var, eps)),
+        "variance_loss2": elements(mu * _variance_hinge(y_var, eps)),
         "covariance_loss": AlreadyReduced(covariance),  # added as it is, whatever the reducer
     }
-    return reduce(reducer, terms, None, _checks.compute_dtype(embeddings.dtype))
+    if not _global.active():  # one reduce (none() lists the unreduced terms)
+        return reduce(reducer, {"invariance_loss": invariance, **terms}, None, cd)
+    if not isinstance(reducer, Reducer) or isinstance(reducer, type(none())):
+        raise ValueError("vicreg under global_objective needs a reducer of a value (not none())")
+    # the invariance terms are per row: the reducer's normaliser and share summed over the ranks;
+    # the other sub-losses are functions of the (global) statistics, the same on every rank
+    return (_global.reduced(reducer, invariance) + reduce(reducer, terms, None, cd)).to(cd)
 
 
-def _variance_hinge(x: Tensor, eps: float | Tensor) -> Tensor:
-    """Per column ``[1 − √(Var + ε)]₊ / 2`` (unbiased variance over the rows)."""
-    std = torch.sqrt(x.var(dim=0) + eps)
-    return F.relu(1.0 - std) / 2
+def _variance_hinge(var: Tensor, eps: float | Tensor) -> Tensor:
+    """Per column ``[1 − √(Var + ε)]₊ / 2``."""
+    return F.relu(1.0 - torch.sqrt(var + eps)) / 2
 
 
-def _off_diagonal_cov_sq(x: Tensor) -> Tensor:
-    """``Σ_{d≠e} C_de²`` of the unbiased covariance ``C`` of the columns of ``x``.
+def _covariance(x: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """The unbiased variance of each column of ``x`` over the batch and ``Σ_{d≠e} C_de²`` of its
+    unbiased covariance ``C`` (each sum over rows a :func:`pmlfunc._global.total`).
 
     The diagonal is subtracted before squaring (not ``‖C‖² − Σ C_dd²``, which cancels when the
     features are nearly decorrelated: the regime VICReg drives them to).
     """
-    xc = x - x.mean(dim=0)
-    cov = matmul(xc.t(), xc) / (x.shape[0] - 1)
-    off = cov - torch.diag_embed(cov.diagonal())
-    return (off * off).sum()
+    xc = x - total(x.sum(0)) / n
+    cov = total(matmul(xc.t(), xc)) / (n - 1)
+    var = cov.diagonal()
+    off = cov - torch.diag_embed(var)
+    return var, (off * off).sum()
 
 
 @_global.reduces_statistics("emb_a", "emb_b")
@@ -186,15 +202,19 @@ def barlow_twins(
     return (1 - c.diagonal()).pow(2).sum() + scalar_like(lam, c) * off.pow(2).sum()
 
 
-def _two_views(emb_a: object, emb_b: object, what: str) -> tuple[Tensor, Tensor]:
+def _two_views(
+    emb_a: object, emb_b: object, what: str, names: tuple[str, str] = ("emb_a", "emb_b")
+) -> tuple[Tensor, Tensor]:
     """Two row-aligned views (:func:`pmlfunc._checks.paired_rows`); under a statistics
     objective (:func:`pmlfunc._global.active`) a rank may hold no rows."""
     if _global.active() and isinstance(emb_a, Tensor) and emb_a.ndim == 2 and not len(emb_a):
         if not isinstance(emb_b, Tensor) or emb_b.shape != emb_a.shape:
-            raise ValueError(f"{what}: emb_b must have emb_a's shape {tuple(emb_a.shape)}")
-        _checks.same_space(emb_a, emb_b, "emb_b", "emb_a")
+            raise ValueError(
+                f"{what}: {names[1]} must have {names[0]}'s shape {tuple(emb_a.shape)}"
+            )
+        _checks.same_space(emb_a, emb_b, names[1], names[0])
         return emb_a, emb_b
-    return _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), what)
+    return _checks.paired_rows(emb_a, emb_b, names, what)
 
 
 def _standardised(z: Tensor, n: Tensor, ddof: int, eps: float | Tensor) -> Tensor:
