@@ -308,9 +308,31 @@ def _vicreg(d: Draw) -> Call:
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
 
 
-def _barlow_twins(d: Draw) -> Call:
+def two_views(fn: Callable, **hp: Any) -> Callable[[Draw], Call]:
+    """A self-supervised loss of two row-aligned views ``fn(emb_a, emb_b, **hp)``."""
+
+    def make(d: Draw) -> Call:
+        wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
+        return Call(wrt, lambda embeddings, ref_emb: fn(embeddings, ref_emb, **hp))
+
+    return make
+
+
+def _sym_neg_cosine_similarity(d: Draw) -> Call:
+    """The predictions ``p0``, ``p1`` differentiated (``embeddings``, ``ref_emb``); the
+    projections ``z0``, ``z1`` drawn and held (the loss detaches them: no gradient by design,
+    tests/test_self_supervised.py checks it), cast to the predictions' dtype as a model would
+    give them."""
+    # held in values that bfloat16 and float16 hold exactly: every dtype a run casts them to
+    # reads the same projections
+    z0, z1 = (d._made(d.randn(B, D).to(torch.bfloat16).to(d.dtype)) for _ in range(2))
     wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
-    return Call(wrt, lambda embeddings, ref_emb: pf.losses.barlow_twins(embeddings, ref_emb))
+    return Call(
+        wrt,
+        lambda embeddings, ref_emb: pf.losses.sym_neg_cosine_similarity(
+            z0.to(embeddings.dtype), embeddings, z1.to(ref_emb.dtype), ref_emb
+        ),
+    )
 
 
 def _queue(d: Draw) -> dict[str, torch.Tensor]:
@@ -629,7 +651,12 @@ LOSSES: dict[str, Entry] = {
     ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
-    "barlow_twins": Entry(L.barlow_twins, _barlow_twins),
+    "barlow_twins": Entry(L.barlow_twins, two_views(L.barlow_twins)),
+    "negative_cosine_similarity": Entry(
+        L.negative_cosine_similarity, two_views(L.negative_cosine_similarity)
+    ),
+    "sym_neg_cosine_similarity": Entry(L.sym_neg_cosine_similarity, _sym_neg_cosine_similarity),
+    "hypersphere": Entry(L.hypersphere, two_views(L.hypersphere, t=2.0, lam=0.5)),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

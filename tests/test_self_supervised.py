@@ -225,3 +225,100 @@ def test_vicreg_under_global_objective_is_the_single_process_loss(gen, reducer, 
         reducer=red, **VICREG_HP,
     )  # fmt: skip
     assert set(report.grad_diffs) == {"embeddings", "ref_emb"}
+
+
+# ----------------------------------------------------------------------------------------------
+# negative cosine similarity (SimSiam, BYOL) and the hypersphere loss
+# ----------------------------------------------------------------------------------------------
+def test_negative_cosine_similarity_equals_the_float64_loops(gen):
+    a, b = randn(gen, 6, 5), randn(gen, 6, 5)
+    a[2] = 0.0  # a zero row: the cosine's ε keeps it finite (0)
+    got = value_and_grads(lambda x, y: pf.losses.negative_cosine_similarity(x, y), a, b)
+    want = value_and_grads(lambda x, y: self_supervised.negative_cosine_similarity(x, y), a, b)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_sym_neg_cosine_similarity_equals_the_loops_and_sends_nothing_to_the_projections(gen):
+    z0, p0, z1, p1 = (randn(gen, 6, 5) for _ in range(4))
+    got = value_and_grads(pf.losses.sym_neg_cosine_similarity, z0, p0, z1, p1)
+    want = value_and_grads(self_supervised.sym_neg_cosine_similarity, z0, p0, z1, p1)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+    assert not got[1][0].any() and not got[1][2].any()  # z0, z1: stop-gradient
+
+
+@pytest.mark.parametrize("hp", [{}, {"t": 2.0, "lam": 0.5, "alpha": 1.0}], ids=["default", "hp"])
+def test_hypersphere_equals_the_float64_loops(gen, hp):
+    a = randn(gen, 7, 4)
+    b = a + 0.3 * randn(gen, 7, 4)
+    got = value_and_grads(lambda x, y: pf.losses.hypersphere(x, y, **hp), a, b)
+    want = value_and_grads(lambda x, y: self_supervised.hypersphere(x, y, **hp), a, b)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_hypersphere_uniformity_is_stable_at_a_high_temperature(gen):
+    """``log mean exp(−t d²)`` as a log-sum-exp: at ``t = 500`` every exponential underflows in
+    float32, the loss does not."""
+    a, b = randn(gen, 8, 4, dtype=F32), randn(gen, 8, 4, dtype=F32)
+    got = pf.losses.hypersphere(a, b, t=500.0)
+    want = pf.losses.hypersphere(a.double(), b.double(), t=500.0)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [("negative_cosine_similarity", 2), ("sym_neg_cosine_similarity", 4), ("hypersphere", 2)],
+)
+def test_two_view_losses_under_global_objective_are_the_single_process_loss(gen, name, args):
+    """Means over rows all-reduced (the negative cosine similarities), or the views gathered
+    (the hypersphere's uniformity reads every pair): unequal ranks and an empty one."""
+    views = [randn(gen, 9, 4) for _ in range(args)]
+    fn = getattr(pf.losses, name)
+    report = pf.testing.check_distributed(
+        fn, *views, world_size=3, sizes=(0, 4, 5), rtol=1e-9, atol=1e-11
+    )
+    assert len(report.grad_diffs) == args
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: pf.losses.negative_cosine_similarity(torch.randn(4, 3), torch.randn(5, 3)),
+            ValueError,
+            "as many",
+        ),
+        (
+            lambda: pf.losses.negative_cosine_similarity(
+                torch.randn(4, 3), torch.randn(4, 3), eps=0.0
+            ),
+            ValueError,
+            "eps",
+        ),
+        (
+            lambda: pf.losses.sym_neg_cosine_similarity(
+                *(torch.randn(4, 3),) * 3, torch.randn(4, 2)
+            ),
+            ValueError,
+            "p1",
+        ),
+        (
+            lambda: pf.losses.hypersphere(torch.randn(1, 3), torch.randn(1, 3)),
+            ValueError,
+            "at least 2",
+        ),
+        (
+            lambda: pf.losses.hypersphere(torch.randn(4, 3), torch.randn(4, 3), t=0.0),
+            ValueError,
+            "t",
+        ),
+        (
+            lambda: pf.losses.hypersphere(torch.randn(4, 3), torch.randn(4, 3), lam=-1.0),
+            ValueError,
+            "lam",
+        ),
+    ],
+)
+def test_two_view_losses_bad_input_raises_naming_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

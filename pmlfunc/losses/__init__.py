@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -30,7 +30,7 @@ one tiled engine for ``chunk_size=`` (``pmlfunc/losses/_tiled.py``).
 Example:
     >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     >>> sorted(name for name in pf.losses.__all__ if name.startswith("n"))
-    ['nca', 'normalized_softmax', 'normalized_softmax_init', 'npairs', 'ntxent']
+    ['nca', 'negative_cosine_similarity', 'normalized_softmax', 'normalized_softmax_init', 'npairs', 'ntxent']
     >>> loss = pf.losses.ntxent(emb, labels, temperature=0.1)
 """
 
@@ -98,7 +98,13 @@ from .ranking import (
     smooth_ap,
 )
 from .retrieval import multiple_negatives_ranking, multiple_negatives_ranking_init
-from .self_supervised import barlow_twins, vicreg
+from .self_supervised import (
+    barlow_twins,
+    hypersphere,
+    negative_cosine_similarity,
+    sym_neg_cosine_similarity,
+    vicreg,
+)
 from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
 from .triplets import margin, margin_init, selectively_contrastive_triplet, triplet_margin
 
@@ -128,6 +134,7 @@ __all__ = [
     "ge2e_init",
     "generalized_lifted_structure",
     "histogram",
+    "hypersphere",
     "instance",
     "intra_pair_variance",
     "large_margin_softmax",
@@ -145,6 +152,7 @@ __all__ = [
     "multiple_negatives_ranking",
     "multiple_negatives_ranking_init",
     "nca",
+    "negative_cosine_similarity",
     "normalized_softmax",
     "normalized_softmax_init",
     "npairs",
@@ -169,6 +177,7 @@ __all__ = [
     "subcenter_arcface",
     "subcenter_arcface_init",
     "supcon",
+    "sym_neg_cosine_similarity",
     "threshold_consistent_margin",
     "triplet_margin",
     "tuplet_margin",

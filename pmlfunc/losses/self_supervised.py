@@ -4,6 +4,9 @@
 |---|---|---|
 | :func:`vicreg` | invariance + variance + covariance of two views | ``VICRegLoss`` |
 | :func:`barlow_twins` | the two views' cross-correlation pulled to the identity | none (lightly's ``BarlowTwinsLoss``) |
+| :func:`negative_cosine_similarity` | ``−mean_i cos(a_i, b_i)`` | none (lightly's ``NegativeCosineSimilarity``) |
+| :func:`sym_neg_cosine_similarity` | BYOL/SimSiam's symmetric form, targets detached | none (lightly's ``SymNegCosineSimilarityLoss``) |
+| :func:`hypersphere` | alignment + uniformity on the sphere | none (lightly's ``HypersphereLoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -17,6 +20,8 @@ positive pair.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,7 +31,13 @@ from .._global import total
 from .._ops import matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, none, reduce
 
-__all__ = ["barlow_twins", "vicreg"]
+__all__ = [
+    "barlow_twins",
+    "hypersphere",
+    "negative_cosine_similarity",
+    "sym_neg_cosine_similarity",
+    "vicreg",
+]
 
 
 @_global.reduces_statistics("embeddings", "ref_emb")
@@ -223,3 +234,148 @@ def _standardised(z: Tensor, n: Tensor, ddof: int, eps: float | Tensor) -> Tenso
     centred = z - total(z.sum(0)) / n
     var = total((centred * centred).sum(0)) / (n - ddof)
     return centred * torch.rsqrt(var + scalar_like(eps, z))
+
+
+@_global.reduces_statistics("emb_a", "emb_b")
+def negative_cosine_similarity(
+    emb_a: Tensor, emb_b: Tensor, *, eps: float | Tensor = 1e-8
+) -> Tensor:
+    r"""The negative cosine similarity of row-aligned pairs, averaged over the rows:
+    ``L = −(1/N) Σ_i cos(a_i, b_i)``, with ``cos(u, v) = u·v / (max(‖u‖, ε) max(‖v‖, ε))``
+    (``F.cosine_similarity``).
+
+    lightly's ``NegativeCosineSimilarity`` (``dim=1``): the predictor loss of SimSiam and BYOL,
+    where ``emb_b`` is the target branch, which the caller detaches (as with lightly); the
+    symmetric form with the targets detached is :func:`sym_neg_cosine_similarity`. Under
+    :func:`pmlfunc.distributed.global_objective` the mean is over the global batch (the sum
+    and the count all-reduced; no gather).
+
+    Args:
+        emb_a: ``(N, D)`` float tensor (predictions).
+        emb_b: ``(N, D)`` float tensor, row-aligned (targets).
+        eps: ``ε > 0`` (default ``1e-8``).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> p, z = torch.randn(8, 16), torch.randn(8, 16)
+        >>> loss = pf.losses.negative_cosine_similarity(p, z.detach())
+
+    References: Chen, He, "Exploring Simple Siamese Representation Learning" (SimSiam), CVPR
+    2021; Grill et al., "Bootstrap Your Own Latent" (BYOL), NeurIPS 2020.
+    """
+    a, b = _two_views(emb_a, emb_b, "negative_cosine_similarity")
+    return -_mean_cosine(a, b, _checks.hyper(eps, "eps", positive=True))
+
+
+@_global.reduces_statistics("z0", "p0", "z1", "p1")
+def sym_neg_cosine_similarity(
+    z0: Tensor, p0: Tensor, z1: Tensor, p1: Tensor, *, eps: float | Tensor = 1e-8
+) -> Tensor:
+    r"""SimSiam's and BYOL's symmetric loss: each view's prediction against the other view's
+    projection, the projections detached (stop-gradient):
+
+    .. math::
+        L = -\tfrac12 \Big(\tfrac1N \sum_i \cos(p0_i, \operatorname{sg}(z1_i))
+            + \tfrac1N \sum_i \cos(p1_i, \operatorname{sg}(z0_i))\Big)
+
+    lightly's ``SymNegCosineSimilarityLoss`` with ``out0 = (z0, p0)``, ``out1 = (z1, p1)``. No
+    gradient reaches ``z0`` or ``z1`` through this loss (they reach the encoder through
+    ``p0``/``p1``'s branch). Under :func:`pmlfunc.distributed.global_objective` the means are
+    over the global batch (no gather).
+
+    Args:
+        z0, p0: ``(N, D)``: the first view's projection and prediction.
+        z1, p1: ``(N, D)``: the second view's, row-aligned with the first.
+        eps: ``ε > 0`` of the cosine (default ``1e-8``).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> z0, p0, z1, p1 = (torch.randn(8, 16) for _ in range(4))
+        >>> loss = pf.losses.sym_neg_cosine_similarity(z0, p0, z1, p1)
+
+    Reference: Chen, He, "Exploring Simple Siamese Representation Learning" (SimSiam), CVPR 2021.
+    """
+    z0, p0 = _two_views(z0, p0, "sym_neg_cosine_similarity", ("z0", "p0"))
+    z1, p1 = _two_views(z1, p1, "sym_neg_cosine_similarity", ("z1", "p1"))
+    _two_views(z0, z1, "sym_neg_cosine_similarity", ("z0", "z1"))
+    e = _checks.hyper(eps, "eps", positive=True)
+    return -(_mean_cosine(p0, z1.detach(), e) + _mean_cosine(p1, z0.detach(), e)) / 2
+
+
+def _mean_cosine(a: Tensor, b: Tensor, eps: float | Tensor) -> Tensor:
+    """``(1/N) Σ_i cos(a_i, b_i)`` over the batch (:func:`pmlfunc._global.total`), in the
+    compute dtype."""
+    cd = _checks.compute_dtype(a.dtype)
+    a, b = a.to(cd), b.to(cd)
+    e = scalar_like(eps, a)
+    na = torch.linalg.vector_norm(a, dim=-1).clamp_min(e)
+    nb = torch.linalg.vector_norm(b, dim=-1).clamp_min(e)
+    cos = (a * b).sum(-1) / (na * nb)
+    n = total(torch.full((), a.shape[0], dtype=cd, device=a.device))
+    return total(cos.sum()) / n
+
+
+def hypersphere(
+    emb_a: Tensor,
+    emb_b: Tensor,
+    *,
+    t: float | Tensor = 1.0,
+    lam: float | Tensor = 1.0,
+    alpha: float | Tensor = 2.0,
+) -> Tensor:
+    r"""Alignment and uniformity on the hypersphere (Wang & Isola), on L2-normalised rows:
+
+    .. math::
+        \mathcal L_{align} = \tfrac1N \sum_i \lVert \hat a_i - \hat b_i \rVert^{α},
+        \qquad
+        \mathcal L_{unif}(X) = \log \frac{2}{N(N-1)} \sum_{i<j} e^{-t \lVert \hat x_i - \hat x_j \rVert^2},
+
+    ``L = L_align + λ (L_unif(A) + L_unif(B)) / 2``: lightly's ``HypersphereLoss`` (the
+    uniformity's log-mean-exp taken stably, as a log-sum-exp). The uniformity term reads every
+    pair of the batch: under :func:`pmlfunc.distributed.global_objective` the two views are
+    gathered (every rank computes the whole loss of the global batch).
+
+    Args:
+        emb_a: ``(N, D)`` float tensor, ``N ≥ 2``.
+        emb_b: ``(N, D)`` float tensor, row-aligned (the positive of row ``i`` is row ``i``).
+        t: ``t > 0``, the uniformity's temperature (default 1).
+        lam: ``λ ≥ 0``, the uniformity's weight (default 1).
+        alpha: ``α > 0``, the alignment's power (default 2).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> a, b = torch.randn(8, 16), torch.randn(8, 16)
+        >>> loss = pf.losses.hypersphere(a, b)
+
+    Reference: Wang, Isola, "Understanding Contrastive Representation Learning through Alignment
+    and Uniformity on the Hypersphere", ICML 2020.
+    """
+    a, b = _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), "hypersphere")
+    if a.shape[0] < 2:
+        raise ValueError(
+            "hypersphere needs a batch of at least 2 rows (its uniformity reads pairs)"
+        )
+    t_ = _checks.hyper(t, "t", positive=True)
+    lam_ = _checks.hyper(lam, "lam", nonnegative=True)
+    alpha_ = _checks.hyper(alpha, "alpha", positive=True)
+    cd = _checks.compute_dtype(a.dtype)
+    x, y = F.normalize(a.to(cd), dim=-1), F.normalize(b.to(cd), dim=-1)
+    diff = x - y
+    align = torch.linalg.vector_norm(diff, dim=-1).pow(scalar_like(alpha_, x)).mean()
+    unif = (_uniformity(x, scalar_like(t_, x)) + _uniformity(y, scalar_like(t_, x))) / 2
+    return align + scalar_like(lam_, x) * unif
+
+
+def _uniformity(x: Tensor, t: float | Tensor) -> Tensor:
+    """``log mean_{i<j} exp(−t ‖x_i − x_j‖²)`` of unit rows (``‖x_i − x_j‖² = 2 − 2 x_i·x_j``)."""
+    n = x.shape[0]
+    sq = (2 - 2 * matmul(x, x.transpose(0, 1))).clamp_min(0)
+    upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+    logits = torch.where(upper, -t * sq, -torch.inf)
+    return torch.logsumexp(logits.flatten(), 0) - math.log(n * (n - 1) / 2)

@@ -1,4 +1,5 @@
-"""Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg and Barlow Twins.
+"""Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg, Barlow Twins, the
+negative cosine similarity (and its symmetric form) and the hypersphere loss.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -70,3 +71,40 @@ def barlow_twins(za, zb, lambda_param=5e-3, unbiased=True, eps=0.0):
             c = sum(a[i][k] * b[j][k] for k in range(n)) / n
             loss = loss + ((1 - c) ** 2 if i == j else lambda_param * c**2)
     return loss
+
+
+def _cos(u, v, eps):
+    nu = torch.clamp(u.norm(), min=eps)
+    nv = torch.clamp(v.norm(), min=eps)
+    return torch.dot(u, v) / (nu * nv)
+
+
+def negative_cosine_similarity(a, b, eps=1e-8):
+    """``−mean_i cos(a_i, b_i)``, ``cos = u·v / (max(‖u‖, ε) max(‖v‖, ε))`` (SimSiam, BYOL)."""
+    n = a.shape[0]
+    return -sum(_cos(a[i], b[i], eps) for i in range(n)) / n
+
+
+def sym_neg_cosine_similarity(z0, p0, z1, p1, eps=1e-8):
+    """SimSiam's symmetric loss: ``−(mean cos(p0, sg z1) + mean cos(p1, sg z0)) / 2``."""
+    return (
+        negative_cosine_similarity(p0, z1.detach(), eps)
+        + negative_cosine_similarity(p1, z0.detach(), eps)
+    ) / 2
+
+
+def hypersphere(a, b, t=1.0, lam=1.0, alpha=2.0):
+    """Wang & Isola's alignment + λ·(uniformity(a) + uniformity(b)) / 2 on unit rows, pair by
+    pair: alignment ``mean_i ‖â_i − b̂_i‖^α``, uniformity ``log mean_{i<j} exp(−t ‖x_i − x_j‖²)``."""
+    n = a.shape[0]
+    ua = [a[i] / a[i].norm() for i in range(n)]
+    ub = [b[i] / b[i].norm() for i in range(n)]
+    align = sum((ua[i] - ub[i]).norm() ** alpha for i in range(n)) / n
+
+    def unif(x):
+        terms = [
+            torch.exp(-t * (x[i] - x[j]).norm() ** 2) for i in range(n) for j in range(i + 1, n)
+        ]
+        return torch.log(sum(terms) / len(terms))
+
+    return align + lam * (unif(ua) + unif(ub)) / 2
