@@ -318,6 +318,17 @@ def two_views(fn: Callable, **hp: Any) -> Callable[[Draw], Call]:
     return make
 
 
+def _dino(d: Draw) -> Call:
+    """The student's views differentiated (``embeddings``, ``(B, 4, D)``); the teacher's two
+    views and the centre drawn and held (the loss detaches the teacher: tests/test_self_supervised.py)."""
+    teacher = d.randn(B, 2, D)
+    state = {"center": d.randn(D)}
+    return Call(
+        {"embeddings": d.randn(B, 4, D)},
+        lambda embeddings: pf.losses.dino(teacher, embeddings, state, teacher_temp=0.5),
+    )
+
+
 def _sym_neg_cosine_similarity(d: Draw) -> Call:
     """The predictions ``p0``, ``p1`` differentiated (``embeddings``, ``ref_emb``); the
     projections ``z0``, ``z1`` drawn and held (the loss detaches them: no gradient by design,
@@ -657,6 +668,7 @@ LOSSES: dict[str, Entry] = {
     ),
     "sym_neg_cosine_similarity": Entry(L.sym_neg_cosine_similarity, _sym_neg_cosine_similarity),
     "hypersphere": Entry(L.hypersphere, two_views(L.hypersphere, t=2.0, lam=0.5)),
+    "dino": Entry(L.dino, _dino),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

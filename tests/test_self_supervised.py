@@ -322,3 +322,107 @@ def test_two_view_losses_under_global_objective_are_the_single_process_loss(gen,
 def test_two_view_losses_bad_input_raises_naming_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# dino: the centre as explicit state
+# ----------------------------------------------------------------------------------------------
+def _dino_views(gen, n=6, v_t=2, v_s=4, k=5):
+    return randn(gen, n, v_t, k), randn(gen, n, v_s, k), 0.1 * randn(gen, k)
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {},
+        {
+            "teacher_temp": torch.tensor(0.07, dtype=F64),
+            "student_temp": 0.2,
+            "center_momentum": 0.5,
+        },
+    ],
+    ids=["default", "scheduled-teacher-temperature"],
+)
+def test_dino_equals_the_float64_loops_on_loss_gradient_and_new_centre(gen, hp):
+    teacher, student, center = _dino_views(gen)
+    state = {"center": center.clone()}
+    got = value_and_grads(lambda t, s: pf.losses.dino(t, s, state, **hp), teacher, student)
+    want = value_and_grads(lambda t, s: self_supervised.dino(t, s, center, **hp), teacher, student)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+    assert not got[1][0].any()  # the teacher gets no gradient
+    _, new = pf.losses.dino(teacher, student, state, **hp)
+    torch.testing.assert_close(
+        new["center"], self_supervised.dino(teacher, student, center, **hp)[1]
+    )
+    torch.testing.assert_close(state["center"], center)  # the state given is not changed
+    assert not new["center"].requires_grad
+
+
+def test_dino_centre_follows_its_momentum_over_steps(gen):
+    """Ten steps with the same teacher outputs: the centre moves to their mean geometrically,
+    ``c_k = (1 − m^k) · mean``."""
+    teacher, student, _ = _dino_views(gen)
+    state = pf.losses.dino_init(5, dtype=F64)
+    for _ in range(10):
+        _, state = pf.losses.dino(teacher, student, state, center_momentum=0.8)
+    torch.testing.assert_close(state["center"], (1 - 0.8**10) * teacher.mean((0, 1)))
+
+
+def dino_loss(teacher, student, state, **hp):
+    """:func:`pf.losses.dino`'s loss alone (check_distributed compares a loss)."""
+    return pf.losses.dino(teacher, student, state, **hp)[0]
+
+
+def dino_loss_global(teacher, student, state, **hp):
+    return pf.distributed.global_objective(pf.losses.dino)(teacher, student, state, **hp)[0]
+
+
+def dino_centre_on_rank(teacher, student, state, sizes):
+    """One rank's new centre under global_objective, from its rows of the batch."""
+    import torch.distributed as dist
+
+    r0 = sum(sizes[: dist.get_rank()])
+    rows = slice(r0, r0 + sizes[dist.get_rank()])
+    _, new = pf.distributed.global_objective(pf.losses.dino)(teacher[rows], student[rows], state)
+    return new["center"]
+
+
+def test_dino_under_global_objective_is_the_single_process_loss_and_centre(gen):
+    """The means over rows and the centre's batch mean all-reduced: every rank's loss and the
+    student's gradient, and every rank's new centre, equal one process's on the whole batch
+    (ranks of 0, 2 and 4 rows)."""
+    teacher, student, center = _dino_views(gen)
+    state, sizes = {"center": center}, (0, 2, 4)
+    pf.testing.check_distributed(
+        dino_loss, teacher, student, state, world_size=3, sizes=sizes, rtol=1e-9, atol=1e-11,
+        distributed_fn=dino_loss_global,
+    )  # fmt: skip
+    centres = pf.testing.spawn_ranks(
+        dino_centre_on_rank, teacher, student, state, sizes, world_size=3
+    )
+    want = pf.losses.dino(teacher, student, state)[1]["center"]
+    for got in centres:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"student_out": torch.randn(6, 1, 5)}, ValueError, "at least max"),
+        ({"student_out": torch.randn(5, 4, 5)}, ValueError, "student_out must be"),
+        ({"teacher_out": torch.randn(6, 5)}, ValueError, "teacher_out must be"),
+        ({"state": {"center": torch.zeros(4)}}, ValueError, "center"),
+        ({"state": {}}, TypeError, "dino_init"),
+        ({"teacher_temp": 0.0}, ValueError, "teacher_temp"),
+        ({"center_momentum": 1.5}, ValueError, "center_momentum"),
+    ],
+)
+def test_dino_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "teacher_out": torch.randn(6, 2, 5),
+        "student_out": torch.randn(6, 4, 5),
+        "state": pf.losses.dino_init(5),
+        **change,
+    }
+    with pytest.raises(error, match=match):
+        pf.losses.dino(**kw)

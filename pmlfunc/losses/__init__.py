@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -100,6 +100,8 @@ from .ranking import (
 from .retrieval import multiple_negatives_ranking, multiple_negatives_ranking_init
 from .self_supervised import (
     barlow_twins,
+    dino,
+    dino_init,
     hypersphere,
     negative_cosine_similarity,
     sym_neg_cosine_similarity,
@@ -123,6 +125,8 @@ __all__ = [
     "cosface",
     "cosface_init",
     "decoupled_contrastive",
+    "dino",
+    "dino_init",
     "distill_kl_div",
     "dynamic_arcface",
     "dynamic_arcface_init",

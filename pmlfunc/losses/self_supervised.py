@@ -7,6 +7,7 @@
 | :func:`negative_cosine_similarity` | ``−mean_i cos(a_i, b_i)`` | none (lightly's ``NegativeCosineSimilarity``) |
 | :func:`sym_neg_cosine_similarity` | BYOL/SimSiam's symmetric form, targets detached | none (lightly's ``SymNegCosineSimilarityLoss``) |
 | :func:`hypersphere` | alignment + uniformity on the sphere | none (lightly's ``HypersphereLoss``) |
+| :func:`dino` | student views against the centred, sharpened teacher views; the centre as state | none (lightly's ``DINOLoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -28,11 +29,13 @@ from torch import Tensor
 
 from .. import _checks, _global
 from .._global import total
-from .._ops import matmul, scalar_like
+from .._ops import einsum, matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, none, reduce
 
 __all__ = [
     "barlow_twins",
+    "dino",
+    "dino_init",
     "hypersphere",
     "negative_cosine_similarity",
     "sym_neg_cosine_similarity",
@@ -379,3 +382,126 @@ def _uniformity(x: Tensor, t: float | Tensor) -> Tensor:
     upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
     logits = torch.where(upper, -t * sq, -torch.inf)
     return torch.logsumexp(logits.flatten(), 0) - math.log(n * (n - 1) / 2)
+
+
+def dino_init(
+    output_dim: int, *, dtype: torch.dtype = torch.float32, device=None
+) -> dict[str, Tensor]:
+    """The state of :func:`dino`: ``{"center": (output_dim,) zeros}`` (DINO's initial centre).
+
+    Example:
+        >>> pf.losses.dino_init(4)["center"]
+        tensor([0., 0., 0., 0.])
+    """
+    _checks.integer(output_dim, "output_dim")
+    return {"center": torch.zeros(output_dim, dtype=dtype, device=device)}
+
+
+@_global.reduces_statistics("teacher_out", "student_out")
+def dino(
+    teacher_out: Tensor,
+    student_out: Tensor,
+    state: dict[str, Tensor],
+    *,
+    teacher_temp: float | Tensor = 0.04,
+    student_temp: float | Tensor = 0.1,
+    center_momentum: float | Tensor = 0.9,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""DINO's self-distillation loss over views, with the teacher's centre as explicit state.
+
+    Row ``n`` holds one image's views: ``teacher_out`` ``(N, V_t, K)`` the teacher's outputs of
+    its ``V_t`` global crops, ``student_out`` ``(N, V_s, K)`` the student's outputs of every
+    crop, the first ``V_t`` being the same global crops. With ``c`` the centre,
+
+    .. math::
+        P_t^{(i)} = \operatorname{softmax}\big((t_i - c) / τ_t\big), \qquad
+        \log P_s^{(v)} = \operatorname{log\,softmax}(s_v / τ_s),
+
+    .. math::
+        L = \frac{1}{|\{(i, v): i \ne v\}|} \sum_{i < V_t} \sum_{v \ne i}
+            \frac1N \sum_n - P_t^{(i)} \cdot \log P_s^{(v)}
+
+    (no gradient through the teacher), and the new centre is
+    ``m · c + (1 − m) · mean_{n, i} t_i``. Returns ``(L, {"center": new centre})``: the state
+    goes in and comes out, so a compiled or captured step sees it. ``teacher_temp`` may be a 0-d
+    tensor, the schedule's value this step (DINO warms it up from 0.04 to 0.07).
+
+    lightly's ``DINOLoss`` (``output_dim``, ``warmup_teacher_temp`` ... its epoch schedule is
+    the caller's here) takes lists of views; stack them as ``torch.stack(views, 1)``. Under
+    :func:`pmlfunc.distributed.global_objective` the means over rows and the centre's batch
+    mean are the global batch's (all-reduced, no gather), so every rank's new centre is the
+    same.
+
+    Args:
+        teacher_out: ``(N, V_t, K)`` float tensor (detached by the loss).
+        student_out: ``(N, V_s, K)`` float tensor, ``V_s ≥ V_t``, ``V_s ≥ 2``.
+        state: ``{"center": (K,)}`` from :func:`dino_init` or the previous step.
+        teacher_temp: ``τ_t > 0`` (default 0.04).
+        student_temp: ``τ_s > 0`` (default 0.1).
+        center_momentum: ``m`` in ``[0, 1]`` (default 0.9).
+
+    Returns:
+        ``(loss, new state)``: a 0-d tensor (float32 for float16/bfloat16 outputs, else their
+        dtype) and ``{"center": (K,)}`` in the state's dtype, detached.
+
+    Example:
+        >>> state = pf.losses.dino_init(32)
+        >>> teacher, student = torch.randn(8, 2, 32), torch.randn(8, 6, 32)
+        >>> loss, state = pf.losses.dino(teacher, student, state)
+
+    Reference: Caron et al., "Emerging Properties in Self-Supervised Vision Transformers"
+    (DINO), ICCV 2021.
+    """
+    t, s_out, center = _dino_inputs(teacher_out, student_out, state)
+    tau_t = scalar_like(_checks.hyper(teacher_temp, "teacher_temp", positive=True), t)
+    tau_s = scalar_like(_checks.hyper(student_temp, "student_temp", positive=True), t)
+    m = _checks.hyper(center_momentum, "center_momentum", nonnegative=True)
+    if not isinstance(m, Tensor) and m > 1:
+        raise ValueError(f"center_momentum must be in [0, 1], got {m}")
+    n_t, n_s = t.shape[1], s_out.shape[1]
+    teacher = torch.softmax((t - center.to(t.dtype)) / tau_t, dim=-1)  # (N, V_t, K)
+    log_student = torch.log_softmax(s_out / tau_s, dim=-1)  # (N, V_s, K)
+    # −⟨P_t^(i), log P_s^(v)⟩ for every pair, summed over the rows: (V_t, V_s)
+    cross = -einsum("nik,nvk->iv", teacher, log_student)
+    own = torch.eye(n_t, n_s, dtype=torch.bool, device=t.device)  # v = i: the same crop
+    pairs = n_t * n_s - n_t
+    n = total(torch.full((), t.shape[0], dtype=t.dtype, device=t.device))
+    loss = total(cross.masked_fill(own, 0.0).sum()) / (n * pairs)
+    batch_center = total(t.sum((0, 1))) / (n * n_t)
+    m_ = scalar_like(m, t)
+    new_center = (m_ * center.to(t.dtype) + (1 - m_) * batch_center).to(center.dtype)
+    return loss, {"center": new_center}
+
+
+def _dino_inputs(teacher_out, student_out, state) -> tuple[Tensor, Tensor, Tensor]:
+    """The views in the compute dtype (the teacher detached) and the centre, checked."""
+    _checks.tensor(teacher_out, "teacher_out")
+    _checks.tensor(student_out, "student_out")
+    for x, name in ((teacher_out, "teacher_out"), (student_out, "student_out")):
+        if x.dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be (N, views, K), got shape {tuple(x.shape)}")
+    if teacher_out.shape[0] == 0 and not _global.active():
+        raise ValueError("teacher_out has no rows (an empty batch)")
+    n, v_t, k = teacher_out.shape
+    if student_out.shape[0] != n or student_out.shape[2] != k:
+        raise ValueError(
+            f"student_out must be ({n}, views, {k}) (teacher_out's rows and width), got "
+            f"{tuple(student_out.shape)}"
+        )
+    if v_t < 1 or student_out.shape[1] < max(v_t, 2):
+        raise ValueError(
+            f"student_out needs at least max(2, V_t = {v_t}) views (its first V_t are the "
+            f"teacher's crops), got {student_out.shape[1]}"
+        )
+    if not isinstance(state, dict) or not isinstance(state.get("center"), Tensor):
+        raise TypeError("state must be {'center': (K,) tensor} from pf.losses.dino_init")
+    center = state["center"]
+    if center.shape != (k,) or center.device != teacher_out.device:
+        raise ValueError(
+            f"state['center'] must be ({k},) on {teacher_out.device}, got "
+            f"{tuple(center.shape)} on {center.device}"
+        )
+    cd = _checks.compute_dtype(torch.promote_types(teacher_out.dtype, student_out.dtype))
+    return teacher_out.detach().to(cd), student_out.to(cd), center.detach()

@@ -108,3 +108,24 @@ def hypersphere(a, b, t=1.0, lam=1.0, alpha=2.0):
         return torch.log(sum(terms) / len(terms))
 
     return align + lam * (unif(ua) + unif(ub)) / 2
+
+
+def dino(teacher, student, center, teacher_temp=0.04, student_temp=0.1, center_momentum=0.9):
+    """DINO (Caron et al. 2021, Algorithm 1) over views, row by row: the teacher's views
+    centred and sharpened, ``H(P_t^(i), P_s^(v))`` for every pair ``v ≠ i`` averaged over the
+    rows and the pairs; the centre ``m c + (1 − m) mean(teacher)``."""
+    n, v_t, _ = teacher.shape
+    v_s = student.shape[1]
+    loss, pairs = 0.0, 0
+    for i in range(v_t):
+        for v in range(v_s):
+            if v == i:
+                continue
+            pairs += 1
+            for r in range(n):
+                pt = torch.softmax((teacher[r, i].detach() - center) / teacher_temp, 0)
+                ls = torch.log_softmax(student[r, v] / student_temp, 0)
+                loss = loss - (pt * ls).sum() / n
+    rows = [teacher[r, i].detach() for r in range(n) for i in range(v_t)]
+    new_center = center_momentum * center + (1 - center_momentum) * sum(rows) / len(rows)
+    return loss / pairs, new_center
