@@ -329,6 +329,19 @@ def _dino(d: Draw) -> Call:
     )
 
 
+def _swav(d: Draw) -> Call:
+    """Two low-resolution crops' prototype scores differentiated (``embeddings``,
+    ``(B, 2, D)``); the two high-resolution crops' drawn and held, in values bfloat16 holds
+    exactly: their codes are computed without a gradient by design (so a numerical gradient
+    through them would not match), and tests/test_self_supervised.py checks their gradient
+    as predictions against the float64 loops."""
+    high = d._made(d.randn(B, 2, D).to(torch.bfloat16).to(d.dtype))
+    return Call(
+        {"embeddings": d.randn(B, 2, D)},
+        lambda embeddings: pf.losses.swav(high.to(embeddings.dtype), embeddings),
+    )
+
+
 def _sym_neg_cosine_similarity(d: Draw) -> Call:
     """The predictions ``p0``, ``p1`` differentiated (``embeddings``, ``ref_emb``); the
     projections ``z0``, ``z1`` drawn and held (the loss detaches them: no gradient by design,
@@ -669,6 +682,7 @@ LOSSES: dict[str, Entry] = {
     "sym_neg_cosine_similarity": Entry(L.sym_neg_cosine_similarity, _sym_neg_cosine_similarity),
     "hypersphere": Entry(L.hypersphere, two_views(L.hypersphere, t=2.0, lam=0.5)),
     "dino": Entry(L.dino, _dino),
+    "swav": Entry(L.swav, _swav),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

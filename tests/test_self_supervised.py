@@ -426,3 +426,86 @@ def test_dino_bad_input_raises_naming_the_argument(change, error, match):
     }
     with pytest.raises(error, match=match):
         pf.losses.dino(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# swav: Sinkhorn-Knopp codes of the global batch
+# ----------------------------------------------------------------------------------------------
+def _swav_crops(gen, n=6, v_h=2, v_l=3, k=4):
+    return randn(gen, n, v_h, k).tanh(), randn(gen, n, v_l, k).tanh()
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [{}, {"temperature": 0.3, "sinkhorn_iterations": 5, "sinkhorn_epsilon": 0.1}],
+    ids=["default", "hp"],
+)
+@pytest.mark.parametrize("with_low", [True, False], ids=["low-resolution", "high-only"])
+def test_swav_equals_the_float64_loops(gen, hp, with_low):
+    high, low = _swav_crops(gen)
+    ref_hp = {
+        "temperature": hp.get("temperature", 0.1),
+        "iterations": hp.get("sinkhorn_iterations", 3),
+        "eps": hp.get("sinkhorn_epsilon", 0.05),
+    }
+    if with_low:
+        got = value_and_grads(lambda h, lo: pf.losses.swav(h, lo, **hp), high, low)
+        want = value_and_grads(lambda h, lo: self_supervised.swav(h, lo, **ref_hp), high, low)
+    else:
+        got = value_and_grads(lambda h: pf.losses.swav(h, **hp), high)
+        want = value_and_grads(lambda h: self_supervised.swav(h, **ref_hp), high)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_swav_codes_are_an_equipartition_of_the_batch(gen):
+    """After many rounds each sample's codes sum to 1 and each prototype gets N/K of the
+    batch."""
+    from pmlfunc.losses.self_supervised import _sinkhorn
+
+    high, _ = _swav_crops(gen, n=8, k=4)
+    q = _sinkhorn(high, 0.5, 200)
+    torch.testing.assert_close(q.sum(-1), torch.ones(8, 2, dtype=F64))
+    torch.testing.assert_close(q.sum(0), torch.full((2, 4), 2.0, dtype=F64), rtol=1e-6, atol=1e-6)
+
+
+def test_swav_under_global_objective_is_the_single_process_loss(gen):
+    """Every Sinkhorn round's prototype sums and the means over rows all-reduced: ranks of 0,
+    3 and 5 rows give one process's loss and gradients on the whole batch."""
+    high, low = _swav_crops(gen, n=8)
+    report = pf.testing.check_distributed(
+        pf.losses.swav, high, low, world_size=3, sizes=(0, 3, 5), rtol=1e-9, atol=1e-11
+    )
+    assert set(report.grad_diffs) == {"high_resolution_outputs", "low_resolution_outputs"}
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (
+            {"low_resolution_outputs": None, "high_resolution_outputs": torch.randn(6, 1, 4)},
+            ValueError,
+            "at least 2 crops",
+        ),
+        (
+            {"low_resolution_outputs": torch.randn(5, 3, 4)},
+            ValueError,
+            "low_resolution_outputs must be",
+        ),
+        (
+            {"high_resolution_outputs": torch.randn(6, 4)},
+            ValueError,
+            "high_resolution_outputs must be",
+        ),
+        ({"sinkhorn_iterations": -1}, ValueError, "sinkhorn_iterations"),
+        ({"sinkhorn_epsilon": 0.0}, ValueError, "sinkhorn_epsilon"),
+        ({"temperature": -0.1}, ValueError, "temperature"),
+    ],
+)
+def test_swav_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "high_resolution_outputs": torch.randn(6, 2, 4),
+        "low_resolution_outputs": torch.randn(6, 3, 4),
+        **change,
+    }
+    with pytest.raises(error, match=match):
+        pf.losses.swav(**kw)

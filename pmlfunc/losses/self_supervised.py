@@ -8,6 +8,7 @@
 | :func:`sym_neg_cosine_similarity` | BYOL/SimSiam's symmetric form, targets detached | none (lightly's ``SymNegCosineSimilarityLoss``) |
 | :func:`hypersphere` | alignment + uniformity on the sphere | none (lightly's ``HypersphereLoss``) |
 | :func:`dino` | student views against the centred, sharpened teacher views; the centre as state | none (lightly's ``DINOLoss``) |
+| :func:`swav` | each crop predicts the Sinkhorn–Knopp codes of the other high-resolution crops | none (lightly's ``SwaVLoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -38,6 +39,7 @@ __all__ = [
     "dino_init",
     "hypersphere",
     "negative_cosine_similarity",
+    "swav",
     "sym_neg_cosine_similarity",
     "vicreg",
 ]
@@ -505,3 +507,106 @@ def _dino_inputs(teacher_out, student_out, state) -> tuple[Tensor, Tensor, Tenso
         )
     cd = _checks.compute_dtype(torch.promote_types(teacher_out.dtype, student_out.dtype))
     return teacher_out.detach().to(cd), student_out.to(cd), center.detach()
+
+
+@_global.reduces_statistics("high_resolution_outputs", "low_resolution_outputs")
+def swav(
+    high_resolution_outputs: Tensor,
+    low_resolution_outputs: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 0.1,
+    sinkhorn_iterations: int = 3,
+    sinkhorn_epsilon: float | Tensor = 0.05,
+) -> Tensor:
+    r"""SwaV: every crop predicts the codes of the other high-resolution crops, the codes an
+    equipartition of the batch over the prototypes (Sinkhorn–Knopp).
+
+    Row ``n`` holds one image's crops' prototype scores (``z · cᵀ``, the prototypes the
+    caller's): ``high_resolution_outputs`` ``(N, V_h, K)``, ``low_resolution_outputs``
+    ``(N, V_l, K)`` or ``None``. For each high-resolution crop ``i`` the codes ``q^{(i)}`` are
+    ``sinkhorn_iterations`` rounds of Sinkhorn–Knopp on ``exp(s^{(i)} / ε)`` (``K × N``: each
+    prototype's row, then each sample's column normalised; no gradient), and
+
+    .. math::
+        L = \frac{1}{V_h} \sum_{i} \frac{1}{V_h + V_l - 1} \sum_{v \ne i}
+            -\frac1N \sum_n q^{(i)}_n \cdot \log\operatorname{softmax}(s^{(v)}_n / τ).
+
+    lightly's ``SwaVLoss`` (its lists of crops stacked as ``torch.stack(crops, 1)``); its
+    queue is not provided. Under :func:`pmlfunc.distributed.global_objective` the prototypes'
+    row sums of every Sinkhorn round and the means over rows are the global batch's
+    (all-reduced; lightly's ``sinkhorn_gather_distributed=True`` likewise, here also with
+    unequal ranks). ``exp(s / ε)`` is taken as the paper does: scores far above ``ε · 88``
+    (float32) overflow; normalised embeddings and prototypes keep them in ``[−1, 1]``.
+
+    Args:
+        high_resolution_outputs: ``(N, V_h, K)`` float tensor, ``V_h ≥ 1``.
+        low_resolution_outputs: ``None`` or ``(N, V_l, K)``; ``V_h + V_l ≥ 2``.
+        temperature: ``τ > 0`` of the predictions' softmax (default 0.1).
+        sinkhorn_iterations: rounds of Sinkhorn–Knopp (default 3; a fixed count: no host
+            sync).
+        sinkhorn_epsilon: ``ε > 0`` (default 0.05).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 outputs, else their dtype.
+
+    Example:
+        >>> high, low = torch.randn(8, 2, 16).tanh(), torch.randn(8, 4, 16).tanh()
+        >>> loss = pf.losses.swav(high, low)
+
+    Reference: Caron et al., "Unsupervised Learning of Visual Features by Contrasting Cluster
+    Assignments" (SwaV), NeurIPS 2020.
+    """
+    high, low = _swav_inputs(high_resolution_outputs, low_resolution_outputs)
+    tau = scalar_like(_checks.hyper(temperature, "temperature", positive=True), high)
+    eps = scalar_like(_checks.hyper(sinkhorn_epsilon, "sinkhorn_epsilon", positive=True), high)
+    _checks.integer(sinkhorn_iterations, "sinkhorn_iterations", minimum=0)
+    crops = high if low is None else torch.cat([high, low], 1)  # (N, V, K)
+    v_h, v = high.shape[1], crops.shape[1]
+    log_p = torch.log_softmax(crops / tau, dim=-1)  # every crop's predictions
+    with torch.no_grad():  # the codes of each high-resolution crop: (N, V_h, K)
+        codes = _sinkhorn(high.detach(), eps, sinkhorn_iterations)
+    # −Σ_n q^(i)_n · log p^(v)_n for every (i, v), summed over the rows: (V_h, V)
+    cross = -einsum("nik,nvk->iv", codes, log_p)
+    own = torch.eye(v_h, v, dtype=torch.bool, device=high.device)
+    n = total(torch.full((), high.shape[0], dtype=high.dtype, device=high.device))
+    return total(cross.masked_fill(own, 0.0).sum()) / (n * v_h * (v - 1))
+
+
+def _sinkhorn(scores: Tensor, eps: float | Tensor, iterations: int) -> Tensor:
+    """Sinkhorn–Knopp codes of each crop's scores ``(N, V, K)`` (crops independent): ``Q =
+    exp(s / ε)`` normalised to sum 1, then ``iterations`` rounds of prototype rows (summed over
+    the batch: :func:`pmlfunc._global.total`) and sample columns; each sample's codes sum to 1."""
+    q = torch.exp(scores / eps)
+    q = q / total(q.sum((0, 2), keepdim=True))  # per crop: the whole matrix sums to 1
+    for _ in range(iterations):
+        q = q / total(q.sum(0, keepdim=True))  # each prototype's row over the batch
+        q = q / q.sum(-1, keepdim=True)  # each sample's column
+    return q
+
+
+def _swav_inputs(high, low) -> tuple[Tensor, Tensor | None]:
+    """The crops in the compute dtype, checked: ``(N, V_h, K)`` and ``None`` or
+    ``(N, V_l, K)``."""
+    _checks.tensor(high, "high_resolution_outputs")
+    views = [(high, "high_resolution_outputs")]
+    if low is not None:
+        _checks.tensor(low, "low_resolution_outputs")
+        views.append((low, "low_resolution_outputs"))
+    for x, name in views:
+        if x.dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be (N, crops, K), got shape {tuple(x.shape)}")
+    n, v_h, k = high.shape
+    if n == 0 and not _global.active():
+        raise ValueError("high_resolution_outputs has no rows (an empty batch)")
+    if low is not None and (low.shape[0] != n or low.shape[2] != k):
+        raise ValueError(
+            f"low_resolution_outputs must be ({n}, crops, {k}) (the high-resolution crops' rows "
+            f"and width), got {tuple(low.shape)}"
+        )
+    if v_h < 1 or v_h + (0 if low is None else low.shape[1]) < 2:
+        raise ValueError("swav needs a high-resolution crop and at least 2 crops in all")
+    dtype = high.dtype if low is None else torch.promote_types(high.dtype, low.dtype)
+    cd = _checks.compute_dtype(dtype)
+    return high.to(cd), None if low is None else low.to(cd)

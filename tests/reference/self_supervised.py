@@ -129,3 +129,41 @@ def dino(teacher, student, center, teacher_temp=0.04, student_temp=0.1, center_m
     rows = [teacher[r, i].detach() for r in range(n) for i in range(v_t)]
     new_center = center_momentum * center + (1 - center_momentum) * sum(rows) / len(rows)
     return loss / pairs, new_center
+
+
+def _sinkhorn_loops(scores, eps, iterations):
+    """SwaV's Sinkhorn–Knopp (Caron et al. 2020, Algorithm 1) on one crop's ``(N, K)`` scores,
+    entry by entry: ``Q = exp(s / ε)ᵀ`` scaled to sum 1, then ``iterations`` rounds of rows
+    (each prototype's sum over the batch to ``1/K``) and columns (each sample's to ``1/N``);
+    returned ``N · Qᵀ`` (each sample's codes sum to 1)."""
+    n, k = scores.shape
+    q = [[torch.exp(scores[b, j] / eps) for b in range(n)] for j in range(k)]
+    whole = sum(sum(row) for row in q)
+    q = [[v / whole for v in row] for row in q]
+    for _ in range(iterations):
+        q = [[v / sum(row) / k for v in row] for row in q]
+        cols = [sum(q[j][b] for j in range(k)) for b in range(n)]
+        q = [[q[j][b] / cols[b] / n for b in range(n)] for j in range(k)]
+    return torch.stack([torch.stack([q[j][b] * n for j in range(k)]) for b in range(n)])
+
+
+def swav(high, low=None, temperature=0.1, iterations=3, eps=0.05):
+    """SwaV's swapped prediction: for each high-resolution crop ``i`` its codes, and the mean
+    over the other crops ``v`` of ``−mean_n Σ_k q_nk log softmax(z_v / τ)_nk``; the mean over
+    ``i``."""
+    crops = [high[:, i] for i in range(high.shape[1])]
+    crops += [] if low is None else [low[:, v] for v in range(low.shape[1])]
+    n = high.shape[0]
+    loss = 0.0
+    for i in range(high.shape[1]):
+        q = _sinkhorn_loops(high[:, i].detach(), eps, iterations)
+        sub = 0.0
+        for v, z in enumerate(crops):
+            if v == i:
+                continue
+            sub = (
+                sub
+                - sum((q[b] * torch.log_softmax(z[b] / temperature, 0)).sum() for b in range(n)) / n
+            )
+        loss = loss + sub / (len(crops) - 1)
+    return loss / high.shape[1]
