@@ -534,8 +534,9 @@ def swav(
     lightly's ``SwaVLoss`` (its lists of crops stacked as ``torch.stack(crops, 1)``); its
     queue is not provided. Under :func:`pmlfunc.distributed.global_objective` the prototypes'
     row sums of every Sinkhorn round and the means over rows are the global batch's
-    (all-reduced; lightly's ``sinkhorn_gather_distributed=True`` likewise, here also with
-    unequal ranks). ``exp(s / ε)`` is taken as the paper does: scores far above ``ε · 88``
+    (all-reduced). lightly's ``sinkhorn_gather_distributed=True`` all-reduces the same
+    Sinkhorn sums, but its loss is each rank's own mean, which DDP's averaging turns into the
+    global mean only when every rank holds as many rows. ``exp(s / ε)`` is taken as the paper does: scores far above ``ε · 88``
     (float32) overflow; normalised embeddings and prototypes keep them in ``[−1, 1]``.
 
     Args:
