@@ -1063,6 +1063,11 @@ EXEMPT: dict[tuple[Callable, str], str] = {
     (L.soft_triple, "margin"): "subtracted from the target logit",
     (L.tuplet_margin, "margin"): "an angle shift, cos(θ − β)",
     (L.vicreg, "eps"): "inside a square root",
+    (L.barlow_twins, "eps"): "added to the variance inside a square root",
+    (L.negative_cosine_similarity, "eps"): "a floor on each norm (F.cosine_similarity's)",
+    (L.sym_neg_cosine_similarity, "eps"): "a floor on each norm (F.cosine_similarity's)",
+    (L.hypersphere, "alpha"): "the alignment's power, not a threshold",
+    (L.swav, "sinkhorn_epsilon"): "Sinkhorn's entropic temperature, exp(s / ε): a scale",
 }
 
 _THRESHOLD_NAMES = re.compile(

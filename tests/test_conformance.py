@@ -95,6 +95,7 @@ EXCLUDED = {
         )
     },
     "dynamic_soft_margin_init_state": "builds the histogram state of dynamic_soft_margin",
+    "dino_init": "builds the centre state of dino",
     # helpers that compute a loss's inputs, not a loss
     "dynamic_arcface_margins": "computes dynamic_arcface's per-class margins from class counts",
     "manifold_meta_classes": "draws manifold's meta-classes from a seed (manifold's generator=)",
