@@ -1068,6 +1068,7 @@ EXEMPT: dict[tuple[Callable, str], str] = {
     (L.sym_neg_cosine_similarity, "eps"): "a floor on each norm (F.cosine_similarity's)",
     (L.hypersphere, "alpha"): "the alignment's power, not a threshold",
     (L.swav, "sinkhorn_epsilon"): "Sinkhorn's entropic temperature, exp(s / ε): a scale",
+    (L.tico, "beta"): "the running covariance's momentum, not a threshold",
 }
 
 _THRESHOLD_NAMES = re.compile(

@@ -96,6 +96,7 @@ EXCLUDED = {
     },
     "dynamic_soft_margin_init_state": "builds the histogram state of dynamic_soft_margin",
     "dino_init": "builds the centre state of dino",
+    "tico_init": "builds the covariance state of tico",
     # helpers that compute a loss's inputs, not a loss
     "dynamic_arcface_margins": "computes dynamic_arcface's per-class margins from class counts",
     "manifold_meta_classes": "draws manifold's meta-classes from a seed (manifold's generator=)",
@@ -341,6 +342,14 @@ def _swav(d: Draw) -> Call:
         {"embeddings": d.randn(B, 2, D)},
         lambda embeddings: pf.losses.swav(high.to(embeddings.dtype), embeddings),
     )
+
+
+def _tico(d: Draw) -> Call:
+    """Both views differentiated; the running covariance drawn (a PSD matrix) and held."""
+    c = d.randn(D, D)
+    state = {"covariance": d._made(c @ c.T / D)}
+    wrt = {"embeddings": d.randn(B, D), "ref_emb": d.randn(B, D)}
+    return Call(wrt, lambda embeddings, ref_emb: pf.losses.tico(embeddings, ref_emb, state))
 
 
 def _sym_neg_cosine_similarity(d: Draw) -> Call:
@@ -684,6 +693,7 @@ LOSSES: dict[str, Entry] = {
     "hypersphere": Entry(L.hypersphere, two_views(L.hypersphere, t=2.0, lam=0.5)),
     "dino": Entry(L.dino, _dino),
     "swav": Entry(L.swav, _swav),
+    "tico": Entry(L.tico, _tico),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

@@ -377,14 +377,15 @@ def dino_loss_global(teacher, student, state, **hp):
     return pf.distributed.global_objective(pf.losses.dino)(teacher, student, state, **hp)[0]
 
 
-def dino_centre_on_rank(teacher, student, state, sizes):
-    """One rank's new centre under global_objective, from its rows of the batch."""
+def new_state_on_rank(name, first, second, state, sizes):
+    """One rank's new state from ``global_objective(pf.losses.<name>)`` on its rows of the
+    batch (a stateful loss of two batch arguments)."""
     import torch.distributed as dist
 
     r0 = sum(sizes[: dist.get_rank()])
     rows = slice(r0, r0 + sizes[dist.get_rank()])
-    _, new = pf.distributed.global_objective(pf.losses.dino)(teacher[rows], student[rows], state)
-    return new["center"]
+    loss_fn = pf.distributed.global_objective(getattr(pf.losses, name))
+    return loss_fn(first[rows], second[rows], state)[1]
 
 
 def test_dino_under_global_objective_is_the_single_process_loss_and_centre(gen):
@@ -398,11 +399,11 @@ def test_dino_under_global_objective_is_the_single_process_loss_and_centre(gen):
         distributed_fn=dino_loss_global,
     )  # fmt: skip
     centres = pf.testing.spawn_ranks(
-        dino_centre_on_rank, teacher, student, state, sizes, world_size=3
+        new_state_on_rank, "dino", teacher, student, state, sizes, world_size=3
     )
     want = pf.losses.dino(teacher, student, state)[1]["center"]
     for got in centres:
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got["center"], want, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(
@@ -509,3 +510,66 @@ def test_swav_bad_input_raises_naming_the_argument(change, error, match):
     }
     with pytest.raises(error, match=match):
         pf.losses.swav(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# tico: the running covariance as explicit state
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hp", [{}, {"beta": 0.5, "rho": 3.0}], ids=["default", "hp"])
+def test_tico_equals_the_float64_loops_on_loss_gradients_and_new_covariance(gen, hp):
+    za, zb = randn(gen, 6, 4), randn(gen, 6, 4)
+    c0 = randn(gen, 4, 4)
+    c0 = c0 @ c0.T / 4  # a covariance from earlier steps
+    state = {"covariance": c0.clone()}
+    got = value_and_grads(lambda a, b: pf.losses.tico(a, b, state, **hp), za, zb)
+    want = value_and_grads(lambda a, b: self_supervised.tico(a, b, c0, **hp), za, zb)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+    _, new = pf.losses.tico(za, zb, state, **hp)
+    torch.testing.assert_close(new["covariance"], self_supervised.tico(za, zb, c0, **hp)[1])
+    torch.testing.assert_close(state["covariance"], c0)  # the state given is not changed
+    assert not new["covariance"].requires_grad
+
+
+def tico_loss(za, zb, state):
+    """:func:`pf.losses.tico`'s loss alone (check_distributed compares a loss)."""
+    return pf.losses.tico(za, zb, state)[0]
+
+
+def tico_loss_global(za, zb, state):
+    return pf.distributed.global_objective(pf.losses.tico)(za, zb, state)[0]
+
+
+def test_tico_under_global_objective_is_the_single_process_loss_and_covariance(gen):
+    """``ÂᵀÂ``, ``N`` and the means all-reduced: ranks of 0, 3 and 4 rows give one process's
+    loss and gradients, and every rank the same new covariance."""
+    za, zb = randn(gen, 7, 4), randn(gen, 7, 4)
+    state, sizes = pf.losses.tico_init(4, dtype=F64), (0, 3, 4)
+    pf.testing.check_distributed(
+        tico_loss, za, zb, state, world_size=3, sizes=sizes, rtol=1e-9, atol=1e-11,
+        distributed_fn=tico_loss_global,
+    )  # fmt: skip
+    got = pf.testing.spawn_ranks(new_state_on_rank, "tico", za, zb, state, sizes, world_size=3)
+    want = pf.losses.tico(za, zb, state)[1]["covariance"]
+    for new in got:
+        torch.testing.assert_close(new["covariance"], want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"state": {"covariance": torch.zeros(3, 3)}}, ValueError, "covariance"),
+        ({"state": {}}, TypeError, "tico_init"),
+        ({"beta": 1.5}, ValueError, "beta"),
+        ({"rho": -1.0}, ValueError, "rho"),
+        ({"emb_b": torch.randn(5, 4)}, ValueError, "as many"),
+    ],
+)
+def test_tico_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "emb_a": torch.randn(6, 4),
+        "emb_b": torch.randn(6, 4),
+        "state": pf.losses.tico_init(4),
+        **change,
+    }
+    with pytest.raises(error, match=match):
+        pf.losses.tico(**kw)

@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -106,6 +106,8 @@ from .self_supervised import (
     negative_cosine_similarity,
     swav,
     sym_neg_cosine_similarity,
+    tico,
+    tico_init,
     vicreg,
 )
 from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
@@ -185,6 +187,8 @@ __all__ = [
     "swav",
     "sym_neg_cosine_similarity",
     "threshold_consistent_margin",
+    "tico",
+    "tico_init",
     "triplet_margin",
     "tuplet_margin",
     "vicreg",

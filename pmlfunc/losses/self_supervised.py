@@ -9,6 +9,7 @@
 | :func:`hypersphere` | alignment + uniformity on the sphere | none (lightly's ``HypersphereLoss``) |
 | :func:`dino` | student views against the centred, sharpened teacher views; the centre as state | none (lightly's ``DINOLoss``) |
 | :func:`swav` | each crop predicts the Sinkhorn–Knopp codes of the other high-resolution crops | none (lightly's ``SwaVLoss``) |
+| :func:`tico` | alignment plus a running covariance penalty; the covariance as state | none (lightly's ``TiCoLoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -41,6 +42,8 @@ __all__ = [
     "negative_cosine_similarity",
     "swav",
     "sym_neg_cosine_similarity",
+    "tico",
+    "tico_init",
     "vicreg",
 ]
 
@@ -457,9 +460,7 @@ def dino(
     t, s_out, center = _dino_inputs(teacher_out, student_out, state)
     tau_t = scalar_like(_checks.hyper(teacher_temp, "teacher_temp", positive=True), t)
     tau_s = scalar_like(_checks.hyper(student_temp, "student_temp", positive=True), t)
-    m = _checks.hyper(center_momentum, "center_momentum", nonnegative=True)
-    if not isinstance(m, Tensor) and m > 1:
-        raise ValueError(f"center_momentum must be in [0, 1], got {m}")
+    m = _momentum(center_momentum, "center_momentum")
     n_t, n_s = t.shape[1], s_out.shape[1]
     teacher = torch.softmax((t - center.to(t.dtype)) / tau_t, dim=-1)  # (N, V_t, K)
     log_student = torch.log_softmax(s_out / tau_s, dim=-1)  # (N, V_s, K)
@@ -497,14 +498,7 @@ def _dino_inputs(teacher_out, student_out, state) -> tuple[Tensor, Tensor, Tenso
             f"student_out needs at least max(2, V_t = {v_t}) views (its first V_t are the "
             f"teacher's crops), got {student_out.shape[1]}"
         )
-    if not isinstance(state, dict) or not isinstance(state.get("center"), Tensor):
-        raise TypeError("state must be {'center': (K,) tensor} from pf.losses.dino_init")
-    center = state["center"]
-    if center.shape != (k,) or center.device != teacher_out.device:
-        raise ValueError(
-            f"state['center'] must be ({k},) on {teacher_out.device}, got "
-            f"{tuple(center.shape)} on {center.device}"
-        )
+    center = _state(state, "center", (k,), teacher_out.device, "dino_init")
     cd = _checks.compute_dtype(torch.promote_types(teacher_out.dtype, student_out.dtype))
     return teacher_out.detach().to(cd), student_out.to(cd), center.detach()
 
@@ -611,3 +605,95 @@ def _swav_inputs(high, low) -> tuple[Tensor, Tensor | None]:
     dtype = high.dtype if low is None else torch.promote_types(high.dtype, low.dtype)
     cd = _checks.compute_dtype(dtype)
     return high.to(cd), None if low is None else low.to(cd)
+
+
+def tico_init(
+    embedding_size: int, *, dtype: torch.dtype = torch.float32, device=None
+) -> dict[str, Tensor]:
+    """The state of :func:`tico`: ``{"covariance": (D, D) zeros}`` (TiCo's initial ``C``).
+
+    Example:
+        >>> pf.losses.tico_init(3)["covariance"].shape
+        torch.Size([3, 3])
+    """
+    _checks.integer(embedding_size, "embedding_size")
+    return {"covariance": torch.zeros(embedding_size, embedding_size, dtype=dtype, device=device)}
+
+
+@_global.reduces_statistics("emb_a", "emb_b")
+def tico(
+    emb_a: Tensor,
+    emb_b: Tensor,
+    state: dict[str, Tensor],
+    *,
+    beta: float | Tensor = 0.9,
+    rho: float | Tensor = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""TiCo (transformation invariance and covariance contrast), the running covariance as
+    explicit state.
+
+    With ``â``, ``b̂`` the L2-normalised rows and ``C₀`` the state's covariance,
+
+    .. math::
+        C = β C_0 + (1 - β) \tfrac1N \hat A^⊤ \hat A, \qquad
+        L = 1 - \tfrac1N \sum_n \hat a_n \cdot \hat b_n
+            + ρ \tfrac1N \sum_n \hat a_n^⊤ C \hat a_n,
+
+    the gradient flowing through this batch's part of ``C``; returns ``(L, {"covariance": C})``
+    (``C`` detached). lightly's ``TiCoLoss`` (``update_covariance_matrix=False``: keep the
+    returned state unused). Under :func:`pmlfunc.distributed.global_objective` ``Â^⊤Â``, ``N``
+    and the means are the global batch's (all-reduced, no gather), so every rank's new
+    covariance is the same.
+
+    Args:
+        emb_a: ``(N, D)`` float tensor, the first view.
+        emb_b: ``(N, D)`` float tensor, row-aligned.
+        state: ``{"covariance": (D, D)}`` from :func:`tico_init` or the previous step.
+        beta: ``β`` in ``[0, 1]``, the covariance's momentum (default 0.9).
+        rho: ``ρ ≥ 0``, the covariance penalty's weight (default 20).
+
+    Returns:
+        ``(loss, new state)``: a 0-d tensor (float32 for float16/bfloat16 embeddings, else
+        their dtype) and ``{"covariance": (D, D)}`` in the state's dtype, detached.
+
+    Example:
+        >>> state = pf.losses.tico_init(16)
+        >>> loss, state = pf.losses.tico(torch.randn(8, 16), torch.randn(8, 16), state)
+
+    Reference: Zhu, Liu, Huang, "TiCo: Transformation Invariance and Covariance Contrast for
+    Self-Supervised Visual Representation Learning", 2022.
+    """
+    a, b = _two_views(emb_a, emb_b, "tico")
+    d = a.shape[1]
+    c0 = _state(state, "covariance", (d, d), a.device, "tico_init")
+    beta_ = _momentum(beta, "beta")
+    rho_ = _checks.hyper(rho, "rho", nonnegative=True)
+    cd = _checks.compute_dtype(a.dtype)
+    x, y = F.normalize(a.to(cd), dim=-1), F.normalize(b.to(cd), dim=-1)
+    n = total(torch.full((), x.shape[0], dtype=cd, device=x.device))
+    m = scalar_like(beta_, x)
+    cov = m * c0.detach().to(cd) + (1 - m) * total(matmul(x.transpose(0, 1), x)) / n
+    align = total((x * y).sum()) / n
+    penalty = total((matmul(x, cov) * x).sum()) / n
+    loss = 1 - align + scalar_like(rho_, x) * penalty
+    return loss, {"covariance": cov.detach().to(c0.dtype)}
+
+
+def _momentum(value: float | Tensor, name: str) -> float | Tensor:
+    """A momentum in ``[0, 1]`` (a 0-d tensor is not read: no host sync)."""
+    m = _checks.hyper(value, name, nonnegative=True)
+    if not isinstance(m, Tensor) and m > 1:
+        raise ValueError(f"{name} must be in [0, 1], got {m}")
+    return m
+
+
+def _state(state: object, key: str, shape: tuple[int, ...], device, init: str) -> Tensor:
+    """``state[key]``, a tensor of ``shape`` on ``device`` (the state :func:`{init}` makes)."""
+    if not isinstance(state, dict) or not isinstance(state.get(key), Tensor):
+        raise TypeError(f"state must be {{{key!r}: {shape} tensor}} from pf.losses.{init}")
+    t = state[key]
+    if t.shape != shape or t.device != device:
+        raise ValueError(
+            f"state[{key!r}] must be {shape} on {device}, got {tuple(t.shape)} on {t.device}"
+        )
+    return t

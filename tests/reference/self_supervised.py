@@ -167,3 +167,15 @@ def swav(high, low=None, temperature=0.1, iterations=3, eps=0.05):
             )
         loss = loss + sub / (len(crops) - 1)
     return loss / high.shape[1]
+
+
+def tico(za, zb, c0, beta=0.9, rho=20.0):
+    """TiCo (Zhu et al. 2022), row by row on unit rows: ``C = β C₀ + (1 − β) Σ_n a_n a_nᵀ / N``,
+    ``L = 1 − mean_n a_n·b_n + ρ mean_n a_nᵀ C a_n``; returns ``(L, C)``."""
+    n = za.shape[0]
+    a = [za[i] / za[i].norm() for i in range(n)]
+    b = [zb[i] / zb[i].norm() for i in range(n)]
+    c = beta * c0 + (1 - beta) * sum(torch.outer(v, v) for v in a) / n
+    align = sum(torch.dot(a[i], b[i]) for i in range(n)) / n
+    penalty = sum(torch.dot(a[i], c @ a[i]) for i in range(n)) / n
+    return 1 - align + rho * penalty, c
