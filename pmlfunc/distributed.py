@@ -442,19 +442,13 @@ def _statistics_objective(loss_fn, group, timeout):
         with session.guard("computing the loss"), _global.summing(summed):
             return loss_fn(*args, **kwargs)
 
-    eager = _eager_only(
+    return _eager_when_active(
+        loss_fn,
         statistics,
+        group,
         f"pmlfunc: {what} runs eagerly (its all-reduces wait on the host); under "
         "torch.compile(fullgraph=True) compile the loss's callers, not the objective",
     )
-
-    @functools.wraps(loss_fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Tensor:
-        if not is_active(group):
-            return loss_fn(*args, **kwargs)
-        return eager(*args, **kwargs)
-
-    return wrapped
 
 
 def _ring_objective(loss_fn, group, timeout):
@@ -497,19 +491,27 @@ def _ring_objective(loss_fn, group, timeout):
         _refuse_empty(sizes[batch[0]], what, batch[0])
         return ring_loss(calls[0], session, sizes[batch[0]])
 
-    # Dynamo never traces the ring (point-to-point sends, host waits): under torch.compile it is
-    # a graph break that runs eagerly, and with fullgraph=True dynamo's error gives this reason.
-    eager_ring = _eager_only(
+    return _eager_when_active(
+        loss_fn,
         ring,
+        group,
         f"pmlfunc: {what} runs eagerly (point-to-point sends and waits on the host); "
         "under torch.compile(fullgraph=True) use exchange='gather'",
     )
+
+
+def _eager_when_active(loss_fn: Callable, fn: Callable, group, reason: str) -> Callable:
+    """``loss_fn`` outside an initialised process group, else ``fn`` excluded from
+    ``torch.compile`` with ``reason`` (:func:`_eager_only`): dynamo never traces host waits; under
+    compile the call is a graph break that runs eagerly, and with ``fullgraph=True`` dynamo's
+    error gives this reason."""
+    eager = _eager_only(fn, reason)
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Tensor:
         if not is_active(group):
             return loss_fn(*args, **kwargs)
-        return eager_ring(*args, **kwargs)
+        return eager(*args, **kwargs)
 
     return wrapped
 

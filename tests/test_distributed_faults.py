@@ -76,6 +76,10 @@ def _disagreements() -> dict[str, tuple[str, str]]:
         "hard negatives a row (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2 if first else 3)),
         "anchor ids on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2), **({"anchor_ids": labels} if first else {})),
         "guide on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, **({"guide": (emb.detach(), pair_b.detach())} if first else {})),
+        "statistics width": lambda: gather(pf.losses.barlow_twins)(_batch(6, d=D + rank)[0], _batch(6, d=D + rank)[0]),
+        "statistics momentum": lambda: gather(pf.losses.dino)(
+            emb.view(6, 2, 3), emb.view(6, 2, 3), pf.losses.dino_init(3, dtype=torch.float64), center_momentum=0.9 if first else 0.8
+        )[0],
         "labels of the wrong length on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels[:4]),
         "labels a list on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels.tolist()),
     }  # fmt: skip
@@ -97,6 +101,8 @@ DISAGREEMENTS = {
     "hard negatives a row (ring)": ("negatives", "(*, 2, 6)", "(*, 3, 6)"),
     "anchor ids on one rank (ring)": ("anchor_ids", "None", "given on some ranks only"),
     "guide on one rank (ring)": ("guide[0]", "(not given)", "given on some ranks only"),
+    "statistics width": ("emb_a", "(*, 6)", "(*, 7)"),
+    "statistics momentum": ("center_momentum", "0.9", "0.8"),
     "different losses": ("different calls", "ntxent", "supcon"),
     "different exchanges": ("different calls", "exchange='ring'"),
     "requires_grad": ("embeddings", "requires_grad"),
@@ -292,6 +298,34 @@ def _absent_rank() -> tuple[str, str, tuple[int, ...] | None, bool | None, float
         return "ok", "", None, None, time.monotonic() - start
     except RankError as err:
         return type(err).__name__, str(err), err.ranks, err.timed_out, time.monotonic() - start
+
+
+def _statistics_fault() -> tuple[str, str, tuple[int, ...] | None, float]:
+    """Rank 1's statistics loss raises after the agreement; rank 0 waits in its first all-reduce."""
+    from pmlfunc.losses import self_supervised
+
+    if dist.get_rank() == 1:
+
+        def broken(*args, **kwargs):
+            raise ValueError("this rank's statistics broke")
+
+        self_supervised._mean_cosine = broken  # a fresh process: nothing else sees it
+    a, b = _batch(6)[0], _batch(6, seed=1)[0]
+    start = time.monotonic()
+    try:
+        distributed.global_objective(pf.losses.negative_cosine_similarity, timeout=60.0)(a, b)
+        return "ok", "", None, time.monotonic() - start
+    except Exception as err:
+        ranks = err.ranks if isinstance(err, RankError) else None
+        return type(err).__name__, str(err), ranks, time.monotonic() - start
+
+
+def test_a_rank_whose_statistics_loss_fails_is_named_by_the_rank_waiting_in_the_all_reduce():
+    results = spawn_ranks(_statistics_fault, world_size=2, timeout=SPAWN_TIMEOUT)
+    kind, text, ranks, seconds = results[0]
+    assert kind == "RankError" and ranks == (1,), text
+    assert "this rank's statistics broke" in text and seconds < 10.0
+    assert results[1][:2] == ("ValueError", "this rank's statistics broke")
 
 
 def test_a_rank_that_never_arrives_is_named_after_the_timeout():
