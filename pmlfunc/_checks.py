@@ -155,11 +155,11 @@ def integer(value: object, name: str, *, minimum: int = 1) -> int:
     return int(value)
 
 
-def chunk_size(value: object) -> int:
+def chunk_size(value: object, name: str = "chunk_size") -> int:
     """A chunk size: a Python int >= 1; a ``ValueError`` for anything else (``None`` included,
     where the caller asked for chunking)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {value!r}")
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 

@@ -58,7 +58,18 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import validate
-from .._ops import _NORMALIZE_EPS, apply, count_true, fresh, matmul, ratio, readable, unit_rows
+from .._ops import (
+    _NORMALIZE_EPS,
+    apply,
+    count_true,
+    fresh,
+    inside_transform,
+    logaddexp,
+    matmul,
+    ratio,
+    readable,
+    unit_rows,
+)
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
 from ._batch import check_shared, regularized
@@ -67,6 +78,7 @@ __all__ = [
     "BUILDERS",
     "KINDS",
     "ROW_STATS",
+    "Classes",
     "Columns",
     "EngineCall",
     "Retrieval",
@@ -74,6 +86,8 @@ __all__ = [
     "block_forward",
     "builder_of",
     "builds",
+    "class_cross_entropy",
+    "class_statistics",
     "column_stats",
     "columns",
     "counts",
@@ -1469,6 +1483,227 @@ def tiled_loss(
         needs = wants if any(_slots(wants)) else None
     ys = _padded(segments, MAX_SEGMENTS)
     return apply(_TiledLoss, x, *ys, rows, cols, scale, bias, chunk, kind, reducer, needs, unit)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Class tiles: the classifier losses' columns are their class weights
+# ----------------------------------------------------------------------------------------------
+class Classes(NamedTuple):
+    r"""The static options of a walk over tiles of classes (:func:`class_statistics`).
+
+    The columns are the ``C`` class weights ``w`` ``(C, K, D)``, walked in tiles of ``chunk``
+    classes; each tile is one block of columns read by all ``B`` rows at once (a
+    ``B × chunk·K`` tile), cast to the rows' dtype as it is read (bf16 weights stay bf16), and
+    normalised in the tile when ``unit`` (:class:`Columns`). A class's column value is the
+    largest of its ``K = sub_centers`` columns. ``norm``: also return ``‖w_{y_i}‖`` (``K = 1``;
+    L-Softmax's magnitude)."""
+
+    chunk: int
+    sub_centers: int = 1
+    unit: bool = True
+    norm: bool = False
+
+
+def _class_tile(kind: Classes, x: Tensor, weight: Tensor, c0: int, c1: int):
+    """Classes ``[c0, c1)``: their :class:`Columns` and the ``(B, c1 − c0)`` column values
+    ``c_ij = max_k x_i · ŵ_jk`` with the argmax ``k`` (``None`` for ``K = 1``)."""
+    block = weight[c0:c1].to(x.dtype).reshape(-1, x.shape[-1])
+    y = columns(block, kind.unit)
+    s = _logits(x, y, 0, x.shape[-2], _tile_factor(y, 1.0), None)
+    if kind.sub_centers == 1:
+        return y, s, None
+    values, idx = s.view(x.shape[-2], c1 - c0, kind.sub_centers).max(-1)
+    return y, values, idx
+
+
+def _class_target(labels: Tensor, c0: int, m: int) -> tuple[Tensor, Tensor]:
+    """Whether each row's class lies in the tile ``[c0, c0 + m)``, and its column there
+    (clamped into the tile where it does not: read, then discarded)."""
+    t = labels - c0
+    return (t >= 0) & (t < m), t.clamp(0, m - 1).unsqueeze(-1)
+
+
+def _with_target(z: Tensor, inside: Tensor, at: Tensor, value: float | Tensor) -> Tensor:
+    """``z`` with each row's target entry (where it lies in the tile) set to ``value``: a new
+    tile (a compiled ``torch.func.grad`` traces the forward with autograd and checks its saved
+    tensors, which an in-place update of a saved one fails)."""
+    old = z.gather(-1, at).squeeze(-1)
+    return z.scatter(-1, at, torch.where(inside, value, old).unsqueeze(-1))
+
+
+def class_forward(kind: Classes, x: Tensor, r: Tensor, weight: Tensor, labels: Tensor):
+    """``(A, T[, N])`` over the tiles of classes: ``A_i = log Σ_{j ≠ y_i} e^{r_i c_ij}``
+    (merged across tiles as the ring merges blocks, :func:`merge`), ``T_i = c_{i y_i}`` and,
+    with ``kind.norm``, ``N_i = ‖w_{y_i}‖``."""
+    st: dict[str, Tensor] | None = None
+    low = -torch.finfo(x.dtype).max
+    for c0, c1 in _tiles(weight.shape[0], kind.chunk):
+        _, c, _ = _class_tile(kind, x, weight, c0, c1)
+        inside, at = _class_target(labels, c0, c1 - c0)
+        target = torch.where(inside, c.gather(-1, at).squeeze(-1), 0.0)
+        z = _with_target(c * r.unsqueeze(-1), inside, at, low)
+        # out of place, as _with_target (_row_lse_ updates its tile after its amax read it)
+        st = merge(st, {"row_lse": torch.logsumexp(z, -1), "row_target": target})
+    if st is None:  # no classes: refused by the callers' checks
+        raise ValueError("class_statistics needs at least one class")
+    out = (st["row_lse"], st["row_target"])
+    if kind.norm:
+        out += (torch.linalg.vector_norm(weight[labels, 0].to(x.dtype), dim=-1),)
+    return out
+
+
+def class_backward(kind: Classes, x, r, weight, labels, lse, ga, gt, gn, needs):
+    """``(∂x, ∂r, ∂w)`` (those ``needs`` asks for) for the cotangents ``ga``, ``gt``, ``gn``
+    of :func:`class_forward`'s ``(A, T, N)`` (``None``: not differentiated), every tile
+    recomputed: ``∂c_ij = ga_i r_i p_ij`` off the target with ``p_ij = e^{r_i c_ij − A_i}``,
+    ``gt_i`` on it, through the sub-centres' argmax to the tile (:class:`_GradSums`: the rows'
+    ``∂S ŷ``, the classes' ``∂Sᵀ x`` made the raw weights' gradient); ``∂r_i = ga_i Σ_j p_ij
+    c_ij``. The weight gradient is the one ``(C, K, D)`` tensor, filled a tile at a time (under
+    ``torch.func`` transforms the tiles are concatenated instead: a batched tensor cannot be
+    written into an unbatched one)."""
+    need_x, need_r, need_w = needs
+    n, dim, k = x.shape[-2], x.shape[-1], kind.sub_centers
+    low = -torch.finfo(x.dtype).max
+    batched = inside_transform()
+    gx = gr = None
+    blocks: list[Tensor] = []
+    gw = torch.zeros_like(weight) if need_w and not batched else None
+    a = None if ga is None else (ga * r).unsqueeze(-1)
+    for c0, c1 in _tiles(weight.shape[0], kind.chunk):
+        y, c, idx = _class_tile(kind, x, weight, c0, c1)
+        inside, at = _class_target(labels, c0, c1 - c0)
+        if a is not None:
+            z = _with_target(c * r.unsqueeze(-1), inside, at, low)
+            p = _with_target(_exp_(z, lse.unsqueeze(-1)), inside, at, 0.0)
+            if need_r:
+                part = (p * c).sum(-1)
+                gr = part if gr is None else gr + part
+            ds = p * a  # a new tile: the cotangent may be batched (vmap of a vjp), p is not
+        else:
+            ds = torch.zeros_like(c)
+        if gt is not None:
+            ds = _with_target(ds, inside, at, gt)
+        if idx is not None:  # to the argmax sub-centre of each class
+            full = ds.new_zeros((n, c1 - c0, k)).scatter(-1, idx.unsqueeze(-1), ds.unsqueeze(-1))
+            ds = full.view(n, (c1 - c0) * k)
+        sums = _GradSums(x, y, (need_x, (need_w,), False, False))
+        sums.add(ds, 0, n)
+        part_x, (part_w,), _, _ = sums.result()
+        if need_x:
+            gx = part_x if gx is None else gx + part_x
+        if need_w:
+            assert part_w is not None  # asked for
+            part_w = part_w.view(c1 - c0, k, dim).to(weight.dtype)
+            if gw is None:
+                blocks.append(part_w)
+            else:
+                gw[c0:c1] = part_w
+    if need_w and gw is None:
+        gw = torch.cat(blocks)
+    if need_w and gn is not None:  # N_i = ‖w_{y_i}‖: ∂w_{y_i} += gn_i ŵ_{y_i} (0 at w = 0)
+        w_t = weight[labels].to(x.dtype)
+        norm = torch.linalg.vector_norm(w_t, dim=-1, keepdim=True)
+        unit = torch.where(norm > 0, w_t / torch.where(norm > 0, norm, 1.0), 0.0)
+        gw = gw.index_add(0, labels, (gn.view(-1, 1, 1) * unit).to(gw.dtype))
+    if need_x and gx is None:
+        gx = torch.zeros_like(x)
+    if need_r:
+        gr = torch.zeros_like(r) if gr is None or ga is None else gr * ga
+    return tuple(fresh(t) for t, need in zip((gx, gr, gw), needs, strict=True) if need)
+
+
+class _ClassGrads(torch.autograd.Function):
+    """:func:`class_backward` as a Function whose backward raises (as :class:`_TiledGrads`):
+    the first-order backward records no graph, a second differentiation fails loudly."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, r, weight, labels, lse, ga, gt, gn, kind, needs):
+        return class_backward(kind, x, r, weight, labels, lse, ga, gt, gn, needs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "the class-tiled losses' gradient (class_chunk_size=...) is not differentiable "
+            "(double backward, torch.func.hessian); leave class_chunk_size=None for the dense "
+            "loss, differentiable twice"
+        )
+
+
+class _ClassStats(torch.autograd.Function):
+    """:func:`class_forward` as a Function of ``(x, r, weight, labels, kind)``: saves the
+    inputs (no copy) and ``A``; its backward is :class:`_ClassGrads`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, r, weight, labels, kind):
+        return class_forward(kind, x, r, weight, labels)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, r, weight, labels, kind = inputs
+        ctx.set_materialize_grads(False)
+        ctx.kind = kind
+        ctx.save_for_backward(x, r, weight, labels, output[0])
+
+    @staticmethod
+    def backward(ctx, ga, gt, gn=None):
+        x, r, weight, labels, lse = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        if not any(needs) or (ga is None and gt is None and gn is None):
+            return (None,) * 5
+        # the cotangents detached: a traced backward then records no graph through them (a
+        # second differentiation still raises, through x, r and weight)
+        ga, gt, gn = (None if g is None else g.detach() for g in (ga, gt, gn))
+        grads = iter(apply(_ClassGrads, x, r, weight, labels, lse, ga, gt, gn, ctx.kind, needs))
+        return (*(next(grads) if need else None for need in needs), None, None)
+
+
+def class_statistics(x: Tensor, r: Tensor, weight: Tensor, labels: Tensor, kind: Classes):
+    r"""``(A, T)`` (and ``N`` with ``kind.norm``) of the class logits ``z_ij = r_i c_ij``,
+    ``c_ij = max_k x_i · ŵ_jk``, over tiles of ``kind.chunk`` classes, never the ``B × C``
+    matrix (:func:`class_forward`); differentiable in ``x`` ``(B, D)``, ``r`` ``(B,)`` and
+    ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in ``[0, C)``."""
+    return apply(_ClassStats, x, r, weight, labels, kind)
+
+
+def class_cross_entropy(
+    x: Tensor,
+    r: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    chunk: int,
+    target: Callable[[Tensor], Tensor] | None = None,
+    unit: bool = True,
+    magnitude: bool = False,
+) -> Tensor:
+    r"""The per-row cross entropy ``ℓ_i = log(e^{A_i} + e^{ψ_i}) − ψ_i`` of the classifier
+    losses over tiles of ``chunk`` classes: ``A_i`` the log-sum-exp of the other classes'
+    logits ``r_i c_ij`` and ``ψ_i = r_i · target(c_{i y_i})`` the target's
+    (:func:`class_statistics`); with ``magnitude`` (L-Softmax: ``z = r_i ‖w_j‖ cos``, the
+    weights not normalised) ``ψ_i = r_i ‖w_{y_i}‖ · target(cos_{i y_i})``. ``weight``:
+    ``(C, D)`` or ``(C, K, D)`` (sub-centres: a class's cosine is its largest)."""
+    # (C, K, D), always a view: given the caller's (C, K, D) tensor itself, a compiled
+    # torch.func.grad_and_value over the embeddings and the weight returned a wrong weight
+    # gradient (PyTorch 2.13, aot_eager and inductor alike)
+    w = weight.view(weight.shape[0], -1, weight.shape[-1])
+    kind = Classes(chunk, w.shape[1], unit, magnitude)
+    stats = class_statistics(x, r, w, labels, kind)
+    if magnitude:
+        lse, dot, norm = stats
+        cos = dot / norm.clamp_min(_NORMALIZE_EPS)
+        logit = r * norm * (cos if target is None else target(cos))
+    else:
+        lse, cos = stats
+        logit = r * (cos if target is None else target(cos))
+    return logaddexp(lse, logit) - logit
 
 
 @dataclass(frozen=True)

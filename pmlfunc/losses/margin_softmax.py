@@ -39,6 +39,7 @@ from .._ops import cross_entropy, matmul, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize_params
+from ._tiled import class_cross_entropy
 
 __all__ = [
     "arcface",
@@ -75,11 +76,14 @@ def _margin_softmax(
     reducer: Reducer | None,
     indices_tuple,
     regularizers: tuple = (None, 1.0, None, 1.0),
+    class_chunk_size: object = None,
 ) -> Tensor:
     """The one computation behind every loss of this module (see the module docstring).
 
     ``magnitude``: ``"both"`` (``‖x_i‖·‖w_j‖``), ``"embedding"`` (``‖x_i‖``) or ``"none"``.
-    ``ndim`` 3 takes the largest cosine over each class's sub-centres.
+    ``ndim`` 3 takes the largest cosine over each class's sub-centres. ``class_chunk_size``:
+    the same terms over tiles of that many classes (:func:`_tiled.class_cross_entropy`: the
+    weights cast and normalised a tile at a time, never the ``(B, C)`` logits).
     """
     _checks.embeddings(embeddings)
     batch_size = embeddings.shape[0]
@@ -87,10 +91,26 @@ def _margin_softmax(
     weight = _params.check(params, "weight", embeddings, ndim=ndim)
     num_classes = weight.shape[0]
     _params.class_labels(labels, num_classes)
+    tiled = class_chunk_size is not None
+    chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size") if tiled else 0
     cd = _checks.compute_dtype(embeddings.dtype)
     x = embeddings.to(cd)
-    w = weight.to(cd)  # a new tensor when the dtype differs; the caller's is never touched
+    if tiled:
+        losses = _tiled_terms(x, weight, labels, target, magnitude, scale, chunk)
+    else:
+        losses = _dense_terms(x, weight, labels, target, ndim, magnitude, scale)
+    miner = sample_weights(indices_tuple, batch_size, cd, embeddings.device)
+    if miner is not None:
+        losses = losses * miner
+    terms = {"loss": elements(losses)}
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, cd)
+    return regularize_params(loss, embeddings, weight, *regularizers)
 
+
+def _dense_terms(x, weight, labels, target: _Target, ndim: int, magnitude: str, scale) -> Tensor:
+    """The per-sample terms from the whole ``(B, C)`` logit matrix."""
+    batch_size, num_classes = x.shape[0], weight.shape[0]
+    w = weight.to(x.dtype)  # a new tensor when the dtype differs; the caller's is never touched
     x_hat = F.normalize(x, p=2, dim=1)
     w_hat = F.normalize(w.reshape(-1, w.shape[-1]), p=2, dim=1)
     cosine = matmul(x_hat, w_hat.t())  # (B, C) or (B, C·K)
@@ -105,14 +125,20 @@ def _margin_softmax(
     elif magnitude == "embedding":
         factor = x.norm(p=2, dim=1, keepdim=True) * factor
     logits = cosine.scatter(1, idx, target(target_cos, labels).unsqueeze(1)) * factor
+    return cross_entropy(logits, labels)
 
-    losses = cross_entropy(logits, labels)
-    miner = sample_weights(indices_tuple, batch_size, cd, embeddings.device)
-    if miner is not None:
-        losses = losses * miner
-    terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, cd)
-    return regularize_params(loss, embeddings, weight, *regularizers)
+
+def _tiled_terms(x, weight, labels, target: _Target, magnitude: str, scale, chunk: int) -> Tensor:
+    """The per-sample terms over tiles of ``chunk`` classes: the rows ``x̂``, the row factor
+    ``r_i = s·ρ_i`` (``ρ_i = ‖x_i‖`` where the magnitude has it), the target function on the
+    target cosine; L-Softmax's ``‖w_j‖`` read from unnormalised weights."""
+    r = x.new_ones(x.shape[0]) * scalar_like(scale, x)
+    if magnitude != "none":
+        r = x.norm(p=2, dim=1) * r
+    return class_cross_entropy(
+        F.normalize(x, p=2, dim=1), r, weight, labels.long(), chunk=chunk,
+        target=lambda c: target(c, labels), unit=magnitude != "both", magnitude=magnitude == "both",
+    )  # fmt: skip
 
 
 def _cos_sin(margin: float | Tensor, ref: Tensor) -> tuple[float | Tensor, float | Tensor]:
@@ -210,6 +236,7 @@ def large_margin_softmax(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""Large-margin softmax (L-Softmax): a multiplicative angular margin ``cos(mθ)``.
 
@@ -232,6 +259,10 @@ def large_margin_softmax(
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional PML-style miner output; each sample's loss is weighted by its
             count in the tuple over the largest count (PML's ``convert_to_weights``).
+        class_chunk_size: ``None`` (default): the whole ``(B, C)`` logit matrix. An int: the
+            same loss over tiles of that many classes, never the ``(B, C)`` matrix, in either
+            pass (memory ``O(B × class_chunk_size)`` beyond the weights and their gradient;
+            see the "Millions of classes" guide). Not differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -261,6 +292,7 @@ def large_margin_softmax(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 
@@ -277,6 +309,7 @@ def sphereface(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""SphereFace (A-Softmax): L-Softmax with normalised class weights.
 
@@ -295,6 +328,7 @@ def sphereface(
         scale: ``s`` (default ``1``, PML's).
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+        class_chunk_size: as in :func:`large_margin_softmax`.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -324,6 +358,7 @@ def sphereface(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 
@@ -340,6 +375,7 @@ def cosface(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""CosFace (large-margin cosine loss, AM-Softmax): an additive cosine margin.
 
@@ -356,6 +392,7 @@ def cosface(
         scale: ``s`` (default ``64``).
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+        class_chunk_size: as in :func:`large_margin_softmax`.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -389,6 +426,7 @@ def cosface(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 
@@ -405,6 +443,7 @@ def arcface(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""ArcFace (additive angular margin loss): ``cos(θ + m)`` on the target class.
 
@@ -428,6 +467,7 @@ def arcface(
         scale: ``s`` (default ``64``).
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+        class_chunk_size: as in :func:`large_margin_softmax`.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -457,6 +497,7 @@ def arcface(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 
@@ -473,6 +514,7 @@ def subcenter_arcface(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""Sub-center ArcFace: ArcFace against the nearest of ``K`` sub-centres per class.
 
@@ -493,6 +535,7 @@ def subcenter_arcface(
         scale: ``s`` (default ``64``).
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+        class_chunk_size: as in :func:`large_margin_softmax`.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -522,6 +565,7 @@ def subcenter_arcface(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 
@@ -538,6 +582,7 @@ def dynamic_arcface(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""Sub-center ArcFace with a margin per class (dynamic margins).
 
@@ -560,6 +605,7 @@ def dynamic_arcface(
         scale: ``s`` (default ``64``).
         reducer: default ``mean()`` over the samples.
         indices_tuple: optional miner output, as in :func:`large_margin_softmax`.
+        class_chunk_size: as in :func:`large_margin_softmax`.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -611,6 +657,7 @@ def dynamic_arcface(
             weight_regularizer,
             weight_reg_weight,
         ),
+        class_chunk_size=class_chunk_size,
     )
 
 

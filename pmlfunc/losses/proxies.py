@@ -42,10 +42,11 @@ from .._ops import (
     scatter_,
     unit_rows,
 )
-from ..distances import Distance, _Lp, cosine, lp, resolve
+from ..distances import Distance, _Dot, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize, regularize_params
+from ._tiled import class_cross_entropy
 
 __all__ = [
     "normalized_softmax",
@@ -65,16 +66,17 @@ __all__ = [
 # shared set-up
 # ---------------------------------------------------------------------------------------------
 def _proxy_inputs(
-    embeddings: Tensor, labels: Tensor, params: object, key: str, ndim: int = 2
+    embeddings: Tensor, labels: Tensor, params: object, key: str, ndim: int = 2, cast: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Validate, then return ``(embeddings, param, labels)`` with both floats in the compute dtype
-    (out-of-place, autograd-tracked casts) and the labels as int64."""
+    (out-of-place, autograd-tracked casts; the param as it is without ``cast``: the class tiles
+    cast it a tile at a time) and the labels as int64."""
     _checks.embeddings(embeddings)
     p = _params.check(params, key, embeddings, ndim=ndim)
     _checks.labels(labels, embeddings.shape[0], embeddings.device)
     _params.class_labels(labels, p.shape[0])
     cd = _checks.compute_dtype(embeddings.dtype)
-    return embeddings.to(cd), p.to(cd), labels.long()
+    return embeddings.to(cd), p.to(cd) if cast else p, labels.long()
 
 
 def _one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
@@ -225,6 +227,7 @@ def proxy_nca(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""ProxyNCA loss: neighbourhood component analysis of each sample against the class proxies.
 
@@ -247,6 +250,11 @@ def proxy_nca(
         distance: default ``lp(power=2)`` (squared Euclidean between normalised rows).
         reducer: default ``mean()`` over the samples.
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+        class_chunk_size: ``None`` (default): the whole ``(B, C)`` logit matrix. An int: the
+            same loss over tiles of that many proxies, never the ``(B, C)`` matrix (memory
+            ``O(B × class_chunk_size)`` beyond the proxies and their gradient; the "Millions
+            of classes" guide), for the default distance, ``cosine()`` and ``dot()``. Not
+            differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -261,13 +269,19 @@ def proxy_nca(
     """
     softmax_scale = _checks.hyper(softmax_scale, "softmax_scale")
     distance = resolve(distance, lp(power=2))
-    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
-    z = _nca_logits(distance, x, proxies, softmax_scale)
-    log_p = -cross_entropy(z, labels)
-    keep = (log_p.detach().exp() != 0).to(z.dtype)  # PML drops samples whose p is exactly 0
+    tiled = class_chunk_size is not None
+    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies", cast=not tiled)
+    if tiled:  # the logits' rows and factor, the proxies normalised in their tiles
+        chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
+        rows, r, unit = _nca_rows(distance, x, softmax_scale)
+        r = x.new_ones(x.shape[0]) * scalar_like(r, x)
+        log_p = -class_cross_entropy(rows, r, proxies, labels, chunk=chunk, unit=unit)
+    else:
+        log_p = -cross_entropy(_nca_logits(distance, x, proxies, softmax_scale), labels)
+    keep = (log_p.detach().exp() != 0).to(x.dtype)  # PML drops samples whose p is exactly 0
     losses = _weighted(
         -log_p,
-        sample_weights(indices_tuple, labels.shape[0], z.dtype, labels.device, anchors_only=True),
+        sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device, anchors_only=True),
     )
     terms = {"loss": DenseTerms(losses, keep, "element", x.shape[0])}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
@@ -297,6 +311,21 @@ def _nca_logits(distance: Distance, x: Tensor, proxies: Tensor, scale: float | T
         return cosine().matrix(x, proxies, ties=False, scale=2.0 * scale)
     sigma = scale if distance.is_similarity else -scale
     return distance.matrix(x, proxies, ties=False, scale=sigma)
+
+
+def _nca_rows(distance: Distance, x: Tensor, scale: float | Tensor):
+    """:func:`_nca_logits` as the class tiles take it: ``(rows, factor, unit)`` with
+    ``z = factor · rows · p̂ᵀ`` (``p`` normalised in the tile when ``unit``); a matmul form
+    exists for the default distance and ``cosine()``/``dot()`` only."""
+    if isinstance(distance, _Lp) and distance.p == 2 and distance.power == 2 and distance.normalize:
+        return unit_rows(x), 2.0 * scale, True
+    if isinstance(distance, _Dot):
+        normalize, _ = distance.split_normalization()
+        return normalize(x), scale, distance.normalize
+    raise ValueError(
+        "class_chunk_size needs a distance whose logits are a product of the rows and the "
+        f"proxies: lp(power=2) (the default), cosine() or dot(); got {distance!r}"
+    )
 
 
 def proxy_nca_init(
@@ -334,6 +363,7 @@ def normalized_softmax(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""Normalized softmax loss: cross entropy over cosine logits against unit-norm class weights.
 
@@ -359,6 +389,10 @@ def normalized_softmax(
             against unit-norm weights.
         reducer: default ``mean()`` over the samples.
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+        class_chunk_size: ``None`` (default): the whole ``(B, C)`` logit matrix. An int: the
+            same loss over tiles of that many classes, never the ``(B, C)`` matrix (memory
+            ``O(B × class_chunk_size)`` beyond the weights and their gradient; the "Millions
+            of classes" guide), for ``cosine()`` and ``dot()``. Not differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -373,7 +407,8 @@ def normalized_softmax(
     """
     temperature = _checks.hyper(temperature, "temperature", positive=True)
     distance = resolve(distance, cosine())
-    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight")
+    tiled = class_chunk_size is not None
+    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight", cast=not tiled)
     # PML always normalises the weights (``distance.normalize``, with the distance's p), whatever
     # the distance's own normalisation; e.g. ``dot()`` scores raw embeddings against unit weights.
     # The distance's own normalisation of them (PML's second one) is then the identity to
@@ -381,14 +416,23 @@ def normalized_softmax(
     # matrix's computation (into the rows before a matmul similarity's product).
     cd = _checks.compute_dtype(x.dtype)
     normalize, plain = distance.split_normalization()
-    weight = unit_rows(weight.to(cd), getattr(distance, "p", 2.0))
-    inverse = 1.0 / scalar_like(temperature, weight)
-    scale = inverse if distance.is_similarity else -inverse
-    # (B, C); smooth in it: no exact ties
-    logits = plain.matrix(normalize(x.to(cd)), weight, ties=False, scale=scale)
+    inverse = 1.0 / scalar_like(temperature, x)
+    if tiled:  # the weights normalised in their tiles
+        if not isinstance(plain, _Dot):
+            raise ValueError(
+                "class_chunk_size needs a matmul similarity, cosine() (the default) or dot(); "
+                f"got {distance!r}"
+            )
+        r = x.new_ones(x.shape[0]) * inverse
+        chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
+        terms = class_cross_entropy(normalize(x), r, weight, labels, chunk=chunk)
+    else:
+        weight = unit_rows(weight.to(cd), getattr(distance, "p", 2.0))
+        scale = inverse if distance.is_similarity else -inverse
+        # (B, C); smooth in it: no exact ties
+        terms = cross_entropy(plain.matrix(normalize(x), weight, ties=False, scale=scale), labels)
     losses = _weighted(
-        cross_entropy(logits, labels),
-        sample_weights(indices_tuple, labels.shape[0], logits.dtype, labels.device),
+        terms, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device)
     )
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
