@@ -115,11 +115,17 @@ REF_CASES = [
 ]
 
 
+# the whole (B, C) logit matrix, and the class tiles (class_chunk_size: tiles of one class, of a
+# size not dividing C, of more classes than there are)
+CHUNKS = [None, 1, 4, 64]
+
+
+@pytest.mark.parametrize("class_chunk_size", CHUNKS)
 @pytest.mark.parametrize(("name", "kw"), REF_CASES)
-def test_matches_naive_reference(name, kw, gen):
+def test_matches_naive_reference(name, kw, class_chunk_size, gen):
     fn = LOSSES[name][0]
     x, labels, params = make_data(name, gen)
-    kwargs = {**default_kwargs(name), **kw}
+    kwargs = {**default_kwargs(name), **kw, "class_chunk_size": class_chunk_size}
     got = value_and_grads(lambda e, p: fn(e, labels, p, **kwargs), x, params)
     ref_kw = dict(kw)
     if name == "dynamic_arcface":
@@ -230,13 +236,15 @@ PARITY_CASES = [
 TOL = {torch.float64: {"rtol": 1e-7, "atol": 1e-10}, torch.float32: {"rtol": 2e-4, "atol": 2e-6}}
 
 
+@pytest.mark.parametrize("class_chunk_size", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(("name", "kw"), PARITY_CASES)
-def test_pml_parity(name, kw, dtype, gen):
+def test_pml_parity(name, kw, dtype, class_chunk_size, gen):
     fn = LOSSES[name][0]
     k = kw.get("sub_centers", 3)
     x, labels, params = make_data(name, gen, dtype=dtype, k=k)
     ours_kw = {key: v for key, v in kw.items() if key != "sub_centers"}
+    ours_kw["class_chunk_size"] = class_chunk_size
     got = value_and_grads(lambda e, p: fn(e, labels, p, **ours_kw), x, params)
     want = run_pml(pml_loss(name, kw), x, labels, params["weight"])
     for g, r in zip(got, want, strict=True):
@@ -244,12 +252,13 @@ def test_pml_parity(name, kw, dtype, gen):
         torch.testing.assert_close(g, r.to(dtype), **TOL[dtype])
 
 
+@pytest.mark.parametrize("class_chunk_size", [None, 4])
 @pytest.mark.parametrize("name", ["large_margin_softmax", "cosface", "subcenter_arcface"])
 @pytest.mark.parametrize(
     "reducer",
     ["mean", "sum", "avg_nonzero", "threshold", "class_weighted", "per_anchor"],
 )
-def test_pml_parity_reducers(name, reducer, gen):
+def test_pml_parity_reducers(name, reducer, class_chunk_size, gen):
     fn = LOSSES[name][0]
     x, labels, params = make_data(name, gen)
     cw = torch.rand(C, generator=gen, dtype=torch.float64)
@@ -261,7 +270,9 @@ def test_pml_parity_reducers(name, reducer, gen):
         "class_weighted": (reducers.class_weighted(cw), pml_reducers.ClassWeightedReducer(cw)),
         "per_anchor": (reducers.per_anchor(), pml_reducers.PerAnchorReducer()),
     }[reducer]
-    got = value_and_grads(lambda e, p: fn(e, labels, p, reducer=ours), x, params)
+    got = value_and_grads(
+        lambda e, p: fn(e, labels, p, reducer=ours, class_chunk_size=class_chunk_size), x, params
+    )
     want = run_pml(pml_loss(name, {}, reducer=theirs), x, labels, params["weight"])
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, **TOL[torch.float64])
@@ -275,9 +286,10 @@ def test_reducer_none_gives_per_sample_terms(gen):
     torch.testing.assert_close(terms["losses"].mean(), arcface(x, labels, params))
 
 
+@pytest.mark.parametrize("class_chunk_size", [None, 4])
 @pytest.mark.parametrize("name", ["large_margin_softmax", "arcface", "subcenter_arcface"])
 @pytest.mark.parametrize("kind", ["triplets", "pairs", "empty"])
-def test_pml_parity_indices_tuple(name, kind, gen):
+def test_pml_parity_indices_tuple(name, kind, class_chunk_size, gen):
     """Miner output weights each sample by its count over the largest count (PML's weights)."""
     fn = LOSSES[name][0]
     x, labels, params = make_data(name, gen)
@@ -292,7 +304,11 @@ def test_pml_parity_indices_tuple(name, kind, gen):
         )
     else:
         t = tuple(torch.empty(0, dtype=torch.long) for _ in range(3))
-    got = value_and_grads(lambda e, p: fn(e, labels, p, indices_tuple=t), x, params)
+    got = value_and_grads(
+        lambda e, p: fn(e, labels, p, indices_tuple=t, class_chunk_size=class_chunk_size),
+        x,
+        params,
+    )
     want = run_pml(pml_loss(name, {}), x, labels, params["weight"], indices_tuple=t)
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, **TOL[torch.float64])

@@ -279,6 +279,36 @@ def test_indices_tuple_matches_reference(name, tup, gen):
     assert_same(got, want, **REF_TOL)
 
 
+# the losses with class_chunk_size (tiles of classes) and the distances it takes
+CLASS_TILED = {"proxy_nca": ("lp_sq", "cosine", "dot"), "normalized_softmax": ("cosine", "dot")}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize(("name", "dist"), [(n, d) for n, ds in CLASS_TILED.items() for d in ds])
+def test_class_tiles_match_reference_and_pml(name, dist, chunk, gen):
+    """``class_chunk_size`` (tiles of one class, of 3 of the 7, of more than there are) gives
+    the float64 reference's value and gradients, and PML's, on every label layout, each
+    hyper-parameter set and (the uneven layout) a mined tuple."""
+    for layout in LAYOUTS:
+        labels = lab(LAYOUTS[layout])
+        emb, params = make(name, gen, labels)
+        mined = [({}, TUPLES["pairs"])] if layout == "uneven" else []
+        for hp, tup in [(h, None) for h in SPECS[name]["hp"]] + mined:
+            kw = {"distance": DISTANCES[dist][0](), "indices_tuple": tup, **hp}
+            got = run_pf(name, emb, labels, params, class_chunk_size=chunk, **kw)
+            assert_same(got, run_ref(name, emb, labels, params, dist=dist, tup=tup, **hp), **REF_TOL)
+            pml_kw = {"distance": DISTANCES[dist][1](), "indices_tuple": tup, **hp}
+            assert_same(got, run_pml(name, emb, labels, params, **pml_kw), **TOL[F64])
+
+
+@pytest.mark.parametrize(("name", "dist"), [("proxy_nca", "lp"), ("normalized_softmax", "lp_sq")])
+def test_class_tiles_refuse_a_distance_that_is_not_a_product(name, dist, gen):
+    labels = lab(UNEVEN)
+    emb, params = make(name, gen, labels)
+    with pytest.raises(ValueError, match="class_chunk_size needs"):
+        SPECS[name]["fn"](emb, labels, params, distance=DISTANCES[dist][0](), class_chunk_size=4)
+
+
 def test_proxy_nca_drops_underflowing_samples_like_pml(gen):
     """A probability that underflows to 0 leaves its sample out (PML), with finite gradients."""
     labels = lab(UNEVEN)

@@ -1,0 +1,165 @@
+"""The classifier losses over tiles of classes (``class_chunk_size=``), where each property is
+the engine's rather than one loss's.
+
+The values and gradients against the float64 loop references and PML 2.9.0 are checked with the
+losses (``test_margin_softmax.py``, ``test_proxies.py``: every reference and parity case also
+runs with tiles of 1 class, of a size not dividing ``C`` and of more classes than there are);
+``test_conformance.py`` runs each ``name[classes]`` entry through gradcheck, ``torch.func``,
+``torch.compile(fullgraph=True)`` (also of ``torch.func.grad_and_value``), the meta device, the
+non-finite inputs and low precision. Here: no tensor of ``B × C`` entries in either pass, bf16
+weights read a tile at a time, per-sample gradients under ``vmap``, one class, many tiles, the
+second differentiation that raises and the bad ``class_chunk_size``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tracking import LargestTensor
+
+import pmlfunc as pf
+import pmlfunc.losses as pfl
+
+F64 = torch.float64
+
+# name -> (loss, init, its params' key, hyper-parameters)
+TILED = {
+    "arcface": (pfl.arcface, pfl.arcface_init, "weight", {"scale": 16.0}),
+    "cosface": (pfl.cosface, pfl.cosface_init, "weight", {"scale": 16.0}),
+    "sphereface": (pfl.sphereface, pfl.sphereface_init, "weight", {}),
+    "large_margin_softmax": (pfl.large_margin_softmax, pfl.large_margin_softmax_init, "weight", {}),
+    "subcenter_arcface": (pfl.subcenter_arcface, pfl.subcenter_arcface_init, "weight", {}),
+    "normalized_softmax": (pfl.normalized_softmax, pfl.normalized_softmax_init, "weight", {}),
+    "proxy_nca": (pfl.proxy_nca, pfl.proxy_nca_init, "proxies", {"softmax_scale": 4.0}),
+}
+
+
+def _call(name, x, labels, params, **kw):
+    fn, _, _, hp = TILED[name]
+    return fn(x, labels, params, **hp, **kw)
+
+
+def _draw(name, b, c, d, dtype=torch.float32, seed=0):
+    _, init, key, _ = TILED[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, generator=g, dtype=dtype)
+    labels = torch.randint(0, c, (b,), generator=g)
+    params = {key: init(c, d, generator=g, dtype=dtype)[key]}
+    return x, labels, params
+
+
+@pytest.mark.parametrize("name", list(TILED))
+def test_no_tensor_of_the_batch_times_the_classes_in_either_pass(name):
+    """Forward and backward create nothing larger than the weights (their gradient) or a tile of
+    ``B × chunk·K``; the dense loss creates its ``B × C·K`` logits (the check has teeth)."""
+    b, c, d, chunk = 48, 300, 4, 16
+    x, labels, params = _draw(name, b, c, d)
+    key = TILED[name][2]
+    x.requires_grad_(True)
+    params[key].requires_grad_(True)
+    k = params[key].shape[1] if params[key].ndim == 3 else 1
+    bound = max(params[key].numel(), b * chunk * k, b * d)
+    assert b * c > bound
+    with LargestTensor() as rec:
+        _call(name, x, labels, params, class_chunk_size=chunk).backward()
+    assert rec.largest <= bound, (rec.largest, bound)
+    assert x.grad is not None and params[key].grad is not None
+    assert params[key].grad.abs().sum() > 0
+    with LargestTensor() as rec:
+        _call(name, x, labels, params).backward()
+    assert rec.largest >= b * c > bound
+
+
+@pytest.mark.parametrize("name", ["arcface", "subcenter_arcface", "normalized_softmax"])
+def test_bf16_weights_are_read_a_tile_at_a_time_with_float32_statistics(name):
+    """bf16 weights with float32 embeddings: the loss is the float32 loss of the same (rounded)
+    weights, the weight gradient comes back in bf16, and no float32 copy of the weights is
+    made (the largest tensor is the bf16 gradient)."""
+    b, c, d, chunk = 32, 400, 8, 16
+    x, labels, params = _draw(name, b, c, d)
+    key = TILED[name][2]
+    w16 = params[key].to(torch.bfloat16).requires_grad_(True)
+    w32 = w16.detach().float().requires_grad_(True)
+    with LargestTensor() as rec:
+        got = _call(name, x, labels, {key: w16}, class_chunk_size=chunk)
+        got.backward()
+    want = _call(name, x, labels, {key: w32})
+    want.backward()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert w16.grad is not None and w16.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w16.grad.float(), w32.grad, rtol=2e-2, atol=1e-4)
+    assert rec.largest <= max(w16.numel(), b * chunk * 3)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_per_sample_gradients_under_vmap_equal_a_loop():
+    """``vmap(grad)`` over the samples (the weights shared): each sample's weight gradient equals
+    the loss of that sample alone, differentiated on its own."""
+    x, labels, params = _draw("subcenter_arcface", 6, 11, 5, dtype=F64)
+    w = params["weight"]
+
+    def one(xi, yi, w):
+        return pfl.subcenter_arcface(xi[None], yi[None], {"weight": w}, class_chunk_size=4)
+
+    got = torch.func.vmap(torch.func.grad(one, argnums=2), in_dims=(0, 0, None))(x, labels, w)
+    for i in range(x.shape[0]):
+        want = torch.func.grad(
+            lambda w, i=i: pfl.subcenter_arcface(x[i : i + 1], labels[i : i + 1], {"weight": w})
+        )(w)
+        torch.testing.assert_close(got[i], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["arcface", "normalized_softmax", "proxy_nca"])
+def test_one_class_gives_the_dense_loss(name):
+    """With one class there is no other class: the loss is the dense one (0 for a softmax over
+    one logit), with its gradients."""
+    x, labels, params = _draw(name, 5, 1, 3, dtype=F64)
+    key = TILED[name][2]
+    for chunk in (None, 1, 4):
+        p = {key: params[key].clone().requires_grad_(True)}
+        xx = x.clone().requires_grad_(True)
+        out = _call(name, xx, labels, p, class_chunk_size=chunk)
+        out.backward()
+        assert out == 0
+        assert (xx.grad == 0).all() and (p[key].grad == 0).all()
+
+
+def test_many_tiles_over_many_classes_equal_the_dense_loss():
+    """100,000 classes in 13 tiles of 8,192 (the last one partial): the dense loss's value and
+    gradients in float64."""
+    x, labels, params = _draw("cosface", 16, 100_000, 8, dtype=F64)
+    labels[:3] = torch.tensor([0, 8_191, 99_999])  # a tile's first and last class, the last class
+    grads = []
+    for chunk in (None, 8_192):
+        xx = x.clone().requires_grad_(True)
+        w = params["weight"].clone().requires_grad_(True)
+        out = pfl.cosface(xx, labels, {"weight": w}, class_chunk_size=chunk)
+        grads.append((out, *torch.autograd.grad(out, (xx, w))))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_differentiating_twice_raises():
+    x, labels, params = _draw("arcface", 6, 9, 4, dtype=F64)
+    x.requires_grad_(True)
+    (gx,) = torch.autograd.grad(
+        pfl.arcface(x, labels, params, class_chunk_size=4), x, create_graph=True
+    )
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+@pytest.mark.parametrize("name", list(TILED))
+def test_a_bad_class_chunk_size_is_refused_naming_it(name, bad):
+    x, labels, params = _draw(name, 4, 5, 3)
+    with pytest.raises(ValueError, match="class_chunk_size must be a positive int"):
+        _call(name, x, labels, params, class_chunk_size=bad)
+
+
+def test_labels_out_of_range_are_refused_as_on_the_dense_path():
+    x, labels, params = _draw("arcface", 4, 5, 3)
+    labels[0] = 5
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 5\)"):
+        pf.losses.arcface(x, labels, params, class_chunk_size=2)
