@@ -260,9 +260,9 @@ class Session:
                 () if peer is None else (peer,),
             ) from failure[0]
 
-    def all_reduce(self, t: Tensor, where: str) -> Tensor:
-        """``t`` summed over the ranks in place (bounded); returns ``t``."""
-        self.wait([dist.all_reduce(t, group=self.group, async_op=True)], where)
+    def all_reduce(self, t: Tensor, where: str, op=dist.ReduceOp.SUM) -> Tensor:
+        """``t`` summed (``op``: or reduced so) over the ranks in place (bounded); returns ``t``."""
+        self.wait([dist.all_reduce(t, op=op, group=self.group, async_op=True)], where)
         return t
 
     def gather_padded(self, x: Tensor, top: int, where: str) -> Tensor:

@@ -16,6 +16,7 @@ as under the gather (DDP's averaging cancels ``W``).
 | :func:`reduced` | a reducer's value over the global batch's row terms (its normaliser and share summed) |
 | :func:`reduces_statistics` | registers a loss written this way, with its batch arguments |
 | :data:`STATISTICS` | the registered losses: their batch arguments (sharded by rows) |
+| :class:`ClassShard`, :func:`sharding`, :func:`class_shard` | a class table sharded across the ranks: this rank's classes, read by the class-tiled losses |
 
 The state is a module-level list, not a ``ContextVar``: ``torch.compile`` reads it as a global
 (in one process it is ``None``, and :func:`total` compiles to nothing).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from torch import Tensor
@@ -77,3 +79,38 @@ def reduces_statistics(*batch: str) -> Callable[[F], F]:
         return fn
 
     return register
+
+
+# ----------------------------------------------------------------------------------------------
+# classes sharded across ranks (pmlfunc.distributed.sharded_classes)
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClassShard:
+    """This rank's part of a class table sharded across the ranks: classes ``[offset, offset +
+    rows)`` of ``num_classes``, and the in-place sum and maximum over the ranks (bounded
+    collectives, no autograd) that combine the ranks' partial statistics."""
+
+    offset: int
+    num_classes: int
+    sum_: Callable[[Tensor, str], Tensor]
+    max_: Callable[[Tensor, str], Tensor]
+
+
+_SHARD: list[ClassShard | None] = [None]
+
+
+def class_shard() -> ClassShard | None:
+    """The active :class:`ClassShard` (inside :func:`sharding`), else ``None``."""
+    return _SHARD[0]
+
+
+@contextlib.contextmanager
+def sharding(shard: ClassShard) -> Iterator[None]:
+    """Within the block the class-tiled losses read their params as this rank's shard and their
+    labels as global class ids (``pmlfunc.losses._tiled.class_statistics``)."""
+    previous = _SHARD[0]
+    _SHARD[0] = shard
+    try:
+        yield
+    finally:
+        _SHARD[0] = previous

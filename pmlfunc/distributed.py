@@ -62,9 +62,11 @@ __all__ = [
     "EXCHANGES",
     "RankError",
     "all_gather",
+    "class_range",
     "cross_batch_memory",
     "global_objective",
     "is_active",
+    "sharded_classes",
     "value_and_grad",
     "world_size",
 ]
@@ -498,6 +500,123 @@ def _ring_objective(loss_fn, group, timeout):
         f"pmlfunc: {what} runs eagerly (point-to-point sends and waits on the host); "
         "under torch.compile(fullgraph=True) use exchange='gather'",
     )
+
+
+def class_range(num_classes: int, *, group=None) -> tuple[int, int]:
+    """This rank's classes ``[start, stop)`` of ``num_classes`` split as evenly as possible over
+    the ranks in rank order (the first ``num_classes mod W`` ranks hold one more), for
+    :func:`sharded_classes`: make this rank's part of the table with the loss's ``*_init``
+    of ``stop − start`` classes. ``(0, num_classes)`` outside a process group.
+
+    Example:
+        >>> class_range(10)  # one process: every class
+        (0, 10)
+    """
+    num_classes = _checks.integer(num_classes, "num_classes")
+    if not is_active(group):
+        return 0, num_classes
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    base, extra = divmod(num_classes, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def sharded_classes(
+    loss_fn: Callable[..., Tensor], *, group=None, timeout: float | None = None
+) -> Callable[..., Tensor]:
+    r"""A classifier loss over a class table sharded across the ranks (model parallel; Partial
+    FC's layout, every class kept): ``f(embeddings, labels, params, **kwargs)`` on every rank,
+    with this rank's batch rows, their *global* class ids and this rank's rows of the table.
+
+    The losses with ``class_chunk_size=`` (:data:`pmlfunc.losses._tiled.CLASS_TILED`:
+    :func:`~pmlfunc.losses.arcface`, :func:`~pmlfunc.losses.cosface`, ...,
+    :func:`~pmlfunc.losses.normalized_softmax`, :func:`~pmlfunc.losses.proxy_nca`). Rank
+    ``r`` holds classes ``[o_r, o_r + C_r)``, in rank order (``C_r`` may differ, 0 included;
+    :func:`class_range` splits evenly). The embeddings and labels are gathered (``B × D``,
+    small); each rank walks its own classes in tiles of ``class_chunk_size`` (default: its whole
+    shard as one tile) for every gathered row, and the ranks' partial statistics (the other
+    classes' log-sum-exp, the target logit's cosine) are combined by all-reduces, so the loss,
+    the same on every rank, is the one-process loss over the whole table. Per rank, memory is
+    the shard, its gradient and ``B_global × class_chunk_size`` tiles: ``∝ C / W``.
+
+    Gradients: this rank's shard gets exactly ``∂L/∂W_r`` (its classes' only: keep the table
+    out of DDP's averaging, e.g. a separate module and optimizer on each rank); the embeddings
+    get ``W · ∂L/∂x_local`` and the loss's replicated hyper-parameters (a tensor ``scale``,
+    ``margins``) ``∂L/∂θ``, as under :func:`global_objective`, so DDP's averaging of the encoder
+    gives the single-process gradient. Eager only (collectives wait on the host); the ranks
+    agree on the call first (module docstring), ``indices_tuple`` is refused (local rows).
+    Outside an initialised process group it is ``loss_fn`` itself (``params`` the whole table).
+
+    Example:
+        >>> start, stop = class_range(1000)
+        >>> params = pf.losses.arcface_init(stop - start, 16)  # this rank's classes
+        >>> loss_fn = sharded_classes(pf.losses.arcface)
+        >>> loss = loss_fn(torch.randn(8, 16), torch.randint(0, 1000, (8,)), params,
+        ...                class_chunk_size=256)
+    """
+    from .losses._tiled import CLASS_TILED
+
+    fn = unpartial(loss_fn)[0]
+    if fn not in CLASS_TILED:
+        names = sorted(getattr(f, "__name__", str(f)) for f in CLASS_TILED)
+        raise ValueError(
+            f"sharded_classes takes a loss with class_chunk_size= ({', '.join(names)}), got "
+            f"{_name(loss_fn)}"
+        )
+    if timeout is not None:
+        Session.check_timeout(timeout)
+    key = CLASS_TILED[fn]
+    what = f"sharded_classes({_name(loss_fn)})"
+
+    def sharded(embeddings: Tensor, labels: Tensor, params: Any, **kwargs: Any) -> Tensor:
+        session = Session(group, what, timeout)
+        arguments = _named(loss_fn, (embeddings, labels, params), kwargs)
+        table = params.get(key) if isinstance(params, Mapping) else None
+        arguments["params"] = table  # a batch argument: every rank's number of classes
+
+        def checks() -> None:
+            if arguments.get("indices_tuple") is not None:
+                raise ValueError(
+                    f"indices_tuple refers to local rows and cannot be used with {what}"
+                )
+            _check_batch(embeddings, "embeddings")
+            _check_rows(labels, "labels", embeddings, "embeddings")
+            if not isinstance(table, Tensor):
+                raise TypeError(f"params must be a dict with this rank's {key!r} rows")
+            _check_batch(table, f"params[{key!r}]")
+
+        device = embeddings.device if isinstance(embeddings, Tensor) else None
+        batch = ("embeddings", "labels", "params")
+        sizes = session.agree(arguments, batch=batch, error=_local(checks), device=device)
+        _refuse_empty(sizes["embeddings"], what, "embeddings")
+        classes = sizes["params"]
+        if sum(classes) == 0:
+            raise ValueError(f"{what}: params[{key!r}] has no classes on any rank")
+        shard = _global.ClassShard(
+            offset=sum(classes[: session.rank]),
+            num_classes=sum(classes),
+            sum_=session.all_reduce,
+            max_=functools.partial(_all_max, session),
+        )
+        if kwargs.get("class_chunk_size") is None:
+            kwargs["class_chunk_size"] = max(1, classes[session.rank])
+        with session.guard("computing the loss"):
+            all_emb = _gather(session, embeddings, sizes["embeddings"], "embeddings")
+            all_labels = _gather(session, labels, sizes["embeddings"], "labels")
+            with _global.sharding(shard):
+                return loss_fn(all_emb, all_labels, params, **kwargs)
+
+    return _eager_when_active(
+        loss_fn,
+        sharded,
+        group,
+        f"pmlfunc: {what} runs eagerly (its all-reduces wait on the host); under "
+        "torch.compile(fullgraph=True) compile the loss's callers, not the sharded loss",
+    )
+
+
+def _all_max(session: Session, t: Tensor, where: str) -> Tensor:
+    return session.all_reduce(t, where, dist.ReduceOp.MAX)
 
 
 def _eager_when_active(loss_fn: Callable, fn: Callable, group, reason: str) -> Callable:

@@ -23,6 +23,7 @@ import optree
 import torch
 from torch import Tensor
 
+from . import _global
 from ._ops import inside_transform
 
 __all__ = [
@@ -99,10 +100,14 @@ def class_labels(labels: Tensor, num_classes: int, name: str = "labels") -> None
         return
     if inside_transform():
         return
+    shard = _global.class_shard()  # params hold this rank's shard; labels are global class ids
+    source = "params" if shard is None else "the ranks' shards together"
+    num_classes = num_classes if shard is None else shard.num_classes
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= num_classes:
         raise ValueError(
-            f"{name} must be in [0, {num_classes}) (num_classes from params), got values in [{lo}, {hi}]"
+            f"{name} must be in [0, {num_classes}) (num_classes from {source}), got values in "
+            f"[{lo}, {hi}]"
         )
 
 

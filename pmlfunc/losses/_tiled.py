@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _global
 from .._inputs import validate
 from .._ops import (
     _NORMALIZE_EPS,
@@ -76,6 +76,7 @@ from ._batch import check_shared, regularized
 
 __all__ = [
     "BUILDERS",
+    "CLASS_TILED",
     "KINDS",
     "ROW_STATS",
     "Classes",
@@ -1488,6 +1489,11 @@ def tiled_loss(
 # ----------------------------------------------------------------------------------------------
 # Class tiles: the classifier losses' columns are their class weights
 # ----------------------------------------------------------------------------------------------
+# The losses with class_chunk_size= (tiles of classes), each with the key of its class table in
+# its params: registered by their modules (pmlfunc.distributed.sharded_classes takes these)
+CLASS_TILED: dict[Callable, str] = {}
+
+
 class Classes(NamedTuple):
     r"""The static options of a walk over tiles of classes (:func:`class_statistics`).
 
@@ -1547,8 +1553,10 @@ def class_forward(kind: Classes, x: Tensor, r: Tensor, weight: Tensor, labels: T
     if st is None:  # no classes: refused by the callers' checks
         raise ValueError("class_statistics needs at least one class")
     out = (st["row_lse"], st["row_target"])
-    if kind.norm:
-        out += (torch.linalg.vector_norm(weight[labels, 0].to(x.dtype), dim=-1),)
+    if kind.norm:  # (0 for a label outside the table: another rank's class, when sharded)
+        inside, at = _class_target(labels, 0, weight.shape[0])
+        norm = torch.linalg.vector_norm(weight[at.squeeze(-1), 0].to(x.dtype), dim=-1)
+        out += (torch.where(inside, norm, 0.0),)
     return out
 
 
@@ -1601,10 +1609,12 @@ def class_backward(kind: Classes, x, r, weight, labels, lse, ga, gt, gn, needs):
     if need_w and gw is None:
         gw = torch.cat(blocks)
     if need_w and gn is not None:  # N_i = ‖w_{y_i}‖: ∂w_{y_i} += gn_i ŵ_{y_i} (0 at w = 0)
-        w_t = weight[labels].to(x.dtype)
+        inside, at = _class_target(labels, 0, weight.shape[0])
+        w_t = weight[at.squeeze(-1)].to(x.dtype)
         norm = torch.linalg.vector_norm(w_t, dim=-1, keepdim=True)
         unit = torch.where(norm > 0, w_t / torch.where(norm > 0, norm, 1.0), 0.0)
-        gw = gw.index_add(0, labels, (gn.view(-1, 1, 1) * unit).to(gw.dtype))
+        part = torch.where(inside, gn, 0.0).view(-1, 1, 1) * unit
+        gw = gw.index_add(0, at.squeeze(-1), part.to(gw.dtype))
     if need_x and gx is None:
         gx = torch.zeros_like(x)
     if need_r:
@@ -1665,11 +1675,82 @@ class _ClassStats(torch.autograd.Function):
         return (*(next(grads) if need else None for need in needs), None, None)
 
 
+class _ShardedClassStats(torch.autograd.Function):
+    """:func:`class_forward` over a class table sharded across the ranks
+    (:class:`pmlfunc._global.ClassShard`; eager, the collectives wait on the host).
+
+    Forward: this rank's statistics over its classes, combined over the ranks into those of
+    all ``C`` classes, the same on every rank: ``A`` by a maximum and a sum of ``e^{A_r −
+    max}``, ``T`` and ``N`` (non-zero on the rank that owns the row's class only) by a sum.
+    Backward: every rank holds the same cotangents (every rank computes the same loss from the
+    combined statistics); this rank's tiles give its shard's exact weight gradient and its
+    classes' part of the rows' and row factors' gradients, summed over the ranks so that every
+    rank holds the whole of them and the computation upstream (the same on every rank)
+    differentiates as under the gather."""
+
+    @staticmethod
+    def forward(x, r, weight, labels, kind, shard):
+        local = labels - shard.offset
+        n, low = x.shape[-2], -torch.finfo(x.dtype).max
+        if weight.shape[0] == 0:  # a rank without classes: an empty log-sum-exp, no target
+            stats = [x.new_full((n,), low), *(x.new_zeros(n) for _ in range(1 + kind.norm))]
+        else:
+            stats = list(class_forward(kind, x, r, weight, local))
+        top = shard.max_(stats[0].clone(), "the classes' log-sum-exp (maximum)")
+        shift = torch.where(torch.isfinite(top), top, 0.0)
+        total = shard.sum_(torch.exp(stats[0] - shift), "the classes' log-sum-exp (sum)")
+        out = [torch.log(total) + shift]
+        for i, what in enumerate(("target cosines", "target weight norms")[: len(stats) - 1]):
+            out.append(shard.sum_(stats[1 + i].clone(), f"the classes' {what}"))
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, r, weight, labels, kind, shard = inputs
+        ctx.set_materialize_grads(False)
+        ctx.kind, ctx.shard = kind, shard
+        ctx.save_for_backward(x, r, weight, labels, output[0])
+
+    @staticmethod
+    def backward(ctx, ga, gt, gn=None):
+        if torch.is_grad_enabled():  # create_graph=True: this backward records no graph
+            _ClassGrads.backward(ctx)
+        x, r, weight, labels, lse = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        shard = ctx.shard
+        if weight.shape[0] == 0:
+            grads = [
+                torch.zeros_like(t) for t, need in zip((x, r, weight), needs, strict=True) if need
+            ]
+        else:
+            grads = list(
+                class_backward(
+                    ctx.kind, x, r, weight, labels - shard.offset, lse, ga, gt, gn, needs
+                )
+            )
+        out = iter(grads)
+        gx, gr, gw = (next(out) if need else None for need in needs)
+        if gx is not None:
+            gx = shard.sum_(gx.contiguous(), "the backward of the classes' statistics (rows)")
+        if gr is not None:
+            gr = shard.sum_(
+                gr.contiguous(), "the backward of the classes' statistics (row factors)"
+            )
+        return gx, gr, gw, None, None, None
+
+
 def class_statistics(x: Tensor, r: Tensor, weight: Tensor, labels: Tensor, kind: Classes):
     r"""``(A, T)`` (and ``N`` with ``kind.norm``) of the class logits ``z_ij = r_i c_ij``,
     ``c_ij = max_k x_i · ŵ_jk``, over tiles of ``kind.chunk`` classes, never the ``B × C``
     matrix (:func:`class_forward`); differentiable in ``x`` ``(B, D)``, ``r`` ``(B,)`` and
-    ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in ``[0, C)``."""
+    ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in ``[0, C)``.
+
+    Inside :func:`pmlfunc._global.sharding` (:func:`pmlfunc.distributed.sharded_classes`)
+    ``weight`` is this rank's shard of the table, ``labels`` are global class ids and the
+    statistics are combined over the ranks (:class:`_ShardedClassStats`)."""
+    shard = _global.class_shard()
+    if shard is not None:
+        return _ShardedClassStats.apply(x, r, weight, labels, kind, shard)
     return apply(_ClassStats, x, r, weight, labels, kind)
 
 
@@ -1693,7 +1774,7 @@ def class_cross_entropy(
     # (C, K, D), always a view: given the caller's (C, K, D) tensor itself, a compiled
     # torch.func.grad_and_value over the embeddings and the weight returned a wrong weight
     # gradient (PyTorch 2.13, aot_eager and inductor alike)
-    w = weight.view(weight.shape[0], -1, weight.shape[-1])
+    w = weight.unsqueeze(1) if weight.ndim == 2 else weight.view_as(weight)
     kind = Classes(chunk, w.shape[1], unit, magnitude)
     stats = class_statistics(x, r, w, labels, kind)
     if magnitude:

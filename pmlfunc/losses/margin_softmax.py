@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _global
 from .. import params as _params
 from .._ops import cross_entropy, matmul, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize_params
-from ._tiled import class_cross_entropy
+from ._tiled import CLASS_TILED, class_cross_entropy
 
 __all__ = [
     "arcface",
@@ -622,6 +622,8 @@ def dynamic_arcface(
     """
     _checks.embeddings(embeddings)
     num_classes = _params.check(params, "weight", embeddings, ndim=3).shape[0]
+    shard = _global.class_shard()  # params hold this rank's classes, margins every class's
+    num_classes = num_classes if shard is None else shard.num_classes
     if not isinstance(margins, Tensor):
         raise TypeError(
             f"margins must be a (num_classes,) float tensor, got {type(margins).__name__}"
@@ -766,3 +768,17 @@ def subcenter_arcface_init(
 
 # PML 3's DynamicArcFaceLoss wraps a sub-centre ArcFace: the same parameters.
 dynamic_arcface_init = subcenter_arcface_init
+
+CLASS_TILED.update(
+    dict.fromkeys(
+        (
+            large_margin_softmax,
+            sphereface,
+            cosface,
+            arcface,
+            subcenter_arcface,
+            dynamic_arcface,
+        ),
+        "weight",
+    )
+)

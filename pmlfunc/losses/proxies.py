@@ -46,7 +46,7 @@ from ..distances import Distance, _Dot, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize, regularize_params
-from ._tiled import class_cross_entropy
+from ._tiled import CLASS_TILED, class_cross_entropy
 
 __all__ = [
     "normalized_softmax",
@@ -765,3 +765,6 @@ def p2s_grad_init(
     w = torch.empty((d, c), dtype=dtype, device=_params.generator_device(generator, device))
     w = w.uniform_(-1.0, 1.0, generator=generator).renorm(2, 1, _RENORM_MAX).mul(1.0 / _RENORM_MAX)
     return {"weight": w.t().contiguous()}
+
+
+CLASS_TILED.update({proxy_nca: "proxies", normalized_softmax: "weight"})
