@@ -8,10 +8,14 @@ runs with tiles of 1 class, of a size not dividing ``C`` and of more classes tha
 ``torch.compile(fullgraph=True)`` (also of ``torch.func.grad_and_value``), the meta device, the
 non-finite inputs and low precision. Here: no tensor of ``B × C`` entries in either pass, bf16
 weights read a tile at a time, per-sample gradients under ``vmap``, one class, many tiles, the
-second differentiation that raises and the bad ``class_chunk_size``.
+second differentiation that raises and the bad ``class_chunk_size``; and the table sharded
+across gloo ranks (``pf.distributed.sharded_classes``): one process's numbers on ranks of
+unequal rows and classes (none included), the same error on every rank for a bad call.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -163,3 +167,126 @@ def test_labels_out_of_range_are_refused_as_on_the_dense_path():
     labels[0] = 5
     with pytest.raises(ValueError, match=r"labels must be in \[0, 5\)"):
         pf.losses.arcface(x, labels, params, class_chunk_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# classes sharded across ranks (pf.distributed.sharded_classes)
+# ---------------------------------------------------------------------------------------------
+SHARD_CASES = {  # name -> (params key, hyper-parameters; tensors are differentiated)
+    "arcface": ("weight", {"scale": torch.tensor(8.0, dtype=F64)}),
+    "large_margin_softmax": ("weight", {}),
+    "sphereface": ("weight", {}),
+    "subcenter_arcface": ("weight", {"scale": 8.0}),
+    "dynamic_arcface": ("weight", {"margins": torch.linspace(0.1, 0.6, 11, dtype=F64)}),
+    "normalized_softmax": ("weight", {"temperature": torch.tensor(0.3, dtype=F64)}),
+    "proxy_nca": ("proxies", {"softmax_scale": 3.0}),
+}
+
+
+def _leaves(hp: dict) -> dict:
+    return {k: v.clone().requires_grad_(True) if torch.is_tensor(v) else v for k, v in hp.items()}
+
+
+def sharded_on_rank(cases, sizes, classes):
+    """Every case's loss, embedding, shard and hyper-parameter gradients on this rank, from
+    ``sharded_classes`` on its rows (``sizes``) and classes (``classes``), tiles of 3 classes."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    r0, c0 = sum(sizes[:rank]), sum(classes[:rank])
+    out = []
+    for name, x, labels, table, hp in cases:
+        key = SHARD_CASES[name][0]
+        xl = x[r0 : r0 + sizes[rank]].clone().requires_grad_(True)
+        wl = table[c0 : c0 + classes[rank]].clone().requires_grad_(True)
+        leaves = _leaves(hp)
+        loss_fn = pf.distributed.sharded_classes(getattr(pfl, name))
+        rows = labels[r0 : r0 + sizes[rank]]
+        loss = loss_fn(xl, rows, {key: wl}, class_chunk_size=3, **leaves)
+        loss.backward()
+        grads = {k: v.grad for k, v in leaves.items() if torch.is_tensor(v)}
+        out.append((loss.detach(), xl.grad, wl.grad, grads))
+    return out, pf.distributed.class_range(11)
+
+
+def test_sharded_classes_equal_one_process_over_the_whole_table():
+    """Three ranks of 0, 3 and 5 rows holding 4, 0 and 7 of the 11 classes: every loss with
+    class tiles gives, on every rank, the one-process loss over the whole batch and table; each
+    shard its rows of the table's gradient; the rows ``W · ∂L/∂x`` (global_objective's
+    convention); a tensor scale, temperature or per-class margins the whole ``∂L/∂θ``. And
+    ``class_range`` splits 11 classes over the 3 ranks as 4, 4, 3."""
+    g = torch.Generator().manual_seed(5)
+    sizes, classes, c, d = (0, 3, 5), (4, 0, 7), 11, 5
+    cases = []
+    for name, (key, hp) in SHARD_CASES.items():
+        init = TILED[name][1] if name in TILED else getattr(pfl, f"{name}_init")
+        x = torch.randn(sum(sizes), d, generator=g, dtype=F64)
+        labels = torch.randint(0, c, (sum(sizes),), generator=g)
+        cases.append((name, x, labels, init(c, d, generator=g, dtype=F64)[key], hp))
+    results = pf.testing.spawn_ranks(sharded_on_rank, cases, sizes, classes, world_size=3)
+    got = [r[0] for r in results]
+    assert [r[1] for r in results] == [(0, 4), (4, 8), (8, 11)]  # class_range: 11 over 3 ranks
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    for i, (name, x, labels, table, hp) in enumerate(cases):
+        key = SHARD_CASES[name][0]
+        xx, ww, leaves = (
+            x.clone().requires_grad_(True),
+            table.clone().requires_grad_(True),
+            _leaves(hp),
+        )
+        want = getattr(pfl, name)(xx, labels, {key: ww}, **leaves)
+        want.backward()
+        for rank, (loss, gx, gw, grads) in enumerate(r[i] for r in got):
+            r0, c0 = sum(sizes[:rank]), sum(classes[:rank])
+            torch.testing.assert_close(loss, want.detach(), **tol)
+            torch.testing.assert_close(gx, 3 * xx.grad[r0 : r0 + sizes[rank]], **tol)
+            torch.testing.assert_close(gw, ww.grad[c0 : c0 + classes[rank]], **tol)
+            for k, v in grads.items():
+                torch.testing.assert_close(v, leaves[k].grad, **tol, msg=f"{name} {k}")
+
+
+def sharded_error_on_rank(change: str):
+    """The message each rank raises for a bad sharded call (``change``: what is wrong)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    d = 6 if change == "width" and rank == 1 else 4
+    x, labels = torch.randn(3, d), torch.tensor([0, 2, 5])
+    if change == "label" and rank == 0:
+        labels = torch.tensor([0, 2, 9])  # 9 classes in all: 0..8
+    kw = {"indices_tuple": (torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))}
+    try:
+        pf.distributed.sharded_classes(pfl.arcface)(
+            x, labels, pfl.arcface_init(3, d), **(kw if change == "mined" else {})
+        )
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("width", r"disagree.*embeddings"),
+        ("label", r"labels must be in \[0, 9\) \(num_classes from the ranks' shards together\)"),
+        ("mined", r"indices_tuple refers to local rows"),
+    ],
+)
+def test_a_bad_sharded_call_raises_the_same_error_on_every_rank(change, match):
+    """Ranks that disagree on the embedding width, a label outside the ranks' classes together
+    and a miner's local indices: every rank raises, naming the cause, and none hangs."""
+    got = pf.testing.spawn_ranks(sharded_error_on_rank, change, world_size=3, timeout=120)
+    for message in got:
+        assert re.search(match, message), message
+
+
+def test_sharded_classes_refuses_a_loss_without_class_tiles():
+    with pytest.raises(ValueError, match="sharded_classes takes a loss with class_chunk_size"):
+        pf.distributed.sharded_classes(pfl.proxy_anchor)
+
+
+def test_outside_a_process_group_sharded_classes_is_the_loss_itself():
+    x, labels, params = _draw("cosface", 6, 9, 4, dtype=F64)
+    got = pf.distributed.sharded_classes(pfl.cosface)(x, labels, params, class_chunk_size=4)
+    torch.testing.assert_close(got, pfl.cosface(x, labels, params), rtol=1e-12, atol=0)
+    assert pf.distributed.class_range(10) == (0, 10)
