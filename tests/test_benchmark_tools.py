@@ -667,3 +667,18 @@ def test_the_peers_report_gives_the_median_and_range_of_the_runs_ratios(tmp_path
     report.main([*map(str, files), "--output", str(tmp_path / "main")])
     main_page = (tmp_path / "main" / "README.md").read_text()
     assert "## Peers" in main_page and "](peers.svg)" in main_page
+
+
+def test_class_tiles_dry_run_reports_every_member_and_the_tiles_add_less_memory(tmp_path):
+    """``benchmarks.class_tiles`` on CPU at C = 3,000: every member runs, the report is written,
+    and each tiled member adds less memory than its dense twin (B × C logits)."""
+    from benchmarks import class_tiles
+
+    argv = ["--device", "cpu", "--classes", "3000", "--steps", "1", "--output", str(tmp_path)]
+    result = class_tiles.main(argv)
+    rows = {(r["loss"], r["path"]): r for r in result["rows"]}
+    assert len(rows) == 7 and all(r["outcome"] == "ok" for r in rows.values())
+    for name in class_tiles.LOSSES:
+        assert rows[(name, "tiled")]["added_mib"] < rows[(name, "dense")]["added_mib"] / 2
+    assert "| 3,000 | arcface | tiled | 256 |" in (tmp_path / "class_tiles.md").read_text()
+    assert json.loads((tmp_path / "class_tiles.json").read_text())["rows"] == result["rows"]

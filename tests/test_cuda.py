@@ -391,6 +391,18 @@ TILED = {
     "multiple_negatives_ranking[memory]": Loss(
         retrieval_queued(chunk_size=5), lambda: on_device(L.multiple_negatives_ranking_init())
     ),
+    # tiles of classes (class_chunk_size): the single-centre, sub-centre and magnitude walks
+    "arcface[classes]": Loss(
+        lambda e, y, p: L.arcface(e, y, p, class_chunk_size=3), lambda: init(L.arcface_init, C, D)
+    ),
+    "subcenter_arcface[classes]": Loss(
+        lambda e, y, p: L.subcenter_arcface(e, y, p, class_chunk_size=3),
+        lambda: init(L.subcenter_arcface_init, C, D),
+    ),
+    "large_margin_softmax[classes]": Loss(
+        lambda e, y, p: L.large_margin_softmax(e, y, p, class_chunk_size=3),
+        lambda: init(L.large_margin_softmax_init, C, D),
+    ),
 }
 DENSE = {
     "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
@@ -402,6 +414,16 @@ DENSE = {
     ),
     "multiple_negatives_ranking[memory]": Loss(
         retrieval_queued(), lambda: on_device(L.multiple_negatives_ranking_init())
+    ),
+    "arcface[classes]": Loss(
+        lambda e, y, p: L.arcface(e, y, p), lambda: init(L.arcface_init, C, D)
+    ),
+    "subcenter_arcface[classes]": Loss(
+        lambda e, y, p: L.subcenter_arcface(e, y, p), lambda: init(L.subcenter_arcface_init, C, D)
+    ),
+    "large_margin_softmax[classes]": Loss(
+        lambda e, y, p: L.large_margin_softmax(e, y, p),
+        lambda: init(L.large_margin_softmax_init, C, D),
     ),
 }
 
