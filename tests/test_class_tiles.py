@@ -23,6 +23,7 @@ from tracking import LargestTensor
 
 import pmlfunc as pf
 import pmlfunc.losses as pfl
+from pmlfunc.memory import peak_tensor_bytes
 
 F64 = torch.float64
 
@@ -72,6 +73,26 @@ def test_no_tensor_of_the_batch_times_the_classes_in_either_pass(name):
     with LargestTensor() as rec:
         _call(name, x, labels, params).backward()
     assert rec.largest >= b * c > bound
+
+
+@pytest.mark.parametrize("name", list(TILED))
+def test_beyond_the_two_gradients_only_a_few_tiles_are_ever_alive(name):
+    """The live-tensor peak of forward + backward, less the embedding and weight gradients, is a
+    few ``B × chunk·K`` tiles, ``B × D`` rows and ``chunk·K × D`` weight tiles: the weights are
+    eight times that budget here, so a second weight-sized tensor (a copy of the gradient)
+    fails this."""
+    b, c, d, chunk = 8, 2000, 64, 16
+    x, labels, params = _draw(name, b, c, d)
+    key = TILED[name][2]
+    x.requires_grad_(True)
+    params[key].requires_grad_(True)
+    k = params[key].shape[1] if params[key].ndim == 3 else 1
+    _, peak = peak_tensor_bytes(
+        lambda: _call(name, x, labels, params, class_chunk_size=chunk).backward()
+    )
+    budget = 8 * (b * chunk * k + b * d + chunk * k * d) * 4
+    assert params[key].numel() * 4 > 8 * budget
+    assert peak - (x.numel() + params[key].numel()) * 4 <= budget, (peak, budget)
 
 
 @pytest.mark.parametrize("name", ["arcface", "subcenter_arcface", "normalized_softmax"])

@@ -762,15 +762,18 @@ LOSSES: dict[str, Entry] = {
     # the classifier losses over tiles of classes (class_chunk_size=2: tiles of 2, 2 and 1 of
     # the 5 classes; test_class_tiles.py); inductor compiles the sub-centre and the magnitude walk
     "arcface[classes]": Entry(
-        L.arcface, learnable(L.arcface, L.arcface_init, C, D, scale=8.0, class_chunk_size=2),
+        L.arcface,
+        learnable(L.arcface, L.arcface_init, C, D, scale=8.0, class_chunk_size=2),
         backend=_SHARED,
     ),
     "cosface[classes]": Entry(
-        L.cosface, learnable(L.cosface, L.cosface_init, C, D, scale=8.0, class_chunk_size=2),
+        L.cosface,
+        learnable(L.cosface, L.cosface_init, C, D, scale=8.0, class_chunk_size=2),
         backend=_SHARED,
     ),
     "sphereface[classes]": Entry(
-        L.sphereface, learnable(L.sphereface, L.sphereface_init, C, D, class_chunk_size=2),
+        L.sphereface,
+        learnable(L.sphereface, L.sphereface_init, C, D, class_chunk_size=2),
         backend=_SHARED,
     ),
     "large_margin_softmax[classes]": Entry(
@@ -786,17 +789,26 @@ LOSSES: dict[str, Entry] = {
     "dynamic_arcface[classes]": Entry(
         L.dynamic_arcface,
         learnable(
-            L.dynamic_arcface, L.dynamic_arcface_init, C, D, scale=8.0,
-            drawn={"margins": _margins}, class_chunk_size=2,
-        ),  # fmt: skip
+            L.dynamic_arcface,
+            L.dynamic_arcface_init,
+            C,
+            D,
+            scale=8.0,
+            drawn={"margins": _margins},
+            class_chunk_size=2,
+        ),
         backend=_SHARED,
     ),
     "normalized_softmax[classes]": Entry(
         L.normalized_softmax,
         learnable(
-            L.normalized_softmax, L.normalized_softmax_init, C, D, temperature=0.5,
+            L.normalized_softmax,
+            L.normalized_softmax_init,
+            C,
+            D,
+            temperature=0.5,
             class_chunk_size=2,
-        ),  # fmt: skip
+        ),
         backend=_SHARED,
     ),
     "proxy_nca[classes]": Entry(

@@ -296,7 +296,9 @@ def test_class_tiles_match_reference_and_pml(name, dist, chunk, gen):
         for hp, tup in [(h, None) for h in SPECS[name]["hp"]] + mined:
             kw = {"distance": DISTANCES[dist][0](), "indices_tuple": tup, **hp}
             got = run_pf(name, emb, labels, params, class_chunk_size=chunk, **kw)
-            assert_same(got, run_ref(name, emb, labels, params, dist=dist, tup=tup, **hp), **REF_TOL)
+            assert_same(
+                got, run_ref(name, emb, labels, params, dist=dist, tup=tup, **hp), **REF_TOL
+            )
             pml_kw = {"distance": DISTANCES[dist][1](), "indices_tuple": tup, **hp}
             assert_same(got, run_pml(name, emb, labels, params, **pml_kw), **TOL[F64])
 

@@ -1511,115 +1511,148 @@ class Classes(NamedTuple):
 
 
 def _class_tile(kind: Classes, x: Tensor, weight: Tensor, c0: int, c1: int):
-    """Classes ``[c0, c1)``: their :class:`Columns` and the ``(B, c1 − c0)`` column values
-    ``c_ij = max_k x_i · ŵ_jk`` with the argmax ``k`` (``None`` for ``K = 1``)."""
+    """Classes ``[c0, c1)``: their rows as :class:`Columns` (with their norms where ``kind.unit``,
+    for the backward) and the rows the tile multiplies, ``ŵ`` (normalised; the raw rows
+    otherwise), ``(c1 − c0)·K × D``, cast to ``x``'s dtype: a copy of one tile's weights, never
+    of the table."""
     block = weight[c0:c1].to(x.dtype).reshape(-1, x.shape[-1])
     y = columns(block, kind.unit)
-    s = _logits(x, y, 0, x.shape[-2], _tile_factor(y, 1.0), None)
+    return y, block if y.inv is None else block * y.inv.unsqueeze(-1)
+
+
+def _class_logits(kind: Classes, u: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The tile's ``(B, m)`` logits ``z_ij = max_k u_i · ŵ_jk`` and the argmax ``k`` (``None``
+    for ``K = 1``), a fresh tile."""
+    z = matmul(u, w_hat.t())
     if kind.sub_centers == 1:
-        return y, s, None
-    values, idx = s.view(x.shape[-2], c1 - c0, kind.sub_centers).max(-1)
-    return y, values, idx
+        return z, None
+    values, idx = z.view(u.shape[0], -1, kind.sub_centers).max(-1)
+    return values, idx
 
 
 def _class_target(labels: Tensor, c0: int, m: int) -> tuple[Tensor, Tensor]:
-    """Whether each row's class lies in the tile ``[c0, c0 + m)``, and its column there
-    (clamped into the tile where it does not: read, then discarded)."""
+    """Whether each row's class lies in ``[c0, c0 + m)``, and its index there (clamped into the
+    range where it does not: read, then discarded)."""
     t = labels - c0
-    return (t >= 0) & (t < m), t.clamp(0, m - 1).unsqueeze(-1)
+    return (t >= 0) & (t < m), t.clamp(0, max(m - 1, 0)).unsqueeze(-1)
 
 
-def _with_target(z: Tensor, inside: Tensor, at: Tensor, value: float | Tensor) -> Tensor:
-    """``z`` with each row's target entry (where it lies in the tile) set to ``value``: a new
-    tile (a compiled ``torch.func.grad`` traces the forward with autograd and checks its saved
-    tensors, which an in-place update of a saved one fails)."""
+def _drop_target_(z: Tensor, inside: Tensor, at: Tensor, value: float) -> Tensor:
+    """``z`` (a tile of ours) with each row's target entry, where it lies in the tile, set to
+    ``value``, in place."""
     old = z.gather(-1, at).squeeze(-1)
-    return z.scatter(-1, at, torch.where(inside, value, old).unsqueeze(-1))
+    return z.scatter_(-1, at, torch.where(inside, value, old).unsqueeze(-1))
 
 
-def class_forward(kind: Classes, x: Tensor, r: Tensor, weight: Tensor, labels: Tensor):
-    """``(A, T[, N])`` over the tiles of classes: ``A_i = log Σ_{j ≠ y_i} e^{r_i c_ij}``
-    (merged across tiles as the ring merges blocks, :func:`merge`), ``T_i = c_{i y_i}`` and,
-    with ``kind.norm``, ``N_i = ‖w_{y_i}‖``."""
+def _target_rows(kind: Classes, x: Tensor, weight: Tensor, labels: Tensor):
+    """The rows' target classes read by index (``B × K × D``, never a tile): ``(inside, index,
+    their Columns, ŵ_t, dots)`` with ``dots_ik = x_i · ŵ_{y_i k}``."""
+    inside, at = _class_target(labels, 0, weight.shape[0])
+    index = at.squeeze(-1)
+    rows = weight[index].to(x.dtype)  # (B, K, D)
+    y = columns(rows.reshape(-1, x.shape[-1]), kind.unit)
+    w_hat = rows if y.inv is None else rows * y.inv.view(*rows.shape[:2], 1)
+    dots = matmul(w_hat, x.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    return inside, index, y, w_hat, dots
+
+
+def class_forward(kind: Classes, u: Tensor, x: Tensor, weight: Tensor, labels: Tensor):
+    """``(A, T[, N])``: ``A_i = log Σ_{j ≠ y_i} e^{z_ij}`` over the tiles of classes
+    (:func:`_class_logits` of the rows ``u``; log-sum-exps merged across tiles as across the
+    ring's blocks, :func:`merge`), ``T_i = max_k x_i · ŵ_{y_i k}`` read by index (0 for a
+    class outside this table: another rank's, when sharded) and, with ``kind.norm``,
+    ``N_i = ‖w_{y_i}‖``."""
     st: dict[str, Tensor] | None = None
-    low = -torch.finfo(x.dtype).max
+    low = -torch.finfo(u.dtype).max
     for c0, c1 in _tiles(weight.shape[0], kind.chunk):
-        _, c, _ = _class_tile(kind, x, weight, c0, c1)
+        _, w_hat = _class_tile(kind, u, weight, c0, c1)
+        z, _ = _class_logits(kind, u, w_hat)
         inside, at = _class_target(labels, c0, c1 - c0)
-        target = torch.where(inside, c.gather(-1, at).squeeze(-1), 0.0)
-        z = _with_target(c * r.unsqueeze(-1), inside, at, low)
-        # out of place, as _with_target (_row_lse_ updates its tile after its amax read it)
-        st = merge(st, {"row_lse": torch.logsumexp(z, -1), "row_target": target})
-    if st is None:  # no classes: refused by the callers' checks
-        raise ValueError("class_statistics needs at least one class")
-    out = (st["row_lse"], st["row_target"])
-    if kind.norm:  # (0 for a label outside the table: another rank's class, when sharded)
-        inside, at = _class_target(labels, 0, weight.shape[0])
-        norm = torch.linalg.vector_norm(weight[at.squeeze(-1), 0].to(x.dtype), dim=-1)
+        # logsumexp out of place: a compiled torch.func.grad traces this forward with autograd
+        # and checks its saved tensors (_row_lse_ updates its tile after its amax read it)
+        st = merge(st, {"row_lse": torch.logsumexp(_drop_target_(z, inside, at, low), -1)})
+    if st is None:
+        st = {"row_lse": u.new_full(u.shape[:-1], low)}  # no classes: a rank's empty shard
+    if weight.shape[0] == 0:
+        zero = u.new_zeros(u.shape[:-1])
+        return (st["row_lse"], zero, zero) if kind.norm else (st["row_lse"], zero)
+    inside, _, y, _, dots = _target_rows(kind, x, weight, labels)
+    out = (st["row_lse"], torch.where(inside, dots.amax(-1), 0.0))
+    if kind.norm:  # K = 1
+        assert y.norm is None  # the raw rows (unit=False): their norm here
+        norm = torch.linalg.vector_norm(y.segments[0], dim=-1)
         out += (torch.where(inside, norm, 0.0),)
     return out
 
 
-def class_backward(kind: Classes, x, r, weight, labels, lse, ga, gt, gn, needs):
-    """``(∂x, ∂r, ∂w)`` (those ``needs`` asks for) for the cotangents ``ga``, ``gt``, ``gn``
-    of :func:`class_forward`'s ``(A, T, N)`` (``None``: not differentiated), every tile
-    recomputed: ``∂c_ij = ga_i r_i p_ij`` off the target with ``p_ij = e^{r_i c_ij − A_i}``,
-    ``gt_i`` on it, through the sub-centres' argmax to the tile (:class:`_GradSums`: the rows'
-    ``∂S ŷ``, the classes' ``∂Sᵀ x`` made the raw weights' gradient); ``∂r_i = ga_i Σ_j p_ij
-    c_ij``. The weight gradient is the one ``(C, K, D)`` tensor, filled a tile at a time (under
-    ``torch.func`` transforms the tiles are concatenated instead: a batched tensor cannot be
-    written into an unbatched one)."""
-    need_x, need_r, need_w = needs
-    n, dim, k = x.shape[-2], x.shape[-1], kind.sub_centers
-    low = -torch.finfo(x.dtype).max
+def class_backward(kind: Classes, u, x, weight, labels, lse, ga, gt, gn, needs):
+    """``(∂u, ∂x, ∂w)`` (those ``needs`` asks for) for the cotangents ``ga``, ``gt``, ``gn`` of
+    :func:`class_forward`'s ``(A, T, N)`` (``None``: not differentiated). Every tile recomputed:
+    ``∂z_ij = ga_i e^{z_ij − A_i}`` off the target, through the sub-centres' argmax, then
+    ``∂u = ∂z ŵ`` and the tile's ``∂ŵ = ∂zᵀ u`` made the raw rows' gradient
+    (:meth:`Columns.unit_backward_`); ``T``'s and ``N``'s by index: ``∂x_i = gt_i ŵ_{y_i k*}``,
+    ``∂w_{y_i}`` added with :meth:`Tensor.index_add_`. The weight gradient is the one
+    ``(C, K, D)`` tensor, filled a tile at a time (under ``torch.func`` transforms the tiles
+    are concatenated instead: a batched tensor cannot be written into an unbatched one)."""
+    need_u, need_x, need_w = needs
+    n, dim, k = u.shape[-2], u.shape[-1], kind.sub_centers
+    low = -torch.finfo(u.dtype).max
     batched = inside_transform()
-    gx = gr = None
+    gu = gx = None
     blocks: list[Tensor] = []
     gw = torch.zeros_like(weight) if need_w and not batched else None
-    a = None if ga is None else (ga * r).unsqueeze(-1)
-    for c0, c1 in _tiles(weight.shape[0], kind.chunk):
-        y, c, idx = _class_tile(kind, x, weight, c0, c1)
-        inside, at = _class_target(labels, c0, c1 - c0)
-        if a is not None:
-            z = _with_target(c * r.unsqueeze(-1), inside, at, low)
-            p = _with_target(_exp_(z, lse.unsqueeze(-1)), inside, at, 0.0)
-            if need_r:
-                part = (p * c).sum(-1)
-                gr = part if gr is None else gr + part
-            ds = p * a  # a new tile: the cotangent may be batched (vmap of a vjp), p is not
-        else:
-            ds = torch.zeros_like(c)
-        if gt is not None:
-            ds = _with_target(ds, inside, at, gt)
-        if idx is not None:  # to the argmax sub-centre of each class
-            full = ds.new_zeros((n, c1 - c0, k)).scatter(-1, idx.unsqueeze(-1), ds.unsqueeze(-1))
-            ds = full.view(n, (c1 - c0) * k)
-        sums = _GradSums(x, y, (need_x, (need_w,), False, False))
-        sums.add(ds, 0, n)
-        part_x, (part_w,), _, _ = sums.result()
-        if need_x:
-            gx = part_x if gx is None else gx + part_x
-        if need_w:
-            assert part_w is not None  # asked for
-            part_w = part_w.view(c1 - c0, k, dim).to(weight.dtype)
-            if gw is None:
-                blocks.append(part_w)
-            else:
-                gw[c0:c1] = part_w
+    if ga is not None and (need_u or need_w):
+        a = ga.unsqueeze(-1)
+        for c0, c1 in _tiles(weight.shape[0], kind.chunk):
+            y, w_hat = _class_tile(kind, u, weight, c0, c1)
+            z, idx = _class_logits(kind, u, w_hat)
+            inside, at = _class_target(labels, c0, c1 - c0)
+            p = _exp_(_drop_target_(z, inside, at, low), lse.unsqueeze(-1))
+            ds = _drop_target_(p, inside, at, 0.0) * a  # new: the cotangent may be batched
+            if idx is not None:  # to the argmax sub-centre of each class
+                full = ds.new_zeros((n, c1 - c0, k))
+                ds = full.scatter(-1, idx.unsqueeze(-1), ds.unsqueeze(-1)).view(n, -1)
+            if need_u:
+                part = matmul(ds, w_hat)
+                gu = part if gu is None else gu + part
+            if need_w:
+                g = matmul(ds.t(), u)
+                if y.inv is not None:  # ∂ŵ ⊙ inv, what unit_backward_ takes
+                    g = g.mul_(y.inv.unsqueeze(-1))
+                g = y.unit_backward_(0, g).view(c1 - c0, k, dim).to(weight.dtype)
+                if gw is None:
+                    blocks.append(g)
+                else:
+                    gw[c0:c1] = g
     if need_w and gw is None:
-        gw = torch.cat(blocks)
-    if need_w and gn is not None:  # N_i = ‖w_{y_i}‖: ∂w_{y_i} += gn_i ŵ_{y_i} (0 at w = 0)
-        inside, at = _class_target(labels, 0, weight.shape[0])
-        w_t = weight[at.squeeze(-1)].to(x.dtype)
-        norm = torch.linalg.vector_norm(w_t, dim=-1, keepdim=True)
-        unit = torch.where(norm > 0, w_t / torch.where(norm > 0, norm, 1.0), 0.0)
-        part = torch.where(inside, gn, 0.0).view(-1, 1, 1) * unit
-        gw = gw.index_add(0, at.squeeze(-1), part.to(gw.dtype))
+        gw = torch.cat(blocks) if blocks else torch.zeros_like(weight)
+    if (gt is not None or gn is not None) and weight.shape[0] > 0 and (need_x or need_w):
+        inside, index, y, w_hat, dots = _target_rows(kind, x, weight, labels)
+        pick = F.one_hot(dots.argmax(-1), k).to(x.dtype) * inside.unsqueeze(-1)  # (B, K)
+        if gt is not None and need_x:
+            gx = (pick.unsqueeze(-1) * w_hat).sum(1) * gt.unsqueeze(-1)
+        if need_w:
+            g_rows = x.new_zeros(w_hat.shape)  # ∂ŵ of the target rows, (B, K, D)
+            if gt is not None:
+                g_rows = g_rows + pick.unsqueeze(-1) * (gt.unsqueeze(-1) * x).unsqueeze(1)
+            flat = g_rows.reshape(-1, dim)
+            if y.inv is not None:
+                flat = y.unit_backward_(0, flat * y.inv.unsqueeze(-1))
+            g_rows = flat.view(w_hat.shape)
+            if gn is not None:  # N_i = ‖w_{y_i}‖ (K = 1, raw rows): ∂w += gn_i w/‖w‖
+                norm = torch.linalg.vector_norm(w_hat, dim=-1, keepdim=True)
+                unit = torch.where(norm > 0, w_hat / torch.where(norm > 0, norm, 1.0), 0.0)
+                g_rows = g_rows + (gn * inside).view(-1, 1, 1) * unit
+            assert gw is not None  # need_w
+            if batched:  # (out of place: a batched source cannot go into an unbatched tensor)
+                gw = gw.index_add(0, index, g_rows.to(gw.dtype))
+            else:  # in place: the one (C, K, D) gradient
+                gw = gw.index_add_(0, index, g_rows.to(gw.dtype))
+    if need_u and gu is None:
+        gu = torch.zeros_like(u)
     if need_x and gx is None:
         gx = torch.zeros_like(x)
-    if need_r:
-        gr = torch.zeros_like(r) if gr is None or ga is None else gr * ga
-    return tuple(fresh(t) for t, need in zip((gx, gr, gw), needs, strict=True) if need)
+    return tuple(fresh(t) for t, need in zip((gu, gx, gw), needs, strict=True) if need)
 
 
 class _ClassGrads(torch.autograd.Function):
@@ -1629,8 +1662,8 @@ class _ClassGrads(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, r, weight, labels, lse, ga, gt, gn, kind, needs):
-        return class_backward(kind, x, r, weight, labels, lse, ga, gt, gn, needs)
+    def forward(u, x, weight, labels, lse, ga, gt, gn, kind, needs):
+        return class_backward(kind, u, x, weight, labels, lse, ga, gt, gn, needs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -1646,32 +1679,32 @@ class _ClassGrads(torch.autograd.Function):
 
 
 class _ClassStats(torch.autograd.Function):
-    """:func:`class_forward` as a Function of ``(x, r, weight, labels, kind)``: saves the
+    """:func:`class_forward` as a Function of ``(u, x, weight, labels, kind)``: saves the
     inputs (no copy) and ``A``; its backward is :class:`_ClassGrads`."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, r, weight, labels, kind):
-        return class_forward(kind, x, r, weight, labels)
+    def forward(u, x, weight, labels, kind):
+        return class_forward(kind, u, x, weight, labels)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, r, weight, labels, kind = inputs
+        u, x, weight, labels, kind = inputs
         ctx.set_materialize_grads(False)
         ctx.kind = kind
-        ctx.save_for_backward(x, r, weight, labels, output[0])
+        ctx.save_for_backward(u, x, weight, labels, output[0])
 
     @staticmethod
     def backward(ctx, ga, gt, gn=None):
-        x, r, weight, labels, lse = ctx.saved_tensors
+        u, x, weight, labels, lse = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
         if not any(needs) or (ga is None and gt is None and gn is None):
             return (None,) * 5
         # the cotangents detached: a traced backward then records no graph through them (a
-        # second differentiation still raises, through x, r and weight)
+        # second differentiation still raises, through u, x and weight)
         ga, gt, gn = (None if g is None else g.detach() for g in (ga, gt, gn))
-        grads = iter(apply(_ClassGrads, x, r, weight, labels, lse, ga, gt, gn, ctx.kind, needs))
+        grads = iter(apply(_ClassGrads, u, x, weight, labels, lse, ga, gt, gn, ctx.kind, needs))
         return (*(next(grads) if need else None for need in needs), None, None)
 
 
@@ -1684,18 +1717,13 @@ class _ShardedClassStats(torch.autograd.Function):
     max}``, ``T`` and ``N`` (non-zero on the rank that owns the row's class only) by a sum.
     Backward: every rank holds the same cotangents (every rank computes the same loss from the
     combined statistics); this rank's tiles give its shard's exact weight gradient and its
-    classes' part of the rows' and row factors' gradients, summed over the ranks so that every
-    rank holds the whole of them and the computation upstream (the same on every rank)
-    differentiates as under the gather."""
+    classes' part of the rows' gradients, summed over the ranks so that every rank holds the
+    whole of them and the computation upstream (the same on every rank) differentiates as
+    under the gather."""
 
     @staticmethod
-    def forward(x, r, weight, labels, kind, shard):
-        local = labels - shard.offset
-        n, low = x.shape[-2], -torch.finfo(x.dtype).max
-        if weight.shape[0] == 0:  # a rank without classes: an empty log-sum-exp, no target
-            stats = [x.new_full((n,), low), *(x.new_zeros(n) for _ in range(1 + kind.norm))]
-        else:
-            stats = list(class_forward(kind, x, r, weight, local))
+    def forward(u, x, weight, labels, kind, shard):
+        stats = class_forward(kind, u, x, weight, labels - shard.offset)
         top = shard.max_(stats[0].clone(), "the classes' log-sum-exp (maximum)")
         shift = torch.where(torch.isfinite(top), top, 0.0)
         total = shard.sum_(torch.exp(stats[0] - shift), "the classes' log-sum-exp (sum)")
@@ -1706,52 +1734,41 @@ class _ShardedClassStats(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, r, weight, labels, kind, shard = inputs
+        u, x, weight, labels, kind, shard = inputs
         ctx.set_materialize_grads(False)
         ctx.kind, ctx.shard = kind, shard
-        ctx.save_for_backward(x, r, weight, labels, output[0])
+        ctx.save_for_backward(u, x, weight, labels, output[0])
 
     @staticmethod
     def backward(ctx, ga, gt, gn=None):
         if torch.is_grad_enabled():  # create_graph=True: this backward records no graph
             _ClassGrads.backward(ctx)
-        x, r, weight, labels, lse = ctx.saved_tensors
+        u, x, weight, labels, lse = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
         shard = ctx.shard
-        if weight.shape[0] == 0:
-            grads = [
-                torch.zeros_like(t) for t, need in zip((x, r, weight), needs, strict=True) if need
-            ]
-        else:
-            grads = list(
-                class_backward(
-                    ctx.kind, x, r, weight, labels - shard.offset, lse, ga, gt, gn, needs
-                )
-            )
-        out = iter(grads)
-        gx, gr, gw = (next(out) if need else None for need in needs)
-        if gx is not None:
-            gx = shard.sum_(gx.contiguous(), "the backward of the classes' statistics (rows)")
-        if gr is not None:
-            gr = shard.sum_(
-                gr.contiguous(), "the backward of the classes' statistics (row factors)"
-            )
-        return gx, gr, gw, None, None, None
+        local = labels - shard.offset
+        grads = iter(class_backward(ctx.kind, u, x, weight, local, lse, ga, gt, gn, needs))
+        gu, gx, gw = (next(grads) if need else None for need in needs)
+        where = "the backward of the classes' statistics"
+        gu = None if gu is None else shard.sum_(gu.contiguous(), f"{where} (rows)")
+        gx = None if gx is None else shard.sum_(gx.contiguous(), f"{where} (targets)")
+        return gu, gx, gw, None, None, None
 
 
-def class_statistics(x: Tensor, r: Tensor, weight: Tensor, labels: Tensor, kind: Classes):
-    r"""``(A, T)`` (and ``N`` with ``kind.norm``) of the class logits ``z_ij = r_i c_ij``,
-    ``c_ij = max_k x_i · ŵ_jk``, over tiles of ``kind.chunk`` classes, never the ``B × C``
-    matrix (:func:`class_forward`); differentiable in ``x`` ``(B, D)``, ``r`` ``(B,)`` and
-    ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in ``[0, C)``.
+def class_statistics(u: Tensor, x: Tensor, weight: Tensor, labels: Tensor, kind: Classes):
+    r"""``(A, T)`` (and ``N`` with ``kind.norm``) of the class logits ``z_ij = max_k u_i ·
+    ŵ_jk`` over tiles of ``kind.chunk`` classes, never the ``B × C`` matrix, and of the target
+    cosines ``x_i · ŵ_{y_i}`` (:func:`class_forward`); differentiable in ``u`` and ``x``
+    ``(B, D)`` and ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in
+    ``[0, C)``.
 
     Inside :func:`pmlfunc._global.sharding` (:func:`pmlfunc.distributed.sharded_classes`)
     ``weight`` is this rank's shard of the table, ``labels`` are global class ids and the
     statistics are combined over the ranks (:class:`_ShardedClassStats`)."""
     shard = _global.class_shard()
     if shard is not None:
-        return _ShardedClassStats.apply(x, r, weight, labels, kind, shard)
-    return apply(_ClassStats, x, r, weight, labels, kind)
+        return _ShardedClassStats.apply(u, x, weight, labels, kind, shard)
+    return apply(_ClassStats, u, x, weight, labels, kind)
 
 
 def class_cross_entropy(
@@ -1767,16 +1784,17 @@ def class_cross_entropy(
 ) -> Tensor:
     r"""The per-row cross entropy ``ℓ_i = log(e^{A_i} + e^{ψ_i}) − ψ_i`` of the classifier
     losses over tiles of ``chunk`` classes: ``A_i`` the log-sum-exp of the other classes'
-    logits ``r_i c_ij`` and ``ψ_i = r_i · target(c_{i y_i})`` the target's
-    (:func:`class_statistics`); with ``magnitude`` (L-Softmax: ``z = r_i ‖w_j‖ cos``, the
-    weights not normalised) ``ψ_i = r_i ‖w_{y_i}‖ · target(cos_{i y_i})``. ``weight``:
-    ``(C, D)`` or ``(C, K, D)`` (sub-centres: a class's cosine is its largest)."""
+    logits ``r_i c_ij`` (``c_ij = max_k x_i · ŵ_jk``; the tiles read the rows ``u = r ⊙ x``)
+    and ``ψ_i = r_i · target(c_{i y_i})`` the target's (:func:`class_statistics`); with
+    ``magnitude`` (L-Softmax: ``z = r_i ‖w_j‖ cos``, the weights not normalised)
+    ``ψ_i = r_i ‖w_{y_i}‖ · target(cos_{i y_i})``. ``weight``: ``(C, D)`` or ``(C, K, D)``
+    (sub-centres: a class's cosine is its largest)."""
     # (C, K, D), always a view: given the caller's (C, K, D) tensor itself, a compiled
     # torch.func.grad_and_value over the embeddings and the weight returned a wrong weight
     # gradient (PyTorch 2.13, aot_eager and inductor alike)
     w = weight.unsqueeze(1) if weight.ndim == 2 else weight.view_as(weight)
     kind = Classes(chunk, w.shape[1], unit, magnitude)
-    stats = class_statistics(x, r, w, labels, kind)
+    stats = class_statistics(r.unsqueeze(-1) * x, x, w, labels, kind)
     if magnitude:
         lse, dot, norm = stats
         cos = dot / norm.clamp_min(_NORMALIZE_EPS)
