@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks, _global
+from . import params as _params
 from ._agree import DEFAULT_TIMEOUT, RankError, Session
 from .losses._tiled import unpartial
 
@@ -522,11 +523,15 @@ def class_range(num_classes: int, *, group=None) -> tuple[int, int]:
 
 
 def sharded_classes(
-    loss_fn: Callable[..., Tensor], *, group=None, timeout: float | None = None
+    loss_fn: Callable[..., Tensor],
+    *,
+    group=None,
+    timeout: float | None = None,
+    sample_rate: float | None = None,
 ) -> Callable[..., Tensor]:
     r"""A classifier loss over a class table sharded across the ranks (model parallel; Partial
-    FC's layout, every class kept): ``f(embeddings, labels, params, **kwargs)`` on every rank,
-    with this rank's batch rows, their *global* class ids and this rank's rows of the table.
+    FC's layout): ``f(embeddings, labels, params, **kwargs)`` on every rank, with this rank's
+    batch rows, their *global* class ids and this rank's rows of the table.
 
     The losses with ``class_chunk_size=`` (:data:`pmlfunc.losses._tiled.CLASS_TILED`:
     :func:`~pmlfunc.losses.arcface`, :func:`~pmlfunc.losses.cosface`, ...,
@@ -547,6 +552,17 @@ def sharded_classes(
     agree on the call first (module docstring), ``indices_tuple`` is refused (local rows).
     Outside an initialised process group it is ``loss_fn`` itself (``params`` the whole table).
 
+    ``sample_rate`` (an approximation, Partial FC's): each call keeps every class that is some
+    row's label and each other class with probability ``sample_rate``, drawn from the call's
+    ``generator=`` (required, a ``torch.Generator`` seeded alike on every rank: one uniform draw
+    per class of the whole table, so the classes kept do not depend on the world size; the
+    ranks check that their generators agree). The loss is the loss over the classes kept (the
+    softmax's negatives subsampled: a biased estimate of the full loss, cheaper by about
+    ``1 / sample_rate`` at millions of classes). The classes not kept get a zero gradient in
+    the shard's ``(C_r, K, D)`` gradient (an optimizer with momentum or weight decay still
+    moves them: use plain SGD on the table, or mask its update). Eager also in one process
+    (the kept count is data-dependent).
+
     Example:
         >>> start, stop = class_range(1000)
         >>> params = pf.losses.arcface_init(stop - start, 16)  # this rank's classes
@@ -565,14 +581,32 @@ def sharded_classes(
         )
     if timeout is not None:
         Session.check_timeout(timeout)
+    if sample_rate is not None:
+        sample_rate = _checks.number(sample_rate, "sample_rate", positive=True)
+        if sample_rate > 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     key = CLASS_TILED[fn]
     what = f"sharded_classes({_name(loss_fn)})"
 
     def sharded(embeddings: Tensor, labels: Tensor, params: Any, **kwargs: Any) -> Tensor:
+        generator = _sampling_generator(kwargs, sample_rate, what)
+        if not is_active(group):
+            if generator is None:
+                return loss_fn(embeddings, labels, params, **kwargs)
+            table = params[key] if isinstance(params, Mapping) else None
+            if not isinstance(table, Tensor):
+                raise TypeError(f"params must be a dict with the table's {key!r} rows")
+            _check_rows(labels, "labels", embeddings, "embeddings")
+            _params.class_labels(labels, table.shape[0])
+            kept = _kept_classes(table.shape[0], labels, sample_rate, generator)
+            params, labels, kwargs, _, _ = _sampled(params, key, labels, kwargs, kept, 0)
+            return loss_fn(embeddings, labels, params, **kwargs)
         session = Session(group, what, timeout)
         arguments = _named(loss_fn, (embeddings, labels, params), kwargs)
         table = params.get(key) if isinstance(params, Mapping) else None
         arguments["params"] = table  # a batch argument: every rank's number of classes
+        if generator is not None:  # the ranks' generators must agree: their state's digest
+            arguments["generator"] = _digest(generator)
 
         def checks() -> None:
             if arguments.get("indices_tuple") is not None:
@@ -592,27 +626,88 @@ def sharded_classes(
         classes = sizes["params"]
         if sum(classes) == 0:
             raise ValueError(f"{what}: params[{key!r}] has no classes on any rank")
-        shard = _global.ClassShard(
-            offset=sum(classes[: session.rank]),
-            num_classes=sum(classes),
-            sum_=session.all_reduce,
-            max_=functools.partial(_all_max, session),
-        )
-        if kwargs.get("class_chunk_size") is None:
-            kwargs["class_chunk_size"] = max(1, classes[session.rank])
+        offset, num_classes = sum(classes[: session.rank]), sum(classes)
         with session.guard("computing the loss"):
             all_emb = _gather(session, embeddings, sizes["embeddings"], "embeddings")
             all_labels = _gather(session, labels, sizes["embeddings"], "labels")
+            mine = classes[session.rank]
+            if generator is not None:
+                _params.class_labels(all_labels, num_classes)
+                kept = _kept_classes(num_classes, all_labels, sample_rate, generator)
+                params, all_labels, kwargs, offset, num_classes = _sampled(
+                    params, key, all_labels, kwargs, kept, offset, mine
+                )
+                mine = params[key].shape[0]
+            if kwargs.get("class_chunk_size") is None:
+                kwargs["class_chunk_size"] = max(1, mine)
+            shard = _global.ClassShard(
+                offset=offset,
+                num_classes=num_classes,
+                sum_=session.all_reduce,
+                max_=functools.partial(_all_max, session),
+            )
             with _global.sharding(shard):
                 return loss_fn(all_emb, all_labels, params, **kwargs)
 
-    return _eager_when_active(
-        loss_fn,
-        sharded,
-        group,
-        f"pmlfunc: {what} runs eagerly (its all-reduces wait on the host); under "
-        "torch.compile(fullgraph=True) compile the loss's callers, not the sharded loss",
+    reason = (
+        f"pmlfunc: {what} runs eagerly (its all-reduces wait on the host; a sampled class "
+        "count is data-dependent); under torch.compile(fullgraph=True) compile the loss's "
+        "callers, not the sharded loss"
     )
+    if sample_rate is None:  # in one process: the loss itself, which compiles
+        return _eager_when_active(loss_fn, sharded, group, reason)
+    return _eager_only(sharded, reason)
+
+
+# the losses' arguments that hold one entry per class of the table (sliced when sampling)
+_PER_CLASS = ("margins",)
+
+
+def _sampling_generator(kwargs: dict, sample_rate: float | None, what: str):
+    """``kwargs``' ``generator`` (removed from them), required when sampling, refused when not."""
+    generator = kwargs.pop("generator", None)
+    if sample_rate is None:
+        if generator is not None:
+            raise ValueError(f"{what}: generator= is for sampling classes (sample_rate=)")
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{what} with sample_rate needs generator=, a torch.Generator seeded alike on every "
+            f"rank; got {type(generator).__name__}"
+        )
+    return generator
+
+
+def _digest(generator: torch.Generator) -> int:
+    """A number that differs, in all likelihood, between two generators' states."""
+    import hashlib
+
+    raw = generator.get_state().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=7).digest(), "little")
+
+
+def _kept_classes(num_classes: int, labels: Tensor, rate, generator: torch.Generator) -> Tensor:
+    """Which classes a sampled call keeps: every label's, and each other with probability
+    ``rate`` (one uniform draw per class of the whole table, from ``generator``)."""
+    draw = torch.rand(num_classes, generator=generator, device=generator.device)
+    kept = draw.to(labels.device) < rate
+    return kept.index_fill_(0, labels.long(), True)
+
+
+def _sampled(params, key, labels, kwargs, kept: Tensor, offset: int, rows: int | None = None):
+    """The call over the kept classes only: this rank's kept rows of the table (a gather: the
+    gradient reaches the table's rows kept, zero elsewhere), the labels renumbered among the
+    kept classes, the per-class arguments sliced, and this rank's offset and the total count
+    among them."""
+    rows = params[key].shape[0] if rows is None else rows
+    mine = kept[offset : offset + rows].nonzero().squeeze(-1)
+    sub = {**params, key: params[key].index_select(0, mine.to(params[key].device))}
+    order = torch.cumsum(kept, 0) - 1
+    kwargs = dict(kwargs)
+    for name in _PER_CLASS:
+        if isinstance(kwargs.get(name), Tensor):
+            kwargs[name] = kwargs[name][kept.to(kwargs[name].device)]
+    return sub, order[labels.long()], kwargs, int(kept[:offset].sum()), int(kept.sum())
 
 
 def _all_max(session: Session, t: Tensor, where: str) -> Tensor:

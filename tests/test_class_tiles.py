@@ -311,3 +311,114 @@ def test_outside_a_process_group_sharded_classes_is_the_loss_itself():
     got = pf.distributed.sharded_classes(pfl.cosface)(x, labels, params, class_chunk_size=4)
     torch.testing.assert_close(got, pfl.cosface(x, labels, params), rtol=1e-12, atol=0)
     assert pf.distributed.class_range(10) == (0, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled negative classes (sharded_classes(..., sample_rate=))
+# ---------------------------------------------------------------------------------------------
+def _kept_reference(c, labels, rate, seed):
+    """The classes a sampled call keeps, drawn here as the docs say: one uniform per class of
+    the table from the generator, below ``rate``, and every label's class."""
+    kept = torch.rand(c, generator=torch.Generator().manual_seed(seed)) < rate
+    kept[labels] = True
+    return kept
+
+
+def test_sampling_is_the_loss_over_the_kept_classes_with_zero_gradient_elsewhere():
+    """One process: the sampled loss equals the dense loss over the kept classes (labels
+    renumbered among them, per-class margins sliced), every gradient included; every label's
+    class is kept; the classes not kept get a zero gradient, the kept ones a non-zero one."""
+    x, labels, params = _draw("subcenter_arcface", 10, 60, 6, dtype=F64)
+    margins = torch.linspace(0.1, 0.6, 60, dtype=F64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, params["weight"], margins)]
+    loss_fn = pf.distributed.sharded_classes(pfl.dynamic_arcface, sample_rate=0.25)
+    got = loss_fn(
+        leaves[0], labels, {"weight": leaves[1]}, margins=leaves[2], scale=8.0,
+        generator=torch.Generator().manual_seed(3), class_chunk_size=4,
+    )  # fmt: skip
+    got.backward()
+    kept = _kept_reference(60, labels, 0.25, 3)
+    assert 0 < int(kept.sum()) < 60
+    idx, order = kept.nonzero().squeeze(1), torch.cumsum(kept, 0) - 1
+    ref = [t.clone().requires_grad_(True) for t in (x, params["weight"], margins)]
+    want = pfl.dynamic_arcface(
+        ref[0], order[labels], {"weight": ref[1][idx]}, margins=ref[2][idx], scale=8.0
+    )
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    assert (leaves[1].grad[~kept] == 0).all()
+    assert (leaves[1].grad[kept].abs().sum((1, 2)) > 0).all()
+
+
+def test_sampling_every_class_is_the_full_loss():
+    x, labels, params = _draw("arcface", 8, 30, 5, dtype=F64)
+    loss_fn = pf.distributed.sharded_classes(pfl.arcface, sample_rate=1.0)
+    got = loss_fn(x, labels, params, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got, pfl.arcface(x, labels, params), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("rate", "kw", "error", "match"),
+    [
+        (0.0, {}, ValueError, "sample_rate must be"),
+        (1.5, {}, ValueError, r"sample_rate must be in \(0, 1\]"),
+        (0.5, {}, TypeError, "needs generator="),
+        # without sampling, in one process, the wrapper is the loss itself: no generator=
+        (None, {"generator": torch.Generator()}, TypeError, "generator"),
+    ],
+)
+def test_bad_sampling_arguments_are_refused(rate, kw, error, match):
+    x, labels, params = _draw("arcface", 4, 9, 3)
+    with pytest.raises(error, match=match):
+        pf.distributed.sharded_classes(pfl.arcface, sample_rate=rate)(x, labels, params, **kw)
+
+
+def sampled_on_rank(x, labels, table, sizes, classes, seed):
+    """This rank's loss and gradients of a sampled sharded arcface (``seed``: its generator's)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    r0, c0 = sum(sizes[:rank]), sum(classes[:rank])
+    xl = x[r0 : r0 + sizes[rank]].clone().requires_grad_(True)
+    wl = table[c0 : c0 + classes[rank]].clone().requires_grad_(True)
+    loss_fn = pf.distributed.sharded_classes(pfl.arcface, sample_rate=0.3)
+    generator = torch.Generator().manual_seed(seed[rank] if isinstance(seed, tuple) else seed)
+    try:
+        loss = loss_fn(
+            xl, labels[r0 : r0 + sizes[rank]], {"weight": wl}, scale=8.0, generator=generator,
+            class_chunk_size=3,
+        )  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    loss.backward()
+    return loss.detach(), xl.grad, wl.grad
+
+
+def test_sampled_sharded_classes_keep_the_same_classes_whatever_the_world_size():
+    """Three ranks (2, 0 and 6 rows; 9, 5 and 6 of 20 classes) with generators seeded alike
+    keep the classes one process keeps with that seed: the same loss on every rank, each shard
+    its rows of the one-process gradient, the rows ``W ·`` theirs. Ranks whose generators
+    differ raise the same error on every rank, before any data moves."""
+    g = torch.Generator().manual_seed(11)
+    sizes, classes = (2, 0, 6), (9, 5, 6)
+    x = torch.randn(8, 5, generator=g, dtype=F64)
+    labels = torch.randint(0, 20, (8,), generator=g)
+    table = pfl.arcface_init(20, 5, generator=g, dtype=F64)["weight"]
+    got = pf.testing.spawn_ranks(sampled_on_rank, x, labels, table, sizes, classes, 4, world_size=3)
+    xx, ww = x.clone().requires_grad_(True), table.clone().requires_grad_(True)
+    want = pf.distributed.sharded_classes(pfl.arcface, sample_rate=0.3)(
+        xx, labels, {"weight": ww}, scale=8.0, generator=torch.Generator().manual_seed(4)
+    )
+    want.backward()
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    for rank, (loss, gx, gw) in enumerate(got):
+        r0, c0 = sum(sizes[:rank]), sum(classes[:rank])
+        torch.testing.assert_close(loss, want.detach(), **tol)
+        torch.testing.assert_close(gx, 3 * xx.grad[r0 : r0 + sizes[rank]], **tol)
+        torch.testing.assert_close(gw, ww.grad[c0 : c0 + classes[rank]], **tol)
+    errors = pf.testing.spawn_ranks(
+        sampled_on_rank, x, labels, table, sizes, classes, (4, 4, 5), world_size=3
+    )
+    assert all("disagree" in e and "generator" in e for e in errors), errors
