@@ -15,7 +15,10 @@ gradients). An out-of-memory step is recorded as ``"oom"``; the dense path is no
 its logits alone would not fit.
 
 ``--capacity``: the largest ``C`` (doubling from 2²⁰, then bisecting to 5%) whose tiled
-``arcface`` step runs on the device, with a note of the weights' share.
+``arcface`` step runs on the device, with a note of the weights' share (CUDA: an allocation that
+fails is an exception). ``--probe C`` (CPU): one tiled ``arcface`` step at ``C`` classes, its time
+and the process's peak resident memory (on a CPU an allocation that does not fit ends the process,
+so a search would need a process per probe; run one probe in its own process instead).
 
 Writes ``DIR/class_tiles.json`` and ``DIR/class_tiles.md`` (a table), after every entry, so a run
 cut off still reports what it did. ``--device cpu --classes 2000 --steps 1`` is the dry run a
@@ -28,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,7 @@ from pmlfunc.memory import peak_tensor_bytes
 
 B, D = 512, 128
 CHUNKS = (8192, 65536)
-LOSSES = {
+LOSSES: dict[str, tuple[Callable[..., torch.Tensor], dict[str, float]]] = {
     "arcface": (pf.losses.arcface, {"margin": 0.5, "scale": 64.0}),
     "cosface": (pf.losses.cosface, {"margin": 0.35, "scale": 64.0}),
     "normalized_softmax": (pf.losses.normalized_softmax, {"temperature": 0.05}),
@@ -172,6 +176,36 @@ def capacity(device: torch.device, deadline: float) -> dict[str, Any]:
     }
 
 
+def probe(c: int, device: torch.device, output: Path) -> dict[str, Any]:
+    """One tiled ``arcface`` step (chunk 8,192) at ``c`` classes: its time and the process's
+    peak resident memory (``ru_maxrss``)."""
+    import resource
+
+    fn, hp = LOSSES["arcface"]
+    start = time.perf_counter()
+    x = torch.randn(B, D, device=device, requires_grad=True)
+    w = torch.randn(c, D, device=device, requires_grad=True)
+    labels = torch.randint(0, c, (B,), device=device)
+    made = time.perf_counter()
+    loss = fn(x, labels, {"weight": w}, **hp, class_chunk_size=CHUNKS[0])
+    grads = torch.autograd.grad(loss, (x, w))
+    _sync(device)
+    done = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result = {
+        "classes": c, "batch": B, "dim": D, "class_chunk_size": CHUNKS[0],
+        "loss_finite": bool(torch.isfinite(loss)), "grad_finite": bool(torch.isfinite(grads[1]).all()),
+        "setup_s": round(made - start, 1), "step_s": round(done - made, 1),
+        "peak_rss_gib": round(peak / 2**30, 2),
+        "weights_and_grad_gib": round(2 * c * D * 4 / 2**30, 2),
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"class_tiles_probe_c{c}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return result
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Class tiles on {result['device_name']}",
@@ -214,7 +248,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--capacity", action="store_true")
     ap.add_argument("--budget-seconds", type=float, default=240.0)
+    ap.add_argument("--probe", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.probe is not None:
+        return probe(args.probe, torch.device(args.device), args.output)
     device = torch.device(args.device)
     start = time.monotonic()
     args.output.mkdir(parents=True, exist_ok=True)

@@ -533,7 +533,7 @@ def sharded_classes(
     FC's layout): ``f(embeddings, labels, params, **kwargs)`` on every rank, with this rank's
     batch rows, their *global* class ids and this rank's rows of the table.
 
-    The losses with ``class_chunk_size=`` (:data:`pmlfunc.losses._tiled.CLASS_TILED`:
+    The losses with ``class_chunk_size=`` (``pmlfunc.losses._tiled.CLASS_TILED``:
     :func:`~pmlfunc.losses.arcface`, :func:`~pmlfunc.losses.cosface`, ...,
     :func:`~pmlfunc.losses.normalized_softmax`, :func:`~pmlfunc.losses.proxy_nca`). Rank
     ``r`` holds classes ``[o_r, o_r + C_r)``, in rank order (``C_r`` may differ, 0 included;

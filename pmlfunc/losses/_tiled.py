@@ -1577,7 +1577,7 @@ def class_forward(kind: Classes, u: Tensor, x: Tensor, weight: Tensor, labels: T
         zero = u.new_zeros(u.shape[:-1])
         return (st["row_lse"], zero, zero) if kind.norm else (st["row_lse"], zero)
     inside, _, y, _, dots = _target_rows(kind, x, weight, labels)
-    out = (st["row_lse"], torch.where(inside, dots.amax(-1), 0.0))
+    out: tuple[Tensor, ...] = (st["row_lse"], torch.where(inside, dots.amax(-1), 0.0))
     if kind.norm:  # K = 1
         assert y.norm is None  # the raw rows (unit=False): their norm here
         norm = torch.linalg.vector_norm(y.segments[0], dim=-1)
@@ -1652,7 +1652,12 @@ def class_backward(kind: Classes, u, x, weight, labels, lse, ga, gt, gn, needs):
         gu = torch.zeros_like(u)
     if need_x and gx is None:
         gx = torch.zeros_like(x)
-    return tuple(fresh(t) for t, need in zip((gu, gx, gw), needs, strict=True) if need)
+    out = []
+    for t, need in zip((gu, gx, gw), needs, strict=True):
+        if need:
+            assert t is not None  # each gradient asked for is formed above
+            out.append(fresh(t))
+    return tuple(out)
 
 
 class _ClassGrads(torch.autograd.Function):

@@ -425,15 +425,13 @@ def normalized_softmax(
             )
         r = x.new_ones(x.shape[0]) * inverse
         chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
-        terms = class_cross_entropy(normalize(x), r, weight, labels, chunk=chunk)
+        ce = class_cross_entropy(normalize(x), r, weight, labels, chunk=chunk)
     else:
         weight = unit_rows(weight.to(cd), getattr(distance, "p", 2.0))
         scale = inverse if distance.is_similarity else -inverse
         # (B, C); smooth in it: no exact ties
-        terms = cross_entropy(plain.matrix(normalize(x), weight, ties=False, scale=scale), labels)
-    losses = _weighted(
-        terms, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device)
-    )
+        ce = cross_entropy(plain.matrix(normalize(x), weight, ties=False, scale=scale), labels)
+    losses = _weighted(ce, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device))
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(
@@ -767,4 +765,5 @@ def p2s_grad_init(
     return {"weight": w.t().contiguous()}
 
 
-CLASS_TILED.update({proxy_nca: "proxies", normalized_softmax: "weight"})
+CLASS_TILED[proxy_nca] = "proxies"
+CLASS_TILED[normalized_softmax] = "weight"
