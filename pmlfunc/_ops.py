@@ -49,8 +49,10 @@ __all__ = [
     "masked_logsumexp",
     "matmul",
     "ratio",
+    "renorm_rows",
     "row_logsumexp",
     "row_softmax",
+    "row_values",
     "rshift",
     "scalar_like",
     "scalar_tensor",
@@ -197,6 +199,18 @@ def indicator(x: Tensor, *, strict: bool = True) -> Tensor:
     return v.clamp(-1.0, 0.0).floor_().add_(1.0)
 
 
+_RENORM_MAX = 1e-5  # PML's P2SGrad: weight.renorm(2, 1, 1e-5).mul(1e5)
+
+
+def renorm_rows(w: Tensor) -> Tensor:
+    """``w.t().renorm(2, 1, 1e-5).mul(1e5).t()``: P2SGrad's (PML's) projection of each row onto
+    the unit sphere (rows of norm at most ``1e-5`` are scaled by ``1e5`` instead), written with
+    plain ops (``renorm`` has no vmap batching rule)."""
+    n = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+    factor = torch.where(n > _RENORM_MAX, _RENORM_MAX / (n + 1e-7), 1.0)
+    return (w * factor) * (1.0 / _RENORM_MAX)
+
+
 _NORMALIZE_EPS = 1e-12  # F.normalize's
 
 
@@ -317,6 +331,14 @@ def scalar_like(value: float | Tensor, ref: Tensor) -> float | Tensor:
     if isinstance(value, Tensor):
         return value.to(dtype=ref.dtype, device=ref.device)
     return value
+
+
+def row_values(value: float | Tensor, ref: Tensor) -> Tensor:
+    """``(B,)``: a scalar hyper-parameter repeated for each of ``ref``'s rows (a view when it
+    is a tensor, so its gradient flows)."""
+    if isinstance(value, Tensor):
+        return value.to(dtype=ref.dtype, device=ref.device).expand(ref.shape[0])
+    return ref.new_full((ref.shape[0],), value)
 
 
 def shift(x: Tensor, value: float | Tensor) -> Tensor:

@@ -533,9 +533,12 @@ def sharded_classes(
     FC's layout): ``f(embeddings, labels, params, **kwargs)`` on every rank, with this rank's
     batch rows, their *global* class ids and this rank's rows of the table.
 
-    The losses with ``class_chunk_size=`` (``pmlfunc.losses._tiled.CLASS_TILED``:
+    The losses whose class tiles keep per-row statistics (``pmlfunc.losses._tiled.CLASS_TILED``:
     :func:`~pmlfunc.losses.arcface`, :func:`~pmlfunc.losses.cosface`, ...,
-    :func:`~pmlfunc.losses.normalized_softmax`, :func:`~pmlfunc.losses.proxy_nca`). Rank
+    :func:`~pmlfunc.losses.normalized_softmax`, :func:`~pmlfunc.losses.proxy_nca`,
+    :func:`~pmlfunc.losses.soft_triple`, :func:`~pmlfunc.losses.p2s_grad`; not
+    :func:`~pmlfunc.losses.proxy_anchor`, whose tiles keep per-proxy statistics over the
+    batch). Rank
     ``r`` holds classes ``[o_r, o_r + C_r)``, in rank order (``C_r`` may differ, 0 included;
     :func:`class_range` splits evenly). The embeddings and labels are gathered (``B × D``,
     small); each rank walks its own classes in tiles of ``class_chunk_size`` (default: its whole
@@ -576,8 +579,8 @@ def sharded_classes(
     if fn not in CLASS_TILED:
         names = sorted(getattr(f, "__name__", str(f)) for f in CLASS_TILED)
         raise ValueError(
-            f"sharded_classes takes a loss with class_chunk_size= ({', '.join(names)}), got "
-            f"{_name(loss_fn)}"
+            "sharded_classes takes a loss whose class tiles keep per-row statistics "
+            f"({', '.join(names)}), got {_name(loss_fn)}"
         )
     if timeout is not None:
         Session.check_timeout(timeout)

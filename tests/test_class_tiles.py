@@ -36,6 +36,9 @@ TILED = {
     "subcenter_arcface": (pfl.subcenter_arcface, pfl.subcenter_arcface_init, "weight", {}),
     "normalized_softmax": (pfl.normalized_softmax, pfl.normalized_softmax_init, "weight", {}),
     "proxy_nca": (pfl.proxy_nca, pfl.proxy_nca_init, "proxies", {"softmax_scale": 4.0}),
+    "proxy_anchor": (pfl.proxy_anchor, pfl.proxy_anchor_init, "proxies", {}),
+    "soft_triple": (pfl.soft_triple, pfl.soft_triple_init, "weight", {}),
+    "p2s_grad": (pfl.p2s_grad, pfl.p2s_grad_init, "weight", {}),
 }
 
 
@@ -165,6 +168,30 @@ def test_many_tiles_over_many_classes_equal_the_dense_loss():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+TENSOR_HP = {  # name -> hyper-parameters given as tensors (each differentiated)
+    "proxy_anchor": {"margin": 0.2, "alpha": 8.0},
+    "soft_triple": {"la": 6.0, "gamma": 0.3, "margin": 0.05},  # gamma: the soft centres' τ = λγ
+    "normalized_softmax": {"temperature": 0.4},
+    "proxy_nca": {"softmax_scale": 3.0},
+}
+
+
+@pytest.mark.parametrize("name", list(TENSOR_HP))
+def test_tensor_hyper_parameters_get_the_dense_gradient(name):
+    """Margins, scales and temperatures given as tensors: the tiled loss's gradient with respect
+    to each equals the dense loss's (float64), with the embeddings' and the table's."""
+    fn, _, key, _ = TILED[name]
+    x, labels, params = _draw(name, 9, 13, 5, dtype=F64)
+    results = []
+    for chunk in (None, 4):
+        hp = {k: torch.tensor(v, dtype=F64, requires_grad=True) for k, v in TENSOR_HP[name].items()}
+        leaves = [x.clone().requires_grad_(True), params[key].clone().requires_grad_(True)]
+        out = fn(leaves[0], labels, {key: leaves[1]}, class_chunk_size=chunk, **hp)
+        results.append((out, *torch.autograd.grad(out, [*leaves, *hp.values()])))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_differentiating_twice_raises():
     x, labels, params = _draw("arcface", 6, 9, 4, dtype=F64)
     x.requires_grad_(True)
@@ -201,6 +228,8 @@ SHARD_CASES = {  # name -> (params key, hyper-parameters; tensors are differenti
     "dynamic_arcface": ("weight", {"margins": torch.linspace(0.1, 0.6, 11, dtype=F64)}),
     "normalized_softmax": ("weight", {"temperature": torch.tensor(0.3, dtype=F64)}),
     "proxy_nca": ("proxies", {"softmax_scale": 3.0}),
+    "soft_triple": ("weight", {"la": torch.tensor(6.0, dtype=F64), "gamma": 0.3}),
+    "p2s_grad": ("weight", {}),
 }
 
 
@@ -301,9 +330,12 @@ def test_a_bad_sharded_call_raises_the_same_error_on_every_rank(change, match):
         assert re.search(match, message), message
 
 
-def test_sharded_classes_refuses_a_loss_without_class_tiles():
-    with pytest.raises(ValueError, match="sharded_classes takes a loss with class_chunk_size"):
-        pf.distributed.sharded_classes(pfl.proxy_anchor)
+@pytest.mark.parametrize("loss", [pfl.proxy_anchor, pfl.triplet_margin])
+def test_sharded_classes_refuses_a_loss_without_per_row_class_statistics(loss):
+    """proxy_anchor has class tiles, but its statistics are per proxy over the batch (not a
+    per-row softmax that all-reduces combine); a pair loss has no classes at all."""
+    with pytest.raises(ValueError, match="sharded_classes takes a loss whose class tiles"):
+        pf.distributed.sharded_classes(loss)
 
 
 def test_outside_a_process_group_sharded_classes_is_the_loss_itself():

@@ -816,6 +816,34 @@ LOSSES: dict[str, Entry] = {
         learnable(L.proxy_nca, L.proxy_nca_init, C, D, softmax_scale=5.0, class_chunk_size=2),
         backend=_SHARED,
     ),
+    "proxy_anchor[classes]": Entry(
+        L.proxy_anchor,
+        learnable(L.proxy_anchor, L.proxy_anchor_init, C, D, alpha=4.0, class_chunk_size=2),
+        backend=_SHARED,
+    ),
+    "soft_triple[classes]": Entry(
+        L.soft_triple,
+        learnable(
+            L.soft_triple,
+            partial(L.soft_triple_init, centers_per_class=3),
+            C,
+            D,
+            la=10.0,
+            gamma=0.3,
+            class_chunk_size=2,
+        ),
+        backend=_SHARED,
+    ),
+    "p2s_grad[classes]": Entry(
+        L.p2s_grad,
+        learnable(L.p2s_grad, L.p2s_grad_init, C, D, class_chunk_size=2),
+        backend=_SHARED,
+        constant=(
+            ("params.weight",),
+            "p2s_grad's weight gradient is straight-through the renormalisation PML does in "
+            "place (test_proxies checks it against PML and the reference)",
+        ),
+    ),
     # centroids: params {"w", "b"} from ge2e_init(); LABELS has a singleton class (left out)
     "ge2e": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init)),
     "ge2e[contrast]": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init, variant="contrast")),

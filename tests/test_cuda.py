@@ -403,6 +403,18 @@ TILED = {
         lambda e, y, p: L.large_margin_softmax(e, y, p, class_chunk_size=3),
         lambda: init(L.large_margin_softmax_init, C, D),
     ),
+    # ... the soft centres, the per-proxy columns and the squares
+    "soft_triple[classes]": Loss(
+        lambda e, y, p: L.soft_triple(e, y, p, class_chunk_size=3),
+        lambda: init(L.soft_triple_init, C, D),
+    ),
+    "proxy_anchor[classes]": Loss(
+        lambda e, y, p: L.proxy_anchor(e, y, p, class_chunk_size=3),
+        lambda: init(L.proxy_anchor_init, C, D),
+    ),
+    "p2s_grad[classes]": Loss(
+        lambda e, y, p: L.p2s_grad(e, y, p, class_chunk_size=3), lambda: init(L.p2s_grad_init, C, D)
+    ),
 }
 DENSE = {
     "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07)),
@@ -424,6 +436,15 @@ DENSE = {
     "large_margin_softmax[classes]": Loss(
         lambda e, y, p: L.large_margin_softmax(e, y, p),
         lambda: init(L.large_margin_softmax_init, C, D),
+    ),
+    "soft_triple[classes]": Loss(
+        lambda e, y, p: L.soft_triple(e, y, p), lambda: init(L.soft_triple_init, C, D)
+    ),
+    "proxy_anchor[classes]": Loss(
+        lambda e, y, p: L.proxy_anchor(e, y, p), lambda: init(L.proxy_anchor_init, C, D)
+    ),
+    "p2s_grad[classes]": Loss(
+        lambda e, y, p: L.p2s_grad(e, y, p), lambda: init(L.p2s_grad_init, C, D)
     ),
 }
 

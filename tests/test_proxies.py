@@ -279,8 +279,14 @@ def test_indices_tuple_matches_reference(name, tup, gen):
     assert_same(got, want, **REF_TOL)
 
 
-# the losses with class_chunk_size (tiles of classes) and the distances it takes
-CLASS_TILED = {"proxy_nca": ("lp_sq", "cosine", "dot"), "normalized_softmax": ("cosine", "dot")}
+# the losses with class_chunk_size (tiles of classes) and the distances it takes (p2s_grad: none)
+CLASS_TILED = {
+    "proxy_anchor": ("cosine", "dot"),
+    "proxy_nca": ("lp_sq", "cosine", "dot"),
+    "normalized_softmax": ("cosine", "dot"),
+    "soft_triple": ("cosine", "dot"),
+    "p2s_grad": (None,),
+}
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 64])
@@ -288,22 +294,26 @@ CLASS_TILED = {"proxy_nca": ("lp_sq", "cosine", "dot"), "normalized_softmax": ("
 def test_class_tiles_match_reference_and_pml(name, dist, chunk, gen):
     """``class_chunk_size`` (tiles of one class, of 3 of the 7, of more than there are) gives
     the float64 reference's value and gradients, and PML's, on every label layout, each
-    hyper-parameter set and (the uneven layout) a mined tuple."""
+    hyper-parameter set and (the uneven layout, losses that take one) a mined tuple."""
     for layout in LAYOUTS:
         labels = lab(LAYOUTS[layout])
         emb, params = make(name, gen, labels)
-        mined = [({}, TUPLES["pairs"])] if layout == "uneven" else []
+        mined = [({}, TUPLES["pairs"])] if layout == "uneven" and name in MINED else []
         for hp, tup in [(h, None) for h in SPECS[name]["hp"]] + mined:
-            kw = {"distance": DISTANCES[dist][0](), "indices_tuple": tup, **hp}
+            kw = dict(hp) if tup is None else {"indices_tuple": tup, **hp}
+            pml_kw = dict(kw)
+            if dist is not None:
+                kw["distance"], pml_kw["distance"] = DISTANCES[dist][0](), DISTANCES[dist][1]()
             got = run_pf(name, emb, labels, params, class_chunk_size=chunk, **kw)
             assert_same(
                 got, run_ref(name, emb, labels, params, dist=dist, tup=tup, **hp), **REF_TOL
             )
-            pml_kw = {"distance": DISTANCES[dist][1](), "indices_tuple": tup, **hp}
             assert_same(got, run_pml(name, emb, labels, params, **pml_kw), **TOL[F64])
 
 
-@pytest.mark.parametrize(("name", "dist"), [("proxy_nca", "lp"), ("normalized_softmax", "lp_sq")])
+@pytest.mark.parametrize(
+    ("name", "dist"), [("proxy_nca", "lp"), ("normalized_softmax", "lp_sq"), ("proxy_anchor", "lp")]
+)
 def test_class_tiles_refuse_a_distance_that_is_not_a_product(name, dist, gen):
     labels = lab(UNEVEN)
     emb, params = make(name, gen, labels)
@@ -486,9 +496,9 @@ def test_p2s_grad_weight_gradient_is_straight_through(gen):
 def _p2s_composite(emb, labels, w):
     """p2s_grad written in autograd ops (the straight-through renormalisation, the clamp and
     the one-hot target): what its autograd Function's first and second derivatives must be."""
-    from pmlfunc.losses.proxies import _renorm
+    from pmlfunc._ops import renorm_rows
 
-    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)
+    w_hat = (w - w.detach()) + renorm_rows(w.detach())
     norm = torch.linalg.vector_norm(emb, dim=-1, keepdim=True).clamp_min(1e-12)
     cos = (emb @ w_hat.t() / norm).clamp(-1.0, 1.0)
     err = cos - torch.nn.functional.one_hot(labels, w.shape[0]).to(cos.dtype)
@@ -533,11 +543,11 @@ def test_p2s_grad_clamped_cosines_pass_no_gradient_like_autograd():
     torch.clamp's): the weight gradient, where a clamped entry's error 1 would otherwise add
     2/(B·C)·x̂, equals autograd's through the composite, and the value and embedding gradient
     too."""
-    from pmlfunc.losses.proxies import _renorm
+    from pmlfunc._ops import renorm_rows
 
     g = torch.Generator().manual_seed(0)
     w = p2s_grad_init(6, 64, generator=g)["weight"]
-    w_hat = _renorm(w, 0)
+    w_hat = renorm_rows(w)
     emb = torch.randn(6, 1, generator=g).abs() * 10 * w_hat  # row i parallel to ŵ_i
     labels = (torch.arange(6) + 1) % 6  # ... and labelled with another class
     cos = emb @ w_hat.t() / torch.linalg.vector_norm(emb, dim=-1, keepdim=True)

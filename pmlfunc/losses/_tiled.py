@@ -68,6 +68,7 @@ from .._ops import (
     matmul,
     ratio,
     readable,
+    renorm_rows,
     unit_rows,
 )
 from ..distances import _Dot, cosine, resolve
@@ -1498,36 +1499,96 @@ class Classes(NamedTuple):
     r"""The static options of a walk over tiles of classes (:func:`class_statistics`).
 
     The columns are the ``C`` class weights ``w`` ``(C, K, D)``, walked in tiles of ``chunk``
-    classes; each tile is one block of columns read by all ``B`` rows at once (a
-    ``B × chunk·K`` tile), cast to the rows' dtype as it is read (bf16 weights stay bf16), and
-    normalised in the tile when ``unit`` (:class:`Columns`). A class's column value is the
-    largest of its ``K = sub_centers`` columns. ``norm``: also return ``‖w_{y_i}‖`` (``K = 1``;
-    L-Softmax's magnitude)."""
+    classes; each tile is one block of columns read by all ``B`` rows ``u`` at once (a
+    ``B × chunk·K`` product ``v = u ŵᵀ``), cast to the rows' dtype as it is read (bf16 weights
+    stay bf16) and read as ``ŵ`` (:func:`_read`): normalised when ``unit``, renormalised with
+    the gradient passed straight through when ``renorm`` (P2SGrad), else as they are. A
+    class's value ``z_ij`` is the largest of its ``K = sub_centers`` values, or with ``soft``
+    their soft maximum ``Σ_k softmax_k(v_ijk / τ_i) v_ijk`` at the rows' temperatures ``τ``
+    (SoftTriple). What the walk keeps (``fold``):
+
+    | fold | statistic | for |
+    |---|---|---|
+    | ``"softmax"`` | ``A_i = log Σ_{j ≠ y_i} e^{z_ij}``, each row over the classes | the margin softmaxes, ``proxy_nca``, ``normalized_softmax``, ``soft_triple`` |
+    | ``"squares"`` | ``Q_i = Σ_j clamp(z_ij, −1, 1)²``, each row over the classes | ``p2s_grad`` |
+    | ``"columns"`` | ``L_j = log Σ_{i: y_i ≠ j} e^{z_ij + b_i}``, each class over the rows | ``proxy_anchor`` |
+
+    Beside it, every walk returns the rows' target values ``T_i``, ``z`` of ``x_i`` and its
+    class ``y_i``, read by index; ``norm``: also ``‖w_{y_i}‖`` (``K = 1``; L-Softmax's
+    magnitude)."""
 
     chunk: int
     sub_centers: int = 1
     unit: bool = True
     norm: bool = False
+    fold: str = "softmax"
+    soft: bool = False
+    renorm: bool = False
 
 
-def _class_tile(kind: Classes, x: Tensor, weight: Tensor, c0: int, c1: int):
-    """Classes ``[c0, c1)``: their rows as :class:`Columns` (with their norms where ``kind.unit``,
-    for the backward) and the rows the tile multiplies, ``ŵ`` (normalised; the raw rows
-    otherwise), ``(c1 − c0)·K × D``, cast to ``x``'s dtype: a copy of one tile's weights, never
-    of the table."""
-    block = weight[c0:c1].to(x.dtype).reshape(-1, x.shape[-1])
+def _read(kind: Classes, rows: Tensor, dtype: torch.dtype, dim: int) -> tuple[Columns, Tensor]:
+    """Weight rows as the walk reads them: ``(Columns, ŵ)`` with ``ŵ`` ``(n·K, D)`` cast to
+    ``dtype`` (a copy of these rows only) and normalised (``kind.unit``: the norms kept in the
+    :class:`Columns` for the backward) or renormalised (``kind.renorm``); :func:`_read_backward`
+    is its gradient."""
+    block = rows.to(dtype).reshape(-1, dim)
+    if kind.renorm:
+        return Columns((block,)), renorm_rows(block)
     y = columns(block, kind.unit)
     return y, block if y.inv is None else block * y.inv.unsqueeze(-1)
 
 
-def _class_logits(kind: Classes, u: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The tile's ``(B, m)`` logits ``z_ij = max_k u_i · ŵ_jk`` and the argmax ``k`` (``None``
-    for ``K = 1``), a fresh tile."""
-    z = matmul(u, w_hat.t())
+def _read_backward(y: Columns, g: Tensor) -> Tensor:
+    """``∂ŵ`` (ours, changed in place) made the gradient of the rows :func:`_read` read: through
+    the normalisation (:meth:`Columns.unit_backward_`), else as it is (the raw rows, and
+    P2SGrad's renormalised ones, whose gradient passes straight through)."""
+    if y.inv is None:
+        return g
+    return y.unit_backward_(0, g.mul_(y.inv.unsqueeze(-1)))
+
+
+def _class_tile(kind: Classes, u: Tensor, weight: Tensor, c0: int, c1: int):
+    """Classes ``[c0, c1)`` read for the rows ``u`` (:func:`_read`): a copy of one tile's
+    weights, never of the table."""
+    return _read(kind, weight[c0:c1], u.dtype, u.shape[-1])
+
+
+def _centres(kind: Classes, v: Tensor, tau: Tensor | None):
+    """A class's value from its ``K`` centres' values ``v`` ``(B, …, K)``: ``(z, saved)`` with
+    ``z`` the largest (``saved``: the argmax) or, with ``kind.soft``, ``Σ_k p_k v_k``, ``p =
+    softmax(v / τ_i)`` (``saved``: ``p`` and ``v − z``); :func:`_centres_backward` takes
+    ``saved``."""
+    if not kind.soft:
+        return v.max(-1)
+    assert tau is not None  # the soft centres' temperatures
+    p = torch.softmax(v / tau.view(-1, *([1] * (v.ndim - 1))), -1)
+    z = (p * v).sum(-1)
+    return z, (p, v - z.unsqueeze(-1))
+
+
+def _centres_backward(kind: Classes, dz: Tensor, saved, tau: Tensor | None):
+    """``(∂v, ∂τ)`` for the cotangent ``dz`` of :func:`_centres`' ``z``: to the argmax centre
+    (``∂τ = None``), or ``∂v_k = dz · p_k (1 + (v_k − z)/τ)`` and ``∂τ_i = −Σ dz · Σ_k p_k
+    (v_k − z)² / τ_i²`` summed over the row's classes."""
+    if not kind.soft:
+        full = dz.new_zeros((*dz.shape, kind.sub_centers))
+        return full.scatter(-1, saved.unsqueeze(-1), dz.unsqueeze(-1)), None
+    assert tau is not None
+    p, dev = saved
+    t = tau.view(-1, *([1] * (dev.ndim - 1)))
+    dv = (dev / t).add_(1.0).mul_(p).mul_(dz.unsqueeze(-1))
+    spread = (p * dev * dev).sum(-1) * dz
+    dtau = -spread.reshape(spread.shape[0], -1).sum(-1) / (tau * tau)
+    return dv, dtau
+
+
+def _class_logits(kind: Classes, u: Tensor, w_hat: Tensor, tau: Tensor | None):
+    """The tile's ``(B, m)`` class values ``z`` (a fresh tile) and what the backward of the
+    centres takes (``None`` for ``K = 1``)."""
+    v = matmul(u, w_hat.t())
     if kind.sub_centers == 1:
-        return z, None
-    values, idx = z.view(u.shape[0], -1, kind.sub_centers).max(-1)
-    return values, idx
+        return v, None
+    return _centres(kind, v.view(u.shape[0], -1, kind.sub_centers), tau)
 
 
 def _class_target(labels: Tensor, c0: int, m: int) -> tuple[Tensor, Tensor]:
@@ -1544,40 +1605,87 @@ def _drop_target_(z: Tensor, inside: Tensor, at: Tensor, value: float) -> Tensor
     return z.scatter_(-1, at, torch.where(inside, value, old).unsqueeze(-1))
 
 
-def _target_rows(kind: Classes, x: Tensor, weight: Tensor, labels: Tensor):
+def _target_rows(kind: Classes, x: Tensor, weight: Tensor, labels: Tensor, tau: Tensor | None):
     """The rows' target classes read by index (``B × K × D``, never a tile): ``(inside, index,
-    their Columns, ŵ_t, dots)`` with ``dots_ik = x_i · ŵ_{y_i k}``."""
+    their Columns, ŵ_t, T, saved)`` with ``T_i`` the class value (:func:`_centres`) of
+    ``x_i · ŵ_{y_i k}``."""
     inside, at = _class_target(labels, 0, weight.shape[0])
     index = at.squeeze(-1)
-    rows = weight[index].to(x.dtype)  # (B, K, D)
-    y = columns(rows.reshape(-1, x.shape[-1]), kind.unit)
-    w_hat = rows if y.inv is None else rows * y.inv.view(*rows.shape[:2], 1)
+    rows = weight[index]  # (B, K, D)
+    y, w_hat = _read(kind, rows, x.dtype, x.shape[-1])
+    w_hat = w_hat.view(rows.shape)
     dots = matmul(w_hat, x.unsqueeze(-1)).squeeze(-1)  # (B, K)
-    return inside, index, y, w_hat, dots
+    t, saved = _centres(kind, dots, tau)
+    return inside, index, y, w_hat, t, saved
 
 
-def class_forward(kind: Classes, u: Tensor, x: Tensor, weight: Tensor, labels: Tensor):
-    """``(A, T[, N])``: ``A_i = log Σ_{j ≠ y_i} e^{z_ij}`` over the tiles of classes
-    (:func:`_class_logits` of the rows ``u``; log-sum-exps merged across tiles as across the
-    ring's blocks, :func:`merge`), ``T_i = max_k x_i · ŵ_{y_i k}`` read by index (0 for a
-    class outside this table: another rank's, when sharded) and, with ``kind.norm``,
-    ``N_i = ‖w_{y_i}‖``."""
-    st: dict[str, Tensor] | None = None
-    low = -torch.finfo(u.dtype).max
+def class_count(weight: Tensor) -> int:
+    """The number of classes of the whole table: ``weight``'s, or all the ranks' together when
+    it is a shard (:func:`pmlfunc._global.sharding`)."""
+    shard = _global.class_shard()
+    return weight.shape[0] if shard is None else shard.num_classes
+
+
+def _class_fold_(kind: Classes, z: Tensor, inside, at, b: Tensor | None) -> Tensor:
+    """A tile's part of :class:`Classes`' statistic (rows' ``(B,)`` or columns' ``(m,)``)."""
+    if kind.fold == "squares":
+        k = z.clamp_(-1.0, 1.0)
+        return (k * k).sum(-1)
+    low = -torch.finfo(z.dtype).max
+    if kind.fold == "columns":
+        assert b is not None  # the rows' bias
+        return torch.logsumexp(_drop_target_(z.add_(b.unsqueeze(-1)), inside, at, low), 0)
+    # logsumexp out of place: a compiled torch.func.grad traces this forward with autograd
+    # and checks its saved tensors (_row_lse_ updates its tile after its amax read it)
+    return torch.logsumexp(_drop_target_(z, inside, at, low), -1)
+
+
+def _class_ds_(kind: Classes, z: Tensor, inside, at, b, stat: Tensor, g: Tensor):
+    """``∂z`` of a tile for the cotangent ``g`` of its statistic ``stat`` (the rows' ``(B,)``;
+    the columns': this tile's ``(m,)`` of each), from the tile ``z`` (ours: changed)."""
+    if kind.fold == "squares":  # ∂Q/∂z = 2 clamp(z) where −1 ≤ z ≤ 1 (clamp's mask, inclusive)
+        inner = (z >= -1.0) & (z <= 1.0)
+        return z.mul_(inner).mul_(2.0 * g.unsqueeze(-1))
+    low = -torch.finfo(z.dtype).max
+    if kind.fold == "columns":
+        assert b is not None
+        p = _exp_(_drop_target_(z.add_(b.unsqueeze(-1)), inside, at, low), stat)
+        return _drop_target_(p, inside, at, 0.0).mul_(g)
+    p = _exp_(_drop_target_(z, inside, at, low), stat.unsqueeze(-1))
+    return _drop_target_(p, inside, at, 0.0) * g.unsqueeze(-1)  # new: g may be batched
+
+
+def class_forward(kind: Classes, u: Tensor, x: Tensor, weight: Tensor, labels: Tensor, aux):
+    """``(S, T[, N])``: :class:`Classes`' statistic ``S`` over the tiles of classes (the class
+    values of the rows ``u``; rows' log-sum-exps merged across tiles as across the ring's
+    blocks, :func:`merge`; squares summed; the columns' one per class, ``(C,)``), ``T_i`` the
+    class value of ``x_i`` and its class read by index (0 for a class outside this table:
+    another rank's, when sharded) and, with ``kind.norm``, ``N_i = ‖w_{y_i}‖``. ``aux``: the
+    rows' temperatures ``τ`` (soft centres) or bias ``b`` (columns), ``(B,)``; else ``None``."""
+    tau = aux if kind.soft else None
+    key = "row_lse" if kind.fold == "softmax" else "row_sq"
+    rows: dict[str, Tensor] | None = None
+    cols: list[Tensor] = []
     for c0, c1 in _tiles(weight.shape[0], kind.chunk):
         _, w_hat = _class_tile(kind, u, weight, c0, c1)
-        z, _ = _class_logits(kind, u, w_hat)
+        z, _ = _class_logits(kind, u, w_hat, tau)
         inside, at = _class_target(labels, c0, c1 - c0)
-        # logsumexp out of place: a compiled torch.func.grad traces this forward with autograd
-        # and checks its saved tensors (_row_lse_ updates its tile after its amax read it)
-        st = merge(st, {"row_lse": torch.logsumexp(_drop_target_(z, inside, at, low), -1)})
-    if st is None:
-        st = {"row_lse": u.new_full(u.shape[:-1], low)}  # no classes: a rank's empty shard
+        part = _class_fold_(kind, z, inside, at, aux)
+        if kind.fold == "columns":
+            cols.append(part)
+        else:
+            rows = merge(rows, {key: part})
+    if kind.fold == "columns":
+        stat = torch.cat(cols) if cols else u.new_zeros(0)
+    elif rows is None:  # no classes: a rank's empty shard
+        stat = u.new_full(u.shape[:-1], -torch.finfo(u.dtype).max if key == "row_lse" else 0.0)
+    else:
+        stat = rows[key]
     if weight.shape[0] == 0:
         zero = u.new_zeros(u.shape[:-1])
-        return (st["row_lse"], zero, zero) if kind.norm else (st["row_lse"], zero)
-    inside, _, y, _, dots = _target_rows(kind, x, weight, labels)
-    out: tuple[Tensor, ...] = (st["row_lse"], torch.where(inside, dots.amax(-1), 0.0))
+        return (stat, zero, zero) if kind.norm else (stat, zero)
+    inside, _, y, _, t, _ = _target_rows(kind, x, weight, labels, tau)
+    out: tuple[Tensor, ...] = (stat, torch.where(inside, t, 0.0))
     if kind.norm:  # K = 1
         assert y.norm is None  # the raw rows (unit=False): their norm here
         norm = torch.linalg.vector_norm(y.segments[0], dim=-1)
@@ -1585,60 +1693,62 @@ def class_forward(kind: Classes, u: Tensor, x: Tensor, weight: Tensor, labels: T
     return out
 
 
-def class_backward(kind: Classes, u, x, weight, labels, lse, ga, gt, gn, needs):
-    """``(∂u, ∂x, ∂w)`` (those ``needs`` asks for) for the cotangents ``ga``, ``gt``, ``gn`` of
-    :func:`class_forward`'s ``(A, T, N)`` (``None``: not differentiated). Every tile recomputed:
-    ``∂z_ij = ga_i e^{z_ij − A_i}`` off the target, through the sub-centres' argmax, then
-    ``∂u = ∂z ŵ`` and the tile's ``∂ŵ = ∂zᵀ u`` made the raw rows' gradient
-    (:meth:`Columns.unit_backward_`); ``T``'s and ``N``'s by index: ``∂x_i = gt_i ŵ_{y_i k*}``,
+def class_backward(kind: Classes, u, x, weight, labels, aux, stat, gs, gt, gn, needs):
+    """``(∂u, ∂x, ∂w, ∂aux)`` (those ``needs`` asks for) for the cotangents ``gs``, ``gt``,
+    ``gn`` of :func:`class_forward`'s ``(S, T, N)`` (``None``: not differentiated). Every tile
+    recomputed: its ``∂z`` (:func:`_class_ds_`), through the centres (:func:`_centres_backward`),
+    then ``∂u = ∂v ŵ`` and the tile's ``∂ŵ = ∂vᵀ u`` made the raw rows' gradient
+    (:func:`_read_backward`); ``T``'s and ``N``'s by index: ``∂x_i = ∂v_{ik} ŵ_{y_i k}``,
     ``∂w_{y_i}`` added with :meth:`Tensor.index_add_`. The weight gradient is the one
     ``(C, K, D)`` tensor, filled a tile at a time (under ``torch.func`` transforms the tiles
     are concatenated instead: a batched tensor cannot be written into an unbatched one)."""
-    need_u, need_x, need_w = needs
+    need_u, need_x, need_w, need_aux = needs
     n, dim, k = u.shape[-2], u.shape[-1], kind.sub_centers
-    low = -torch.finfo(u.dtype).max
+    tau = aux if kind.soft else None
     batched = inside_transform()
-    gu = gx = None
+    gu = gx = gaux = None
     blocks: list[Tensor] = []
     gw = torch.zeros_like(weight) if need_w and not batched else None
-    if ga is not None and (need_u or need_w):
-        a = ga.unsqueeze(-1)
+    if gs is not None and (need_u or need_w or need_aux):
         for c0, c1 in _tiles(weight.shape[0], kind.chunk):
             y, w_hat = _class_tile(kind, u, weight, c0, c1)
-            z, idx = _class_logits(kind, u, w_hat)
+            z, saved = _class_logits(kind, u, w_hat, tau)
             inside, at = _class_target(labels, c0, c1 - c0)
-            p = _exp_(_drop_target_(z, inside, at, low), lse.unsqueeze(-1))
-            ds = _drop_target_(p, inside, at, 0.0) * a  # new: the cotangent may be batched
-            if idx is not None:  # to the argmax sub-centre of each class
-                full = ds.new_zeros((n, c1 - c0, k))
-                ds = full.scatter(-1, idx.unsqueeze(-1), ds.unsqueeze(-1)).view(n, -1)
+            if kind.fold == "columns":
+                ds = _class_ds_(kind, z, inside, at, aux, stat[c0:c1], gs[c0:c1])
+                part = ds.sum(-1)  # ∂b_i
+                gaux = part if gaux is None else gaux + part
+            else:
+                ds = _class_ds_(kind, z, inside, at, aux, stat, gs)
+            if saved is not None:  # through the centres
+                ds, dtau = _centres_backward(kind, ds, saved, tau)
+                ds = ds.view(n, -1)
+                if dtau is not None:
+                    gaux = dtau if gaux is None else gaux + dtau
             if need_u:
                 part = matmul(ds, w_hat)
                 gu = part if gu is None else gu + part
             if need_w:
-                g = matmul(ds.t(), u)
-                if y.inv is not None:  # ∂ŵ ⊙ inv, what unit_backward_ takes
-                    g = g.mul_(y.inv.unsqueeze(-1))
-                g = y.unit_backward_(0, g).view(c1 - c0, k, dim).to(weight.dtype)
+                g = _read_backward(y, matmul(ds.t(), u)).view(c1 - c0, k, dim).to(weight.dtype)
                 if gw is None:
                     blocks.append(g)
                 else:
                     gw[c0:c1] = g
     if need_w and gw is None:
         gw = torch.cat(blocks) if blocks else torch.zeros_like(weight)
-    if (gt is not None or gn is not None) and weight.shape[0] > 0 and (need_x or need_w):
-        inside, index, y, w_hat, dots = _target_rows(kind, x, weight, labels)
-        pick = F.one_hot(dots.argmax(-1), k).to(x.dtype) * inside.unsqueeze(-1)  # (B, K)
-        if gt is not None and need_x:
-            gx = (pick.unsqueeze(-1) * w_hat).sum(1) * gt.unsqueeze(-1)
+    if (gt is not None or gn is not None) and weight.shape[0] > 0:
+        inside, index, y, w_hat, _, saved = _target_rows(kind, x, weight, labels, tau)
+        g_rows = None  # ∂ŵ of the target rows, (B, K, D)
+        if gt is not None:
+            dv, dtau = _centres_backward(kind, gt * inside, saved, tau)  # (B, K)
+            if need_x:
+                gx = (dv.unsqueeze(-1) * w_hat).sum(1)
+            if dtau is not None:
+                gaux = dtau if gaux is None else gaux + dtau
+            g_rows = dv.unsqueeze(-1) * x.unsqueeze(1)
         if need_w:
-            g_rows = x.new_zeros(w_hat.shape)  # ∂ŵ of the target rows, (B, K, D)
-            if gt is not None:
-                g_rows = g_rows + pick.unsqueeze(-1) * (gt.unsqueeze(-1) * x).unsqueeze(1)
-            flat = g_rows.reshape(-1, dim)
-            if y.inv is not None:
-                flat = y.unit_backward_(0, flat * y.inv.unsqueeze(-1))
-            g_rows = flat.view(w_hat.shape)
+            g_rows = x.new_zeros(w_hat.shape) if g_rows is None else g_rows
+            g_rows = _read_backward(y, g_rows.reshape(-1, dim)).view(w_hat.shape)
             if gn is not None:  # N_i = ‖w_{y_i}‖ (K = 1, raw rows): ∂w += gn_i w/‖w‖
                 norm = torch.linalg.vector_norm(w_hat, dim=-1, keepdim=True)
                 unit = torch.where(norm > 0, w_hat / torch.where(norm > 0, norm, 1.0), 0.0)
@@ -1648,16 +1758,20 @@ def class_backward(kind: Classes, u, x, weight, labels, lse, ga, gt, gn, needs):
                 gw = gw.index_add(0, index, g_rows.to(gw.dtype))
             else:  # in place: the one (C, K, D) gradient
                 gw = gw.index_add_(0, index, g_rows.to(gw.dtype))
-    if need_u and gu is None:
-        gu = torch.zeros_like(u)
-    if need_x and gx is None:
-        gx = torch.zeros_like(x)
+    zeros = {0: u, 1: x, 3: aux}
     out = []
-    for t, need in zip((gu, gx, gw), needs, strict=True):
+    for i, (t, need) in enumerate(zip((gu, gx, gw, gaux), needs, strict=True)):
         if need:
-            assert t is not None  # each gradient asked for is formed above
-            out.append(fresh(t))
+            out.append(fresh(torch.zeros_like(zeros[i]) if t is None else t))
     return tuple(out)
+
+
+def _not_twice(ctx, *grads):
+    raise RuntimeError(
+        "the class-tiled losses' gradient (class_chunk_size=...) is not differentiable "
+        "(double backward, torch.func.hessian); leave class_chunk_size=None for the dense "
+        "loss, differentiable twice"
+    )
 
 
 class _ClassGrads(torch.autograd.Function):
@@ -1667,50 +1781,57 @@ class _ClassGrads(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(u, x, weight, labels, lse, ga, gt, gn, kind, needs):
-        return class_backward(kind, u, x, weight, labels, lse, ga, gt, gn, needs)
+    def forward(u, x, weight, labels, aux, stat, gs, gt, gn, kind, needs):
+        return class_backward(kind, u, x, weight, labels, aux, stat, gs, gt, gn, needs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "the class-tiled losses' gradient (class_chunk_size=...) is not differentiable "
-            "(double backward, torch.func.hessian); leave class_chunk_size=None for the dense "
-            "loss, differentiable twice"
-        )
+    backward = staticmethod(_not_twice)
+
+
+def _class_needs(ctx) -> tuple[bool, ...]:
+    """Which of ``(u, x, weight, aux)`` (inputs 0, 1, 2 and 4) want a gradient."""
+    n = ctx.needs_input_grad
+    return (n[0], n[1], n[2], n[4])
+
+
+def _class_grads(needs, grads) -> tuple:
+    """The Function's input gradients ``(u, x, weight, labels, aux, …)`` from those formed."""
+    it = iter(grads)
+    gu, gx, gw, gaux = (next(it) if need else None for need in needs)
+    return gu, gx, gw, None, gaux
 
 
 class _ClassStats(torch.autograd.Function):
-    """:func:`class_forward` as a Function of ``(u, x, weight, labels, kind)``: saves the
-    inputs (no copy) and ``A``; its backward is :class:`_ClassGrads`."""
+    """:func:`class_forward` as a Function of ``(u, x, weight, labels, aux, kind)``: saves the
+    inputs (no copy) and ``S``; its backward is :class:`_ClassGrads`."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(u, x, weight, labels, kind):
-        return class_forward(kind, u, x, weight, labels)
+    def forward(u, x, weight, labels, aux, kind):
+        return class_forward(kind, u, x, weight, labels, aux)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        u, x, weight, labels, kind = inputs
+        u, x, weight, labels, aux, kind = inputs
         ctx.set_materialize_grads(False)
         ctx.kind = kind
-        ctx.save_for_backward(u, x, weight, labels, output[0])
+        ctx.save_for_backward(u, x, weight, labels, aux, output[0])
 
     @staticmethod
-    def backward(ctx, ga, gt, gn=None):
-        u, x, weight, labels, lse = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
-        if not any(needs) or (ga is None and gt is None and gn is None):
-            return (None,) * 5
+    def backward(ctx, gs, gt, gn=None):
+        u, x, weight, labels, aux, stat = ctx.saved_tensors
+        needs = _class_needs(ctx)
+        if not any(needs) or (gs is None and gt is None and gn is None):
+            return (None,) * 6
         # the cotangents detached: a traced backward then records no graph through them (a
         # second differentiation still raises, through u, x and weight)
-        ga, gt, gn = (None if g is None else g.detach() for g in (ga, gt, gn))
-        grads = iter(apply(_ClassGrads, u, x, weight, labels, lse, ga, gt, gn, ctx.kind, needs))
-        return (*(next(grads) if need else None for need in needs), None, None)
+        gs, gt, gn = (None if g is None else g.detach() for g in (gs, gt, gn))
+        args = (u, x, weight, labels, aux, stat, gs, gt, gn, ctx.kind, needs)
+        return (*_class_grads(needs, apply(_ClassGrads, *args)), None)
 
 
 class _ShardedClassStats(torch.autograd.Function):
@@ -1718,62 +1839,82 @@ class _ShardedClassStats(torch.autograd.Function):
     (:class:`pmlfunc._global.ClassShard`; eager, the collectives wait on the host).
 
     Forward: this rank's statistics over its classes, combined over the ranks into those of
-    all ``C`` classes, the same on every rank: ``A`` by a maximum and a sum of ``e^{A_r −
-    max}``, ``T`` and ``N`` (non-zero on the rank that owns the row's class only) by a sum.
-    Backward: every rank holds the same cotangents (every rank computes the same loss from the
-    combined statistics); this rank's tiles give its shard's exact weight gradient and its
-    classes' part of the rows' gradients, summed over the ranks so that every rank holds the
-    whole of them and the computation upstream (the same on every rank) differentiates as
-    under the gather."""
+    all ``C`` classes, the same on every rank: a log-sum-exp ``S`` by a maximum and a sum of
+    ``e^{S_r − max}``, a sum of squares ``S``, ``T`` and ``N`` (non-zero on the rank that owns
+    the row's class only) by a sum. Backward: every rank holds the same cotangents (every rank
+    computes the same loss from the combined statistics); this rank's tiles give its shard's
+    exact weight gradient and its classes' part of the rows' gradients, summed over the ranks
+    so that every rank holds the whole of them and the computation upstream (the same on every
+    rank) differentiates as under the gather."""
 
     @staticmethod
-    def forward(u, x, weight, labels, kind, shard):
-        stats = class_forward(kind, u, x, weight, labels - shard.offset)
-        top = shard.max_(stats[0].clone(), "the classes' log-sum-exp (maximum)")
-        shift = torch.where(torch.isfinite(top), top, 0.0)
-        total = shard.sum_(torch.exp(stats[0] - shift), "the classes' log-sum-exp (sum)")
-        out = [torch.log(total) + shift]
-        for i, what in enumerate(("target cosines", "target weight norms")[: len(stats) - 1]):
+    def forward(u, x, weight, labels, aux, kind, shard):
+        stats = class_forward(kind, u, x, weight, labels - shard.offset, aux)
+        if kind.fold == "softmax":
+            top = shard.max_(stats[0].clone(), "the classes' log-sum-exp (maximum)")
+            shift = torch.where(torch.isfinite(top), top, 0.0)
+            total = shard.sum_(torch.exp(stats[0] - shift), "the classes' log-sum-exp (sum)")
+            out = [torch.log(total) + shift]
+        else:
+            out = [shard.sum_(stats[0].clone(), "the classes' sum of squares")]
+        for i, what in enumerate(("target values", "target weight norms")[: len(stats) - 1]):
             out.append(shard.sum_(stats[1 + i].clone(), f"the classes' {what}"))
         return tuple(out)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        u, x, weight, labels, kind, shard = inputs
+        u, x, weight, labels, aux, kind, shard = inputs
         ctx.set_materialize_grads(False)
         ctx.kind, ctx.shard = kind, shard
-        ctx.save_for_backward(u, x, weight, labels, output[0])
+        ctx.save_for_backward(u, x, weight, labels, aux, output[0])
 
     @staticmethod
-    def backward(ctx, ga, gt, gn=None):
+    def backward(ctx, gs, gt, gn=None):
         if torch.is_grad_enabled():  # create_graph=True: this backward records no graph
-            _ClassGrads.backward(ctx)
-        u, x, weight, labels, lse = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
+            _not_twice(ctx)
+        u, x, weight, labels, aux, stat = ctx.saved_tensors
+        needs = _class_needs(ctx)
         shard = ctx.shard
         local = labels - shard.offset
-        grads = iter(class_backward(ctx.kind, u, x, weight, local, lse, ga, gt, gn, needs))
-        gu, gx, gw = (next(grads) if need else None for need in needs)
+        args = (ctx.kind, u, x, weight, local, aux, stat, gs, gt, gn, needs)
+        gu, gx, gw, _, gaux = _class_grads(needs, class_backward(*args))
         where = "the backward of the classes' statistics"
         gu = None if gu is None else shard.sum_(gu.contiguous(), f"{where} (rows)")
         gx = None if gx is None else shard.sum_(gx.contiguous(), f"{where} (targets)")
-        return gu, gx, gw, None, None, None
+        gaux = None if gaux is None else shard.sum_(gaux.contiguous(), f"{where} (row inputs)")
+        return gu, gx, gw, None, gaux, None, None
 
 
-def class_statistics(u: Tensor, x: Tensor, weight: Tensor, labels: Tensor, kind: Classes):
-    r"""``(A, T)`` (and ``N`` with ``kind.norm``) of the class logits ``z_ij = max_k u_i ·
-    ŵ_jk`` over tiles of ``kind.chunk`` classes, never the ``B × C`` matrix, and of the target
-    cosines ``x_i · ŵ_{y_i}`` (:func:`class_forward`); differentiable in ``u`` and ``x``
-    ``(B, D)`` and ``weight`` ``(C, K, D)`` (:func:`class_backward`). ``labels``: int64 in
-    ``[0, C)``.
+def class_statistics(
+    u: Tensor, x: Tensor, weight: Tensor, labels: Tensor, kind: Classes, aux: Tensor | None = None
+):
+    r"""``(S, T)`` (and ``N`` with ``kind.norm``): :class:`Classes`' statistic of the class
+    values ``z_ij`` of the rows ``u`` over tiles of ``kind.chunk`` classes, never the ``B × C``
+    matrix, and the target values of ``x`` (:func:`class_forward`); differentiable in ``u``
+    and ``x`` ``(B, D)``, ``weight`` ``(C, K, D)`` and ``aux`` (:func:`class_backward`).
+    ``labels``: int64 in ``[0, C)``.
 
     Inside :func:`pmlfunc._global.sharding` (:func:`pmlfunc.distributed.sharded_classes`)
     ``weight`` is this rank's shard of the table, ``labels`` are global class ids and the
-    statistics are combined over the ranks (:class:`_ShardedClassStats`)."""
+    statistics are combined over the ranks (:class:`_ShardedClassStats`; not the columns'
+    statistics, which stay with their rank)."""
+    if x is u:  # one tensor as two inputs of an autograd.Function: dynamo refuses it
+        x = x.view_as(x)
     shard = _global.class_shard()
     if shard is not None:
-        return _ShardedClassStats.apply(u, x, weight, labels, kind, shard)
-    return apply(_ClassStats, u, x, weight, labels, kind)
+        if kind.fold == "columns":
+            raise ValueError(
+                "sharded_classes cannot shard proxy_anchor: its terms are per proxy and its "
+                "reducer reads all of them (run it with class_chunk_size= in one process)"
+            )
+        return _ShardedClassStats.apply(u, x, weight, labels, aux, kind, shard)
+    return apply(_ClassStats, u, x, weight, labels, aux, kind)
+
+
+def softmax_term(lse: Tensor, logit: Tensor) -> Tensor:
+    """``−log softmax`` of the target from the log-sum-exp of the other classes' logits and the
+    target's own: ``log(e^{A} + e^{ψ}) − ψ``."""
+    return logaddexp(lse, logit) - logit
 
 
 def class_cross_entropy(
@@ -1794,10 +1935,7 @@ def class_cross_entropy(
     ``magnitude`` (L-Softmax: ``z = r_i ‖w_j‖ cos``, the weights not normalised)
     ``ψ_i = r_i ‖w_{y_i}‖ · target(cos_{i y_i})``. ``weight``: ``(C, D)`` or ``(C, K, D)``
     (sub-centres: a class's cosine is its largest)."""
-    # (C, K, D), always a view: given the caller's (C, K, D) tensor itself, a compiled
-    # torch.func.grad_and_value over the embeddings and the weight returned a wrong weight
-    # gradient (PyTorch 2.13, aot_eager and inductor alike)
-    w = weight.unsqueeze(1) if weight.ndim == 2 else weight.view_as(weight)
+    w = class_table(weight)
     kind = Classes(chunk, w.shape[1], unit, magnitude)
     stats = class_statistics(r.unsqueeze(-1) * x, x, w, labels, kind)
     if magnitude:
@@ -1807,7 +1945,15 @@ def class_cross_entropy(
     else:
         lse, cos = stats
         logit = r * (cos if target is None else target(cos))
-    return logaddexp(lse, logit) - logit
+    return softmax_term(lse, logit)
+
+
+def class_table(weight: Tensor) -> Tensor:
+    """A class table ``(C, D)`` or ``(C, K, D)`` as the walk takes it, ``(C, K, D)``: always a
+    view (given the caller's ``(C, K, D)`` tensor itself, a compiled
+    ``torch.func.grad_and_value`` over the embeddings and the weight returned a wrong weight
+    gradient: PyTorch 2.13, aot_eager and inductor alike)."""
+    return weight.unsqueeze(1) if weight.ndim == 2 else weight.view_as(weight)
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,15 @@ from torch import Tensor
 from .. import _checks
 from .. import params as _params
 from .._ops import (
+    _RENORM_MAX,
     apply,
     cross_entropy,
     fresh,
     inside_transform,
     masked_logsumexp,
     matmul,
+    renorm_rows,
+    row_values,
     scalar_like,
     scatter_,
     unit_rows,
@@ -46,7 +49,15 @@ from ..distances import Distance, _Dot, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
 from ._regularize import regularize, regularize_params
-from ._tiled import CLASS_TILED, class_cross_entropy
+from ._tiled import (
+    CLASS_TILED,
+    Classes,
+    class_count,
+    class_cross_entropy,
+    class_statistics,
+    class_table,
+    softmax_term,
+)
 
 __all__ = [
     "normalized_softmax",
@@ -112,6 +123,7 @@ def proxy_anchor(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""Proxy-Anchor loss: each proxy is an anchor pulling its class's samples and pushing the rest.
 
@@ -139,6 +151,12 @@ def proxy_anchor(
             per-proxy sub-losses ``pos_loss`` and ``neg_loss`` (``C`` terms each) and the results
             are summed; ``class_weighted`` weights each proxy's term by its class.
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+        class_chunk_size: ``None`` (default): the whole ``(B, C)`` matrix. An int: the same
+            loss over tiles of that many proxies, never the ``(B, C)`` matrix (memory
+            ``O(B × class_chunk_size)`` beyond the proxies and their gradient; the "Millions
+            of classes" guide): each tile's negative log-sum-exps are complete (a proxy's
+            terms run over the batch), the positives' are read by index. For ``cosine()``
+            (the default) and ``dot()``. Not differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -153,23 +171,25 @@ def proxy_anchor(
     margin = _checks.hyper(margin, "margin")
     alpha = _checks.hyper(alpha, "alpha")
     distance = resolve(distance, cosine())
-    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies")
+    tiled = class_chunk_size is not None
+    x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies", cast=not tiled)
     num_classes = proxies.shape[0]
-    mat = distance.matrix(x, proxies, ties=False)  # (B, C); smooth in it: no exact ties
-    m, a = scalar_like(margin, mat), scalar_like(alpha, mat)
-    sign = distance.sign()  # PML's distance.margin(u, v) = sign * (u - v)
-    pos_logits = (sign * a) * (mat - m)  # α · margin(s, δ)
-    neg_logits = (-sign * a) * (mat + m)  # α · margin(−δ, s)
-    mw = sample_weights(indices_tuple, labels.shape[0], mat.dtype, labels.device)
-    if mw is not None:
-        shift_ = (mw - 1.0).unsqueeze(-1)
-        pos_logits, neg_logits = pos_logits + shift_, neg_logits + shift_
-    pos_mask = _one_hot(labels, num_classes, mat.dtype)  # (B, C)
-    zero = torch.zeros((), dtype=mat.dtype, device=mat.device)
-    # log(1 + Σ_x e^z) per proxy (over the batch: transpose); a proxy without terms gives 0.
-    pos_term = torch.logaddexp(zero, masked_logsumexp(pos_logits.t(), pos_mask.t()))
-    neg_term = torch.logaddexp(zero, masked_logsumexp(neg_logits.t(), 1.0 - pos_mask.t()))
-    with_pos = (pos_mask.sum(0) > 0).to(mat.dtype).sum()
+    # the rows' weights from an indices_tuple enter every exponent as w_x − 1
+    mw = sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device)
+    shift = None if mw is None else mw - 1.0
+    if tiled:
+        chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
+        pos_term, neg_term = _anchor_terms_tiled(
+            x, proxies, labels, margin, alpha, distance, shift, chunk
+        )
+    else:
+        pos_term, neg_term = _anchor_terms(x, proxies, labels, margin, alpha, distance, shift)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # log(1 + Σ_x e^z) per proxy (over the batch); a proxy without terms gives 0.
+    pos_term, neg_term = torch.logaddexp(zero, pos_term), torch.logaddexp(zero, neg_term)
+    counts = torch.zeros(num_classes, dtype=x.dtype, device=x.device)
+    counts = counts.index_add(0, labels, torch.ones_like(labels, dtype=x.dtype))
+    with_pos = (counts > 0).to(x.dtype).sum()
     ones = torch.ones_like(pos_term)
     terms = {
         "pos_loss": DenseTerms(pos_term, ones, "element", num_classes, divisor=with_pos),
@@ -209,6 +229,56 @@ def proxy_anchor_init(
     std = math.sqrt(2.0) / math.sqrt(c)
     proxies = _params.init_normal((c, d), generator=generator, dtype=dtype, device=device, std=std)
     return {"proxies": proxies}
+
+
+def _anchor_terms(x, proxies, labels, margin, alpha, distance, shift) -> tuple[Tensor, Tensor]:
+    """Each proxy's log-sum-exps over its positives and its negatives, ``(C,)`` each, from the
+    whole ``(B, C)`` matrix: ``α·margin(s, δ)`` on the positives, ``α·margin(−δ, s)`` on the
+    negatives (PML's ``distance.margin(u, v) = sign·(u − v)``), plus the rows' ``shift``."""
+    mat = distance.matrix(x, proxies, ties=False)  # (B, C); smooth in it: no exact ties
+    m, a = scalar_like(margin, mat), scalar_like(alpha, mat)
+    sign = distance.sign()
+    pos_logits = (sign * a) * (mat - m)
+    neg_logits = (-sign * a) * (mat + m)
+    if shift is not None:
+        pos_logits, neg_logits = pos_logits + shift.unsqueeze(-1), neg_logits + shift.unsqueeze(-1)
+    pos_mask = _one_hot(labels, proxies.shape[0], mat.dtype).t()  # (C, B): over the batch
+    return (
+        masked_logsumexp(pos_logits.t(), pos_mask),
+        masked_logsumexp(neg_logits.t(), 1.0 - pos_mask),
+    )
+
+
+def _anchor_terms_tiled(x, proxies, labels, margin, alpha, distance, shift, chunk):
+    """:func:`_anchor_terms` over tiles of proxies: with ``v = x̂·p̂`` and ``σ = sign·α``, the
+    positives' logits are ``σv + b`` and the negatives' ``−σv + b``, ``b = −σδ + shift`` per
+    row: the negatives' log-sum-exps are the class tiles' column statistic of the rows
+    ``−σx̂`` (:class:`Classes` ``fold="columns"``), the positives' a segment log-sum-exp of the
+    ``B`` target values ``σ x̂_i · p̂_{y_i}`` read by index."""
+    if not isinstance(distance, _Dot):
+        raise ValueError(
+            "class_chunk_size needs a matmul similarity, cosine() (the default) or dot(); "
+            f"got {distance!r}"
+        )
+    normalize, _ = distance.split_normalization()
+    sa = distance.sign() * scalar_like(alpha, x)
+    rows = normalize(x) * sa
+    b = row_values(-sa * scalar_like(margin, x), x)
+    b = b if shift is None else b + shift
+    kind = Classes(chunk, unit=distance.normalize, fold="columns")
+    neg, t = class_statistics(-rows, rows, class_table(proxies), labels, kind, b)
+    return _segment_logsumexp(t + b, labels, proxies.shape[0]), neg
+
+
+def _segment_logsumexp(values: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``(C,)``: the log-sum-exp of the ``values`` of each class's rows, ``−finfo.max`` for a
+    class without rows (a scatter of ``B`` values: no ``B × C`` tensor)."""
+    low = torch.finfo(values.dtype).min
+    top = values.new_full((num_classes,), low)
+    top = top.scatter_reduce(0, labels, values.detach(), "amax").detach()
+    sums = values.new_zeros(num_classes).index_add(0, labels, torch.exp(values - top[labels]))
+    empty = sums == 0  # (a NaN stays NaN)
+    return torch.where(empty, low, torch.log(torch.where(empty, 1.0, sums)) + top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,6 +555,7 @@ def soft_triple(
     embedding_reg_weight: float | Tensor = 1.0,
     weight_regularizer: Callable[[Tensor], Tensor] | None = None,
     weight_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""SoftTriple loss: a softmax over classes, each class a soft maximum over ``K`` centres.
 
@@ -517,6 +588,12 @@ def soft_triple(
         distance: a similarity; default ``cosine()`` (PML asserts an inverted distance too).
         reducer: default ``mean()`` over the samples.
         indices_tuple: PML-style pairs ``(a1, p, a2, n)`` or triplets ``(a, p, n)``.
+        class_chunk_size: ``None`` (default): the whole ``(B, C·K)`` matrix. An int: the same
+            loss over tiles of that many classes (``B × class_chunk_size·K`` at a time, never
+            the ``(B, C·K)`` matrix; the "Millions of classes" guide): the tiles read the rows
+            ``λx̂`` and take each class's soft maximum at the temperature ``λγ``, which is
+            ``λ S_ic``. For ``cosine()`` (the default) and ``dot()``; ``la`` must not be 0.
+            Not differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -537,7 +614,8 @@ def soft_triple(
         raise ValueError(
             f"soft_triple needs a similarity (cosine(), dot()), got the distance {distance!r}"
         )
-    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight", ndim=3)
+    tiled = class_chunk_size is not None
+    x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight", ndim=3, cast=not tiled)
     num_classes, k, d = weight.shape
     if (
         centers_per_class is not None
@@ -546,17 +624,19 @@ def soft_triple(
         raise ValueError(
             f"centers_per_class={centers_per_class} but params['weight'] has {k} centres per class"
         )
-    sim = distance.matrix(x, weight.reshape(num_classes * k, d), ties=False)
-    sim = sim.view(-1, num_classes, k)
-    # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor.
-    scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
-    sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
-    own = _one_hot(labels, num_classes, sim.dtype)
-    logits = scalar_like(la, sim) * (sim_to_classes - scalar_like(margin, sim) * own)
-    losses = _weighted(
-        cross_entropy(logits, labels),
-        sample_weights(indices_tuple, labels.shape[0], sim.dtype, labels.device),
-    )
+    if tiled:
+        chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
+        ce = _soft_triple_tiled(x, weight, labels, la, gamma, margin, distance, chunk)
+    else:
+        sim = distance.matrix(x, weight.reshape(num_classes * k, d), ties=False)
+        sim = sim.view(-1, num_classes, k)
+        # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor
+        scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
+        sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
+        own = _one_hot(labels, num_classes, sim.dtype)
+        logits = scalar_like(la, sim) * (sim_to_classes - scalar_like(margin, sim) * own)
+        ce = cross_entropy(logits, labels)
+    losses = _weighted(ce, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device))
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(
@@ -568,6 +648,27 @@ def soft_triple(
         weight_regularizer,
         weight_reg_weight,
     )
+
+
+def _soft_triple_tiled(x, weight, labels, la, gamma, margin, distance, chunk) -> Tensor:
+    """:func:`soft_triple`'s per-sample cross entropy over tiles of classes: the tiles read the
+    rows ``λx̂`` (``λ`` = ``la``), whose class values at the temperature ``τ = λγ`` are ``λ S_ic``
+    (the soft maximum is homogeneous: ``softmax(λs/λγ) = softmax(s/γ)``), the target's is read
+    by index and its logit is ``λ(S_{iy} − δ)``."""
+    if not isinstance(distance, _Dot):
+        raise ValueError(
+            "class_chunk_size needs a matmul similarity, cosine() (the default) or dot(); "
+            f"got {distance!r}"
+        )
+    if isinstance(la, float) and la == 0:
+        raise ValueError("soft_triple with class_chunk_size needs la != 0 (it scales the rows)")
+    normalize, _ = distance.split_normalization()
+    lam = scalar_like(la, x)
+    rows = normalize(x) * lam
+    tau = row_values(lam * scalar_like(gamma, x), x)
+    kind = Classes(chunk, weight.shape[1], distance.normalize, soft=True)
+    lse, target = class_statistics(rows, rows, class_table(weight), labels, kind, tau)
+    return softmax_term(lse, target - lam * scalar_like(margin, x))
 
 
 def soft_triple_init(
@@ -600,17 +701,6 @@ def soft_triple_init(
 # ---------------------------------------------------------------------------------------------
 # P2SGrad
 # ---------------------------------------------------------------------------------------------
-_RENORM_MAX = 1e-5  # PML: weight.renorm(2, 1, 1e-5).mul(1e5)
-
-
-def _renorm(w: Tensor, dim: int) -> Tensor:
-    """``w.renorm(2, dim, 1e-5).mul(1e5)``, PML's projection onto unit vectors along ``dim``,
-    written with plain ops (``renorm`` has no vmap batching rule)."""
-    n = torch.linalg.vector_norm(w, dim=1 - dim, keepdim=True)
-    factor = torch.where(n > _RENORM_MAX, _RENORM_MAX / (n + 1e-7), 1.0)
-    return (w * factor) * (1.0 / _RENORM_MAX)
-
-
 _NORM_FLOOR = 1e-12  # F.normalize's eps: the floor of ‖x‖ that P2SGrad divides by
 
 
@@ -638,7 +728,7 @@ class _P2SGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, w: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        w_hat = _renorm(w, 0)
+        w_hat = renorm_rows(w)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         cos = matmul(x, w_hat.t()).div_(norm.clamp_min(_NORM_FLOOR))
         err = cos.clamp(-1.0, 1.0)
@@ -678,7 +768,7 @@ class _P2SGrad(torch.autograd.Function):
 def _p2s_parts(x: Tensor, w: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:class:`_P2SGrad`'s saved ``(E, ŵ, ‖x‖)`` in differentiable ops of ``x`` and ``w`` (``ŵ``
     straight through to ``w``; ``E``'s clamp mask is a constant, as its derivative)."""
-    w_hat = (w - w.detach()) + _renorm(w.detach(), 0)
+    w_hat = (w - w.detach()) + renorm_rows(w.detach())
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     cos = matmul(x, w_hat.t()) / norm.clamp_min(_NORM_FLOOR)
     k = cos.clamp(-1.0, 1.0)
@@ -694,6 +784,7 @@ def p2s_grad(
     reducer: Reducer | None = None,
     embedding_regularizer: Callable[[Tensor], Tensor] | None = None,
     embedding_reg_weight: float | Tensor = 1.0,
+    class_chunk_size: int | None = None,
 ) -> Tensor:
     r"""P2SGrad loss: squared error between cosines and one-hot targets.
 
@@ -719,6 +810,10 @@ def p2s_grad(
         reducer: default ``mean()``: the per-sample terms are ``mean_c(·)²``, so the default is
             PML's MSE over all ``B·C`` entries. PML returns that value for any reducer
             ("already reduced"); here another reducer sees the ``B`` per-sample terms.
+        class_chunk_size: ``None`` (default): the whole ``(B, C)`` matrix. An int: the same
+            loss over tiles of that many classes, never the ``(B, C)`` matrix (the "Millions
+            of classes" guide): ``C·ℓ_i = Σ_c k_ic² − 2k_{iy_i} + 1``, the sum of squares
+            kept over the tiles, the target's ``k`` read by index. Not differentiable twice.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -731,8 +826,17 @@ def p2s_grad(
     Reference: Zhang et al., "P2SGrad: Refined Gradients for Optimizing Deep Face Models",
     CVPR 2019.
     """
-    x, w, labels = _proxy_inputs(embeddings, labels, params, "weight")
-    losses = apply(_P2SGrad, x, w, labels)[0]
+    tiled = class_chunk_size is not None
+    x, w, labels = _proxy_inputs(embeddings, labels, params, "weight", cast=not tiled)
+    if tiled:
+        chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
+        # the rows x / max(‖x‖, ε): the cosine's denominator as _P2SGrad's
+        rows = unit_rows(x)
+        kind = Classes(chunk, unit=False, fold="squares", renorm=True)
+        squares, target = class_statistics(rows, rows, class_table(w), labels, kind)
+        losses = (squares - 2.0 * target.clamp(-1.0, 1.0) + 1.0) / class_count(w)
+    else:
+        losses = apply(_P2SGrad, x, w, labels)[0]
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     loss = regularize(loss, embeddings, embedding_regularizer, embedding_reg_weight)
@@ -767,3 +871,5 @@ def p2s_grad_init(
 
 CLASS_TILED[proxy_nca] = "proxies"
 CLASS_TILED[normalized_softmax] = "weight"
+CLASS_TILED[soft_triple] = "weight"
+CLASS_TILED[p2s_grad] = "weight"
