@@ -100,6 +100,9 @@ EXCLUDED = {
     # helpers that compute a loss's inputs, not a loss
     "dynamic_arcface_margins": "computes dynamic_arcface's per-class margins from class counts",
     "manifold_meta_classes": "draws manifold's meta-classes from a seed (manifold's generator=)",
+    # a detection at inference (boolean and index outputs, no gradient): test_class_logits.py
+    # checks it against PML, compiled and on the meta device
+    "subcenter_arcface_outliers": "sub-center ArcFace's outlier detection (no gradient)",
 }
 
 
@@ -284,6 +287,12 @@ def learnable(
         return Call(wrt, run)
 
     return make
+
+
+def _logits_entropy(loss: Callable, embeddings, labels, params, **hp):
+    """The cross entropy of ``class_logits(loss, ...)`` with the labels (a scalar of them)."""
+    logits = pf.losses.class_logits(loss, embeddings, params, labels, **hp)
+    return torch.nn.functional.cross_entropy(logits, labels)
 
 
 def miner(fn: Callable, rows: int = B, **hp: Any) -> Callable[[Draw], Call]:
@@ -844,6 +853,18 @@ LOSSES: dict[str, Entry] = {
             "place (test_proxies checks it against PML and the reference)",
         ),
     ),
+    # class logits (B, C), checked through their cross entropy: the margin heads, the soft
+    # centres and a distance's
+    **{
+        f"class_logits[{loss.__name__}]": Entry(
+            L.class_logits, learnable(partial(_logits_entropy, loss), init, C, D, **hp)
+        )
+        for loss, init, hp in (
+            (L.arcface, L.arcface_init, {"scale": 8.0}),
+            (L.soft_triple, partial(L.soft_triple_init, centers_per_class=3), {"la": 10.0}),
+            (L.proxy_nca, L.proxy_nca_init, {"softmax_scale": 5.0}),
+        )
+    },
     # centroids: params {"w", "b"} from ge2e_init(); LABELS has a singleton class (left out)
     "ge2e": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init)),
     "ge2e[contrast]": Entry(L.ge2e, learnable(L.ge2e, L.ge2e_init, variant="contrast")),

@@ -35,6 +35,7 @@ Example:
 """
 
 from ._batch import BatchInputs
+from ._logits import class_logits
 from .centroids import ge2e, ge2e_init
 from .cross_modal import clip, clip_init, siglip, siglip_init
 from .graded import angle, cosent, distill_kl_div, margin_mse
@@ -53,6 +54,7 @@ from .margin_softmax import (
     sphereface_init,
     subcenter_arcface,
     subcenter_arcface_init,
+    subcenter_arcface_outliers,
 )
 from .neighbors import (
     angular,
@@ -121,6 +123,7 @@ __all__ = [
     "arcface_init",
     "barlow_twins",
     "circle",
+    "class_logits",
     "clip",
     "clip_init",
     "contrastive",
@@ -183,6 +186,7 @@ __all__ = [
     "sphereface_init",
     "subcenter_arcface",
     "subcenter_arcface_init",
+    "subcenter_arcface_outliers",
     "supcon",
     "swav",
     "sym_neg_cosine_similarity",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from .. import params as _params
 from .._ops import cross_entropy, matmul, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
 from ..tuples import sample_weights
+from ._logits import CLASS_LOGITS, class_inputs
 from ._regularize import regularize_params
 from ._tiled import CLASS_TILED, class_cross_entropy
 
@@ -55,6 +57,7 @@ __all__ = [
     "sphereface_init",
     "subcenter_arcface",
     "subcenter_arcface_init",
+    "subcenter_arcface_outliers",
 ]
 
 # A target function maps the target cosines (B,) and the labels to the target logits ψ (B,).
@@ -64,81 +67,155 @@ _Target = Callable[[Tensor, Tensor], Tensor]
 # ----------------------------------------------------------------------------------------------
 # shared machinery
 # ----------------------------------------------------------------------------------------------
+class _Head(NamedTuple):
+    """What one margin loss is: its target function ``ψ``, the weights' ``ndim`` (3: the
+    largest cosine over each class's sub-centres), the magnitude factor ``ρ`` (``"both"``:
+    ``‖x_i‖·‖w_j‖``, ``"embedding"``: ``‖x_i‖``, ``"none"``) and the scale ``s``."""
+
+    target: _Target
+    ndim: int
+    magnitude: str
+    scale: float | Tensor
+
+
+def _scale(scale: float | Tensor) -> float | Tensor:
+    return _checks.hyper(scale, "scale", positive=True)
+
+
+# each loss's head from (embeddings, params, its margin or margins, its scale)
+_HEADS: dict[str, Callable[..., _Head]] = {
+    "large_margin_softmax": lambda e, p, margin, scale: _Head(
+        _multiplicative_target(_int_margin(margin)), 2, "both", _scale(scale)
+    ),
+    "sphereface": lambda e, p, margin, scale: _Head(
+        _multiplicative_target(_int_margin(margin)), 2, "embedding", _scale(scale)
+    ),
+    "cosface": lambda e, p, margin, scale: _Head(
+        _cosface_target(_checks.hyper(margin, "margin")), 2, "none", _scale(scale)
+    ),
+    "arcface": lambda e, p, margin, scale: _Head(
+        _arcface_target(_checks.hyper(margin, "margin")), 2, "none", _scale(scale)
+    ),
+    "subcenter_arcface": lambda e, p, margin, scale: _Head(
+        _arcface_target(_checks.hyper(margin, "margin")), 3, "none", _scale(scale)
+    ),
+    "dynamic_arcface": lambda e, p, margins, scale: _Head(
+        _dynamic_target(e, p, margins), 3, "none", _scale(scale)
+    ),
+}
+
+
+def _head_logits(name: str) -> Callable:
+    """The :data:`CLASS_LOGITS` entry of the loss ``name``: :func:`_logits` of its head."""
+    margin = "margins" if name == "dynamic_arcface" else "margin"
+
+    def logits(embeddings: Tensor, params, labels: Tensor | None, hyper: dict) -> Tensor:
+        head = _HEADS[name](embeddings, params, hyper[margin], hyper["scale"])
+        x, weight = class_inputs(embeddings, labels, params, "weight", head.ndim, True)
+        return _logits(x, weight, labels, head)
+
+    return logits
+
+
 def _margin_softmax(
     embeddings: Tensor,
     labels: Tensor,
     params,
-    *,
-    target: _Target,
-    ndim: int,
-    magnitude: str,
-    scale: float | Tensor,
+    head: _Head,
     reducer: Reducer | None,
     indices_tuple,
-    regularizers: tuple = (None, 1.0, None, 1.0),
-    class_chunk_size: object = None,
+    regularizers: tuple,
+    class_chunk_size: object,
 ) -> Tensor:
     """The one computation behind every loss of this module (see the module docstring).
 
-    ``magnitude``: ``"both"`` (``‖x_i‖·‖w_j‖``), ``"embedding"`` (``‖x_i‖``) or ``"none"``.
-    ``ndim`` 3 takes the largest cosine over each class's sub-centres. ``class_chunk_size``:
-    the same terms over tiles of that many classes (:func:`_tiled.class_cross_entropy`: the
-    weights cast and normalised a tile at a time, never the ``(B, C)`` logits).
+    ``class_chunk_size``: the same terms over tiles of that many classes
+    (:func:`_tiled.class_cross_entropy`: the weights cast and normalised a tile at a time,
+    never the ``(B, C)`` logits).
     """
-    _checks.embeddings(embeddings)
-    batch_size = embeddings.shape[0]
-    _checks.labels(labels, batch_size, embeddings.device)
-    weight = _params.check(params, "weight", embeddings, ndim=ndim)
-    num_classes = weight.shape[0]
-    _params.class_labels(labels, num_classes)
+    x, weight = class_inputs(embeddings, labels, params, "weight", head.ndim, False, False)
     tiled = class_chunk_size is not None
     chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size") if tiled else 0
-    cd = _checks.compute_dtype(embeddings.dtype)
-    x = embeddings.to(cd)
     if tiled:
-        losses = _tiled_terms(x, weight, labels, target, magnitude, scale, chunk)
+        losses = _tiled_terms(x, weight, labels, head, chunk)
     else:
-        losses = _dense_terms(x, weight, labels, target, ndim, magnitude, scale)
-    miner = sample_weights(indices_tuple, batch_size, cd, embeddings.device)
+        losses = cross_entropy(_logits(x, weight, labels, head), labels)
+    miner = sample_weights(indices_tuple, x.shape[0], x.dtype, embeddings.device)
     if miner is not None:
         losses = losses * miner
     terms = {"loss": elements(losses)}
-    loss = reduce((mean() if reducer is None else reducer), terms, labels, cd)
+    loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
     return regularize_params(loss, embeddings, weight, *regularizers)
 
 
-def _dense_terms(x, weight, labels, target: _Target, ndim: int, magnitude: str, scale) -> Tensor:
-    """The per-sample terms from the whole ``(B, C)`` logit matrix."""
+def _logits(x: Tensor, weight: Tensor, labels: Tensor | None, head: _Head) -> Tensor:
+    """The ``(B, C)`` logits ``z``: with the target's margin where ``labels`` are given,
+    ``s·ρ·cos`` for every class where they are ``None``."""
     batch_size, num_classes = x.shape[0], weight.shape[0]
     w = weight.to(x.dtype)  # a new tensor when the dtype differs; the caller's is never touched
     x_hat = F.normalize(x, p=2, dim=1)
     w_hat = F.normalize(w.reshape(-1, w.shape[-1]), p=2, dim=1)
     cosine = matmul(x_hat, w_hat.t())  # (B, C) or (B, C·K)
-    if ndim == 3:  # PML: view (B, C, K), max over the sub-centres (gradient to the argmax)
+    if head.ndim == 3:  # PML: view (B, C, K), max over the sub-centres (gradient to the argmax)
         cosine = cosine.view(batch_size, num_classes, w.shape[1]).max(dim=2).values
-
-    idx = labels.long().unsqueeze(1)
-    target_cos = cosine.gather(1, idx).squeeze(1)
-    factor = scalar_like(scale, cosine)  # s·ρ, one multiplication over the (B, C) logits
-    if magnitude == "both":
+    factor = scalar_like(head.scale, cosine)  # s·ρ, one multiplication over the (B, C) logits
+    if head.magnitude == "both":
         factor = (w.norm(p=2, dim=1).unsqueeze(0) * x.norm(p=2, dim=1).unsqueeze(1)) * factor
-    elif magnitude == "embedding":
+    elif head.magnitude == "embedding":
         factor = x.norm(p=2, dim=1, keepdim=True) * factor
-    logits = cosine.scatter(1, idx, target(target_cos, labels).unsqueeze(1)) * factor
-    return cross_entropy(logits, labels)
+    if labels is not None:
+        idx = labels.long().unsqueeze(1)
+        target_cos = cosine.gather(1, idx).squeeze(1)
+        cosine = cosine.scatter(1, idx, head.target(target_cos, labels).unsqueeze(1))
+    return cosine * factor
 
 
-def _tiled_terms(x, weight, labels, target: _Target, magnitude: str, scale, chunk: int) -> Tensor:
+def _tiled_terms(x, weight, labels, head: _Head, chunk: int) -> Tensor:
     """The per-sample terms over tiles of ``chunk`` classes: the rows ``x̂``, the row factor
     ``r_i = s·ρ_i`` (``ρ_i = ‖x_i‖`` where the magnitude has it), the target function on the
     target cosine; L-Softmax's ``‖w_j‖`` read from unnormalised weights."""
-    r = x.new_ones(x.shape[0]) * scalar_like(scale, x)
-    if magnitude != "none":
+    r = x.new_ones(x.shape[0]) * scalar_like(head.scale, x)
+    if head.magnitude != "none":
         r = x.norm(p=2, dim=1) * r
     return class_cross_entropy(
         F.normalize(x, p=2, dim=1), r, weight, labels.long(), chunk=chunk,
-        target=lambda c: target(c, labels), unit=magnitude != "both", magnitude=magnitude == "both",
+        target=lambda c: head.target(c, labels), unit=head.magnitude != "both",
+        magnitude=head.magnitude == "both",
     )  # fmt: skip
+
+
+def _cosface_target(margin: float | Tensor) -> _Target:
+    """CosFace's ``ψ = cos θ − m``."""
+    return lambda c, labels: c - scalar_like(margin, c)
+
+
+def _arcface_target(margin: float | Tensor) -> _Target:
+    """ArcFace's ``ψ = cos(θ + m)`` (:func:`_arc_target`)."""
+    return lambda c, labels: _arc_target(c, margin)
+
+
+def _dynamic_target(embeddings: Tensor, params, margins: object) -> _Target:
+    """Dynamic ArcFace's ``ψ = cos(θ + m_{y_i})``, ``margins`` checked against the table's
+    classes (every class's, also when ``params`` hold a rank's shard)."""
+    _checks.embeddings(embeddings)
+    num_classes = _params.check(params, "weight", embeddings, ndim=3).shape[0]
+    shard = _global.class_shard()  # params hold this rank's classes, margins every class's
+    num_classes = num_classes if shard is None else shard.num_classes
+    if not isinstance(margins, Tensor):
+        raise TypeError(
+            f"margins must be a (num_classes,) float tensor, got {type(margins).__name__}"
+        )
+    if not margins.dtype.is_floating_point:
+        raise TypeError(f"margins must be floating point, got {margins.dtype}")
+    if tuple(margins.shape) != (num_classes,):
+        raise ValueError(
+            f"margins must have shape (num_classes,) = ({num_classes},), got {tuple(margins.shape)}"
+        )
+    if margins.device != embeddings.device:
+        raise ValueError(
+            f"margins is on {margins.device} but embeddings are on {embeddings.device}"
+        )
+    return lambda c, labels: _arc_target(c, margins.to(c.dtype)[labels.long()])
 
 
 def _cos_sin(margin: float | Tensor, ref: Tensor) -> tuple[float | Tensor, float | Tensor]:
@@ -274,25 +351,15 @@ def large_margin_softmax(
     Reference: Liu, Wen, Yu, Yang, "Large-Margin Softmax Loss for Convolutional Neural
     Networks", ICML 2016.
     """
-    m = _int_margin(margin)
-    scale = _checks.hyper(scale, "scale", positive=True)
+    head = _HEADS["large_margin_softmax"](embeddings, params, margin, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
     return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=_multiplicative_target(m),
-        ndim=2,
-        magnitude="both",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
     )
 
 
@@ -340,25 +407,15 @@ def sphereface(
     Reference: Liu, Wen, Yu, Li, Raj, Song, "SphereFace: Deep Hypersphere Embedding for Face
     Recognition", CVPR 2017.
     """
-    m = _int_margin(margin)
-    scale = _checks.hyper(scale, "scale", positive=True)
+    head = _HEADS["sphereface"](embeddings, params, margin, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
     return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=_multiplicative_target(m),
-        ndim=2,
-        magnitude="embedding",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
     )
 
 
@@ -404,29 +461,15 @@ def cosface(
     Reference: Wang et al., "CosFace: Large Margin Cosine Loss for Deep Face Recognition",
     CVPR 2018.
     """
-    margin = _checks.hyper(margin, "margin")
-    scale = _checks.hyper(scale, "scale", positive=True)
-
-    def target(c: Tensor, labels: Tensor) -> Tensor:
-        return c - scalar_like(margin, c)
-
+    head = _HEADS["cosface"](embeddings, params, margin, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
     return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=target,
-        ndim=2,
-        magnitude="none",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
     )
 
 
@@ -479,25 +522,15 @@ def arcface(
     Reference: Deng, Guo, Xue, Zafeiriou, "ArcFace: Additive Angular Margin Loss for Deep Face
     Recognition", CVPR 2019.
     """
-    margin = _checks.hyper(margin, "margin")
-    scale = _checks.hyper(scale, "scale", positive=True)
+    head = _HEADS["arcface"](embeddings, params, margin, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
     return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=lambda c, labels: _arc_target(c, margin),
-        ndim=2,
-        magnitude="none",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
     )
 
 
@@ -524,7 +557,7 @@ def subcenter_arcface(
     then :func:`arcface` on these cosines. The number of sub-centres is
     ``params["weight"].shape[1]`` (set by :func:`subcenter_arcface_init`'s ``sub_centers``,
     default ``3``). PML's ``W`` is ``weight.reshape(C·K, D).T``: its column ``c·K + k`` is
-    ``weight[c, k]``. (PML's outlier-detection helper ``get_outliers`` is not provided.)
+    ``weight[c, k]``. PML's ``get_outliers``: :func:`subcenter_arcface_outliers`.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -547,26 +580,70 @@ def subcenter_arcface(
     Reference: Deng, Guo, Liu, Gong, Zafeiriou, "Sub-center ArcFace: Boosting Face Recognition
     by Large-Scale Noisy Web Faces", ECCV 2020.
     """
-    margin = _checks.hyper(margin, "margin")
-    scale = _checks.hyper(scale, "scale", positive=True)
-    return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=lambda c, labels: _arc_target(c, margin),
-        ndim=3,
-        magnitude="none",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+    head = _HEADS["subcenter_arcface"](embeddings, params, margin, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
     )
+    return _margin_softmax(
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
+    )
+
+
+_OUTLIER_ANGLE = math.radians(75.0)  # PML's get_outliers(threshold=75) degrees
+
+
+def subcenter_arcface_outliers(
+    embeddings: Tensor,
+    labels: Tensor,
+    params: dict[str, Tensor],
+    *,
+    threshold: float | Tensor = _OUTLIER_ANGLE,
+) -> tuple[Tensor, Tensor]:
+    r"""Sub-center ArcFace's outlier detection (PML's ``SubCenterArcFaceLoss.get_outliers``):
+    each class's dominant sub-centre, and the samples too far from their class's.
+
+    For the rows of class ``c``, each row's nearest sub-centre ``k_i = argmax_k x̂_i · ŵ_{ck}``
+    votes; the dominant sub-centre ``k*_c`` has the most votes (the lowest index on a tie). A
+    row is an outlier when its angle to its class's dominant sub-centre exceeds ``threshold``:
+    ``x̂_i · ŵ_{y_i k*} < cos(threshold)``. One pass over the ``(B, K)`` cosines to the rows'
+    own classes; no loop over the classes and no host synchronisation (static shapes).
+
+    Args:
+        embeddings: ``(B, D)`` float tensor.
+        labels: ``(B,)`` class ids in ``[0, num_classes)``.
+        params: ``{"weight": (num_classes, K, D)}`` from :func:`subcenter_arcface_init`.
+        threshold: the angle in **radians** (default ``75°``, PML's, which takes degrees).
+
+    Returns:
+        ``(outliers, dominant)``: a ``(B,)`` bool mask of the outlier rows (PML returns their
+        indices: ``outliers.nonzero()``), and ``(num_classes,)`` int64 dominant sub-centre
+        indices, ``-1`` for a class without rows (PML leaves those columns uninitialised; its
+        dominant centres are ``weight[c, dominant[c]]``). Not differentiable (run under
+        ``torch.no_grad()``). A NaN embedding is never an outlier (its comparison is false).
+
+    Example:
+        >>> params = subcenter_arcface_init(4, 8, sub_centers=3)
+        >>> outliers, dominant = subcenter_arcface_outliers(
+        ...     torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 3, 3]), params
+        ... )
+        >>> outliers.shape, dominant[2].item()
+        (torch.Size([6]), -1)
+    """
+    threshold = _checks.hyper(threshold, "threshold")
+    with torch.no_grad():
+        x, weight = class_inputs(embeddings, labels, params, "weight", 3, True, False)
+        labels = labels.long()
+        w = F.normalize(weight.to(x.dtype)[labels], p=2, dim=-1)  # (B, K, D): the rows' classes
+        cos = torch.einsum("bd,bkd->bk", F.normalize(x, p=2, dim=1), w)
+        votes = x.new_zeros(weight.shape[0], weight.shape[1])
+        votes.index_put_((labels, cos.argmax(1)), x.new_ones(()), accumulate=True)
+        dominant = torch.where(votes.sum(1) > 0, votes.argmax(1), -1)
+        own = cos.gather(1, dominant[labels].unsqueeze(1)).squeeze(1)
+        limit = torch.cos(torch.as_tensor(threshold, dtype=x.dtype, device=x.device))
+        return own < limit, dominant
 
 
 def dynamic_arcface(
@@ -620,46 +697,15 @@ def dynamic_arcface(
     Reference: Ha, Tran, Dzung, Nguyen, "Google Landmark Recognition 2020 Competition Third
     Place Solution" (dynamic margins for sub-center ArcFace), arXiv:2010.05350, 2020.
     """
-    _checks.embeddings(embeddings)
-    num_classes = _params.check(params, "weight", embeddings, ndim=3).shape[0]
-    shard = _global.class_shard()  # params hold this rank's classes, margins every class's
-    num_classes = num_classes if shard is None else shard.num_classes
-    if not isinstance(margins, Tensor):
-        raise TypeError(
-            f"margins must be a (num_classes,) float tensor, got {type(margins).__name__}"
-        )
-    if not margins.dtype.is_floating_point:
-        raise TypeError(f"margins must be floating point, got {margins.dtype}")
-    if tuple(margins.shape) != (num_classes,):
-        raise ValueError(
-            f"margins must have shape (num_classes,) = ({num_classes},), got {tuple(margins.shape)}"
-        )
-    if margins.device != embeddings.device:
-        raise ValueError(
-            f"margins is on {margins.device} but embeddings are on {embeddings.device}"
-        )
-    scale = _checks.hyper(scale, "scale", positive=True)
-
-    def target(c: Tensor, labels: Tensor) -> Tensor:
-        return _arc_target(c, margins.to(c.dtype)[labels.long()])
-
+    head = _HEADS["dynamic_arcface"](embeddings, params, margins, scale)
+    regularizers = (
+        embedding_regularizer,
+        embedding_reg_weight,
+        weight_regularizer,
+        weight_reg_weight,
+    )
     return _margin_softmax(
-        embeddings,
-        labels,
-        params,
-        target=target,
-        ndim=3,
-        magnitude="none",
-        scale=scale,
-        reducer=reducer,
-        indices_tuple=indices_tuple,
-        regularizers=(
-            embedding_regularizer,
-            embedding_reg_weight,
-            weight_regularizer,
-            weight_reg_weight,
-        ),
-        class_chunk_size=class_chunk_size,
+        embeddings, labels, params, head, reducer, indices_tuple, regularizers, class_chunk_size
     )
 
 
@@ -769,16 +815,6 @@ def subcenter_arcface_init(
 # PML 3's DynamicArcFaceLoss wraps a sub-centre ArcFace: the same parameters.
 dynamic_arcface_init = subcenter_arcface_init
 
-CLASS_TILED.update(
-    dict.fromkeys(
-        (
-            large_margin_softmax,
-            sphereface,
-            cosface,
-            arcface,
-            subcenter_arcface,
-            dynamic_arcface,
-        ),
-        "weight",
-    )
-)
+_LOSSES = (large_margin_softmax, sphereface, cosface, arcface, subcenter_arcface, dynamic_arcface)
+CLASS_LOGITS.update({loss: _head_logits(loss.__name__) for loss in _LOSSES})
+CLASS_TILED.update(dict.fromkeys(_LOSSES, "weight"))

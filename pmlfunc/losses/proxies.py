@@ -48,6 +48,7 @@ from .._ops import (
 from ..distances import Distance, _Dot, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, divisor, elements, mean, reduce
 from ..tuples import sample_weights
+from ._logits import CLASS_LOGITS, class_inputs
 from ._regularize import regularize, regularize_params
 from ._tiled import (
     CLASS_TILED,
@@ -82,12 +83,8 @@ def _proxy_inputs(
     """Validate, then return ``(embeddings, param, labels)`` with both floats in the compute dtype
     (out-of-place, autograd-tracked casts; the param as it is without ``cast``: the class tiles
     cast it a tile at a time) and the labels as int64."""
-    _checks.embeddings(embeddings)
-    p = _params.check(params, key, embeddings, ndim=ndim)
-    _checks.labels(labels, embeddings.shape[0], embeddings.device)
-    _params.class_labels(labels, p.shape[0])
-    cd = _checks.compute_dtype(embeddings.dtype)
-    return embeddings.to(cd), p.to(cd) if cast else p, labels.long()
+    x, p = class_inputs(embeddings, labels, params, key, ndim, cast, optional=False)
+    return x, p, labels.long()
 
 
 def _one_hot(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
@@ -497,10 +494,7 @@ def normalized_softmax(
         chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
         ce = class_cross_entropy(normalize(x), r, weight, labels, chunk=chunk)
     else:
-        weight = unit_rows(weight.to(cd), getattr(distance, "p", 2.0))
-        scale = inverse if distance.is_similarity else -inverse
-        # (B, C); smooth in it: no exact ties
-        ce = cross_entropy(plain.matrix(normalize(x), weight, ties=False, scale=scale), labels)
+        ce = cross_entropy(_ns_logits(distance, x, weight.to(cd), temperature), labels)
     losses = _weighted(ce, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device))
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
@@ -513,6 +507,16 @@ def normalized_softmax(
         weight_regularizer,
         weight_reg_weight,
     )
+
+
+def _ns_logits(distance: Distance, x: Tensor, weight: Tensor, temperature) -> Tensor:
+    """``(B, C)``: ``±d(x_i, ŵ_c) / T``, the weights normalised with the distance's ``p`` (PML
+    normalises them whatever the distance), no exact ties (the loss is smooth in them)."""
+    normalize, plain = distance.split_normalization()
+    inverse = 1.0 / scalar_like(temperature, x)
+    weight = unit_rows(weight, getattr(distance, "p", 2.0))
+    scale = inverse if distance.is_similarity else -inverse
+    return plain.matrix(normalize(x), weight, ties=False, scale=scale)
 
 
 def normalized_softmax_init(
@@ -616,7 +620,7 @@ def soft_triple(
         )
     tiled = class_chunk_size is not None
     x, weight, labels = _proxy_inputs(embeddings, labels, params, "weight", ndim=3, cast=not tiled)
-    num_classes, k, d = weight.shape
+    k = weight.shape[1]
     if (
         centers_per_class is not None
         and _checks.integer(centers_per_class, "centers_per_class") != k
@@ -628,14 +632,9 @@ def soft_triple(
         chunk = _checks.chunk_size(class_chunk_size, "class_chunk_size")
         ce = _soft_triple_tiled(x, weight, labels, la, gamma, margin, distance, chunk)
     else:
-        sim = distance.matrix(x, weight.reshape(num_classes * k, d), ties=False)
-        sim = sim.view(-1, num_classes, k)
-        # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor
-        scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
-        sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
-        own = _one_hot(labels, num_classes, sim.dtype)
-        logits = scalar_like(la, sim) * (sim_to_classes - scalar_like(margin, sim) * own)
-        ce = cross_entropy(logits, labels)
+        ce = cross_entropy(
+            _soft_triple_logits(x, weight, labels, la, gamma, margin, distance), labels
+        )
     losses = _weighted(ce, sample_weights(indices_tuple, labels.shape[0], x.dtype, labels.device))
     terms = {"loss": elements(losses)}
     loss = reduce((mean() if reducer is None else reducer), terms, labels, x.dtype)
@@ -648,6 +647,21 @@ def soft_triple(
         weight_regularizer,
         weight_reg_weight,
     )
+
+
+def _soft_triple_logits(x, weight, labels, la, gamma, margin, distance) -> Tensor:
+    """``(B, C)``: ``λ(S_ic − δ[c = y_i])`` (``S``: each class's soft maximum over its centres at
+    ``γ``); without ``labels``, ``λ S_ic``."""
+    num_classes, k, d = weight.shape
+    sim = distance.matrix(x, weight.reshape(num_classes * k, d), ties=False)
+    sim = sim.view(-1, num_classes, k)
+    # PML multiplies by 1/γ: do the same for a Python number (bit-equal), divide for a tensor
+    scaled = sim * (1.0 / gamma) if isinstance(gamma, float) else sim / scalar_like(gamma, sim)
+    sim_to_classes = (torch.softmax(scaled, -1) * sim).sum(-1)  # (B, C)
+    if labels is not None:
+        own = _one_hot(labels, num_classes, sim.dtype)
+        sim_to_classes = sim_to_classes - scalar_like(margin, sim) * own
+    return scalar_like(la, sim) * sim_to_classes
 
 
 def _soft_triple_tiled(x, weight, labels, la, gamma, margin, distance, chunk) -> Tensor:
@@ -869,6 +883,51 @@ def p2s_grad_init(
     return {"weight": w.t().contiguous()}
 
 
+# the class logits (pmlfunc.losses.class_logits): each loss's distance resolved as in the loss
+def _signed(default: Callable[[], Distance], key: str, scale: str | None = None) -> Callable:
+    """The logits ``±σ·d(x_i, p_c)`` of a proxy loss (``σ``: the hyper-parameter ``scale``)."""
+
+    def logits(embeddings: Tensor, params, labels: Tensor | None, hyper: dict) -> Tensor:
+        distance = resolve(hyper["distance"], default())
+        x, p = class_inputs(embeddings, labels, params, key, 2, True)
+        sigma = 1.0 if scale is None else scalar_like(_checks.hyper(hyper[scale], scale), x)
+        return distance.matrix(x, p, ties=False, scale=-sigma * distance.sign())
+
+    return logits
+
+
+def _ns_class_logits(embeddings: Tensor, params, labels: Tensor | None, hyper: dict) -> Tensor:
+    temperature = _checks.hyper(hyper["temperature"], "temperature", positive=True)
+    x, weight = class_inputs(embeddings, labels, params, "weight", 2, True)
+    return _ns_logits(resolve(hyper["distance"], cosine()), x, weight, temperature)
+
+
+def _soft_triple_class_logits(embeddings: Tensor, params, labels: Tensor | None, hyper: dict):
+    distance = resolve(hyper["distance"], cosine())
+    x, weight = class_inputs(embeddings, labels, params, "weight", 3, True)
+    la, gamma, margin = (
+        _checks.hyper(hyper["la"], "la"),
+        _checks.hyper(hyper["gamma"], "gamma", positive=True),
+        _checks.hyper(hyper["margin"], "margin"),
+    )
+    labels = None if labels is None else labels.long()
+    return _soft_triple_logits(x, weight, labels, la, gamma, margin, distance)
+
+
+def _p2s_class_logits(embeddings: Tensor, params, labels: Tensor | None, hyper: dict) -> Tensor:
+    x, w = class_inputs(embeddings, labels, params, "weight", 2, True)
+    return matmul(unit_rows(x), renorm_rows(w).t()).clamp(-1.0, 1.0)
+
+
+CLASS_LOGITS.update(
+    {
+        proxy_anchor: _signed(cosine, "proxies"),
+        proxy_nca: _signed(lambda: lp(power=2), "proxies", "softmax_scale"),
+        normalized_softmax: _ns_class_logits,
+        soft_triple: _soft_triple_class_logits,
+        p2s_grad: _p2s_class_logits,
+    }
+)
 CLASS_TILED[proxy_nca] = "proxies"
 CLASS_TILED[normalized_softmax] = "weight"
 CLASS_TILED[soft_triple] = "weight"
