@@ -1,6 +1,6 @@
 """Retrieval evaluation: exact k-nearest neighbours, PML's retrieval metrics, the IR metrics
-papers report (NDCG, MRR, MAP@k, recall@k, precision@k, hit rate@k), a shard merge and a
-verification threshold.
+papers report (NDCG, MRR, MAP@k, recall@k, precision@k, hit rate@k), a shard merge, a
+verification threshold and PML's clustering metrics (NMI, AMI).
 
 :func:`knn` finds the exact ``k`` nearest reference rows of every query, one block of
 ``chunk_size`` queries at a time, so memory is ``O(chunk_size · R)``, never ``Q × R``.
@@ -19,13 +19,26 @@ metrics of given neighbours, and :func:`ndcg`, :func:`mrr`, :func:`map_at_k`,
 arithmetic. :func:`merge_neighbors` merges per-shard top-k lists into the global top-k, and
 :func:`select_threshold` picks the distance threshold that best separates matching pairs.
 
+:func:`clustering_scores` computes PML's clustering metrics ``"NMI"`` and ``"AMI"``: it runs
+:func:`kmeans` (k-means++ seeding from an explicit ``generator``, a fixed number of Lloyd
+iterations, distances in row blocks) with as many clusters as there are distinct labels, and
+scores the clusters with :func:`normalized_mutual_info` and :func:`adjusted_mutual_info`,
+scikit-learn's ``normalized_mutual_info_score`` and ``adjusted_mutual_info_score`` in float64
+torch (equal to them to float64 rounding). :func:`kmeans` and :func:`normalized_mutual_info`
+have static shapes; :func:`adjusted_mutual_info` reads the label sizes on the host (the terms of
+its expected mutual information depend on them), and :func:`clustering_scores` also counts the
+distinct labels there when ``num_clusters`` is not given. PML clusters with faiss instead, so
+the cluster ids, and with them the scores, can differ from PML's where the classes are not well
+separated.
+
 All are evaluation tools, not losses: they run under ``torch.no_grad()``, have static shapes
 (shapes depend on ``Q``, ``R`` and ``k`` only) and synchronise with the host only when
-``retrieval_metrics`` must choose ``k`` itself (``k=None``; see there) and, in eager mode on
-CPU, to check index ranges. No metric is finite when it comes from a broken ranking: a query
-whose embedding has a NaN or ±inf entry has NaN metrics, every query does when a reference row
-has one, and a mean that includes such a query is NaN (:func:`knn` marks these queries with a
-NaN row of values; :func:`select_threshold` is NaN for non-finite distances).
+``retrieval_metrics`` must choose ``k`` itself (``k=None``; see there), for the clustering
+metrics as just said and, in eager mode on CPU, to check index ranges. No metric is finite when
+it comes from a broken ranking: a query whose embedding has a NaN or ±inf entry has NaN
+metrics, every query does when a reference row has one, and a mean that includes such a query
+is NaN (:func:`knn` marks these queries with a NaN row of values; :func:`select_threshold` is
+NaN for non-finite distances; :func:`clustering_scores` is NaN when any embedding is).
 
 Differences from PML 2.9.0 (on purpose):
 
@@ -40,8 +53,9 @@ Differences from PML 2.9.0 (on purpose):
 
 Where the code lives: ``_knn.py`` (the search, its tie rule, the shard merge), ``_relevance.py``
 (relevance from labels, a grade matrix or id lists), ``_metrics.py`` (the per-query metrics and
-their reduction), ``_retrieval.py`` (the entry points that search and score in one call) and
-``_threshold.py`` (the verification threshold). Every public name is re-exported here.
+their reduction), ``_retrieval.py`` (the entry points that search and score in one call),
+``_threshold.py`` (the verification threshold) and ``_clustering.py`` (k-means, NMI and AMI).
+Every public name is re-exported here.
 
 Example:
     >>> emb = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
@@ -53,6 +67,13 @@ Example:
     1.0
 """
 
+from ._clustering import (
+    KMeansResult,
+    adjusted_mutual_info,
+    clustering_scores,
+    kmeans,
+    normalized_mutual_info,
+)
 from ._knn import knn, merge_neighbors
 from ._metrics import hit_rate_at_k, map_at_k, mrr, ndcg, precision_at_k, recall_at_k
 from ._relevance import Relevance, neighbor_relevance
@@ -60,10 +81,14 @@ from ._retrieval import cross_modal_scores, neighbor_scores, retrieval_metrics, 
 from ._threshold import ThresholdResult, select_threshold
 
 __all__ = [
+    "KMeansResult",
     "Relevance",
     "ThresholdResult",
+    "adjusted_mutual_info",
+    "clustering_scores",
     "cross_modal_scores",
     "hit_rate_at_k",
+    "kmeans",
     "knn",
     "map_at_k",
     "merge_neighbors",
@@ -71,6 +96,7 @@ __all__ = [
     "ndcg",
     "neighbor_relevance",
     "neighbor_scores",
+    "normalized_mutual_info",
     "precision_at_k",
     "recall_at_k",
     "retrieval_metrics",
