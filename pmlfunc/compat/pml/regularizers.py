@@ -1,0 +1,57 @@
+"""PML 2.9.0's regularizers (``pytorch_metric_learning.regularizers``) over
+:mod:`pmlfunc.regularizers`: ``reg(x)`` is the regularization value; a loss's
+``embedding_regularizer=`` / ``weight_regularizer=`` receives ``.function``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from ... import regularizers as _g
+from ._base import Compat, required
+
+__all__ = [
+    "CenterInvariantRegularizer",
+    "LpRegularizer",
+    "RegularFaceRegularizer",
+    "SparseCentersRegularizer",
+    "ZeroMeanRegularizer",
+]
+
+
+class _Regularizer(Compat):
+    pure: ClassVar[Callable[..., Tensor]]
+    shared = ("reducer",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.function = functools.partial(type(self).pure, **self.options())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+
+class LpRegularizer(_Regularizer):
+    pure = _g.lp
+    signature = ("p", "power")
+
+
+class ZeroMeanRegularizer(_Regularizer):
+    pure = _g.zero_mean
+
+
+class CenterInvariantRegularizer(_Regularizer):
+    pure = _g.center_invariant
+
+
+class RegularFaceRegularizer(_Regularizer):
+    pure = _g.regular_face
+
+
+class SparseCentersRegularizer(_Regularizer):
+    pure = _g.sparse_centers
+    signature = ("num_classes", "centers_per_class")
+    defaults = {"num_classes": required(), "centers_per_class": required()}
