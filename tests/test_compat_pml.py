@@ -183,7 +183,11 @@ def test_learnable_losses_equal_pmls_with_each_others_state(name, dtype):
     theirs = getattr(pml_losses, name)(*args, **kwargs).to(dtype)
     ours = getattr(losses, name)(*args, **kwargs).to(dtype)
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) == sorted(names)
-    ours.load_state_dict(theirs.state_dict())
+    theirs.load_state_dict(ours.state_dict())  # ours into PML (strict) ...
+    for key, value in ours.state_dict().items():
+        assert torch.equal(theirs.state_dict()[key], value)
+    theirs = getattr(pml_losses, name)(*args, **kwargs).to(dtype)
+    ours.load_state_dict(theirs.state_dict())  # ... and PML's into ours
     assert_same(run(ours, emb, labels), run(theirs, emb, labels), dtype)
     if name not in ("P2SGradLoss", "MarginLoss"):  # PML: no indices_tuple / the same triplets
         mined = miners.MultiSimilarityMiner()(emb, labels)
@@ -402,11 +406,22 @@ def test_an_attribute_set_after_construction_takes_effect_as_in_pml():
     assert_same(run(ours, emb, labels), run(theirs, emb, labels), F64)
 
 
-def test_a_compat_loss_compiles_with_fullgraph():
+def _built(name):
+    if name in LEARNABLE:
+        args, kwargs, _ = LEARNABLE[name]
+        return getattr(losses, name)(*args, **kwargs)
+    return getattr(losses, name)(**BATCH[name][0])
+
+
+@pytest.mark.parametrize("name", sorted({*BATCH, *LEARNABLE}))
+def test_every_compat_loss_compiles_with_fullgraph(name):
+    """The module adds nothing that breaks a graph: compiled (full graph, aot_eager) it gives
+    the eager value and gradients."""
     emb, labels, _, _ = inputs(F32)
-    loss = losses.ArcFaceLoss(C, D, scale=8.0)
+    loss = _built(name)
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(emb, labels), loss(emb, labels), rtol=1e-6, atol=1e-6)
+    assert_same(run(compiled, emb, labels), run(loss, emb, labels), F32)
+    torch._dynamo.reset()
 
 
 def test_manifold_draws_from_the_global_rng_repeatably():
