@@ -289,6 +289,14 @@ def learnable(
     return make
 
 
+# p2s_grad's weight gradient by design (gradcheck holds the weights constant)
+_P2S_STRAIGHT_THROUGH = (
+    ("params.weight",),
+    "p2s_grad's weight gradient is straight-through the renormalisation PML does in place "
+    "(test_proxies checks it against PML and the reference)",
+)
+
+
 def _logits_entropy(loss: Callable, embeddings, labels, params, **hp):
     """The cross entropy of ``class_logits(loss, ...)`` with the labels (a scalar of them)."""
     logits = pf.losses.class_logits(loss, embeddings, params, labels, **hp)
@@ -744,11 +752,7 @@ LOSSES: dict[str, Entry] = {
     "p2s_grad": Entry(
         L.p2s_grad,
         learnable(L.p2s_grad, L.p2s_grad_init, C, D),
-        constant=(
-            ("params.weight",),
-            "p2s_grad's weight gradient is straight-through the renormalisation PML does in "
-            "place (test_proxies checks it against PML and the reference)",
-        ),
+        constant=_P2S_STRAIGHT_THROUGH,
     ),
     # margin_softmax
     "large_margin_softmax": Entry(
@@ -847,11 +851,7 @@ LOSSES: dict[str, Entry] = {
         L.p2s_grad,
         learnable(L.p2s_grad, L.p2s_grad_init, C, D, class_chunk_size=2),
         backend=_SHARED,
-        constant=(
-            ("params.weight",),
-            "p2s_grad's weight gradient is straight-through the renormalisation PML does in "
-            "place (test_proxies checks it against PML and the reference)",
-        ),
+        constant=_P2S_STRAIGHT_THROUGH,
     ),
     # class logits (B, C), checked through their cross entropy: the margin heads, the soft
     # centres and a distance's
