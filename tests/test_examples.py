@@ -38,6 +38,21 @@ def test_training_example_improves_loss_and_retrieval():
     assert losses[-1] < losses[0], out
 
 
+def test_self_supervised_example_learns_invariance_without_labels():
+    """SimCLR (ntxent on two augmented views): the augmented held-out digits retrieve their
+    class better after training than before, and every loss of the example runs."""
+    out = run_example("self_supervised.py")
+    rows = [line.split() for line in out.splitlines() if line.startswith("epoch")]
+    assert len(rows) == 21, out
+    map_at_r = [float(r[r.index("MAP@R") + 1]) for r in rows]
+    p_at_1 = [float(r[r.index("P@1") + 1]) for r in rows]
+    assert map_at_r[-1] > map_at_r[0] + 0.03, out
+    assert p_at_1[-1] > p_at_1[0] + 0.03, out
+    for loss in ("dino", "barlow_twins", "vicreg"):
+        out = run_example("self_supervised.py", "--loss", loss, "--epochs", "2")
+        assert "nan" not in out.lower() and out.count("epoch") == 3, out
+
+
 @pytest.mark.compile
 def test_compiled_training_step_example():
     out = run_example("compiled_step.py", "--steps", "12", timeout=600)
