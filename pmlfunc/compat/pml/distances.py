@@ -5,6 +5,12 @@
 :class:`~pmlfunc.distances.Distance` a loss or miner receives. PML's keyword arguments
 ``normalize_embeddings``, ``p`` and ``power`` are taken where pmlfunc has them; ``is_inverted``
 is the class's own (a similarity or a distance) and cannot be changed.
+
+Example:
+    >>> from pmlfunc.compat.pml.distances import LpDistance
+    >>> LpDistance(normalize_embeddings=False)(torch.tensor([[0.0, 0.0], [3.0, 4.0]]))
+    tensor([[0., 5.],
+            [5., 0.]])
 """
 
 from __future__ import annotations

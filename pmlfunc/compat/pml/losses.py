@@ -13,6 +13,13 @@ seed), so a PML state dict loads; the function receives views of them in its own
 ``get_logits(embeddings)`` is :func:`pmlfunc.losses.class_logits`; ``SubCenterArcFaceLoss``
 has ``get_outliers``. ``DynamicSoftMarginLoss`` keeps its histogram as the buffer ``hist_``
 and updates it in place at each call, as PML does.
+
+Example:
+    >>> from pmlfunc.compat.pml.losses import ArcFaceLoss
+    >>> head = ArcFaceLoss(num_classes=10, embedding_size=4)  # margin=28.6 degrees, PML's
+    >>> head.W.shape, sorted(head.state_dict())
+    (torch.Size([4, 10]), ['W'])
+    >>> loss = head(torch.randn(8, 4), torch.randint(0, 10, (8,)))
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ __all__ = [
     "CircleLoss",
     "ContrastiveLoss",
     "CosFaceLoss",
+    "CrossBatchMemory",
     "DynamicSoftMarginLoss",
     "FastAPLoss",
     "GeneralizedLiftedStructureLoss",
@@ -45,6 +53,7 @@ __all__ = [
     "ManifoldLoss",
     "MarginLoss",
     "MultiSimilarityLoss",
+    "MultipleLosses",
     "NCALoss",
     "NPairsLoss",
     "NTXentLoss",
@@ -449,3 +458,7 @@ class SelfSupervisedLoss(Loss):
         options = self.options()
         loss = options.pop("loss")
         return _w.self_supervised(loss, embeddings, ref_emb, **options)
+
+
+# PML has its wrappers under ``losses``
+from .wrappers import CrossBatchMemory, MultipleLosses  # noqa: E402

@@ -5,6 +5,13 @@
 draw from the functions' counter-based generator (the same distributions as PML's draws, not
 the same samples). ``.function`` of a miner is the function; pass the function's fixed-shape
 result straight to a pmlfunc loss to avoid the host synchronisation of PML's tuple.
+
+Example:
+    >>> from pmlfunc.compat.pml.miners import BatchHardMiner
+    >>> emb = torch.tensor([[0.0, 1.0], [0.0, 0.9], [1.0, 0.0], [0.9, 0.1]])
+    >>> anchors, positives, negatives = BatchHardMiner()(emb, torch.tensor([0, 0, 1, 1]))
+    >>> positives.tolist()
+    [1, 0, 3, 2]
 """
 
 from __future__ import annotations

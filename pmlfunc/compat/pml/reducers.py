@@ -5,6 +5,12 @@ pmlfunc reducer it hands over. Calling one on a PML loss dictionary is not provi
 ``MultipleReducers`` with different reducers per sub-loss (one reducer reduces every sub-loss
 and the results are summed, PML's ``MultipleReducers`` with one default) and
 ``PerAnchorReducer``'s ``aggregation_func``.
+
+Example:
+    >>> from pmlfunc.compat.pml import losses, reducers
+    >>> loss_func = losses.TripletMarginLoss(reducer=reducers.ThresholdReducer(low=0.1))
+    >>> loss_func.reducer.function
+    threshold(low=0.1, high=None)
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """PML 2.9.0's regularizers (``pytorch_metric_learning.regularizers``) over
 :mod:`pmlfunc.regularizers`: ``reg(x)`` is the regularization value; a loss's
-``embedding_regularizer=`` / ``weight_regularizer=`` receives ``.function``."""
+``embedding_regularizer=`` / ``weight_regularizer=`` receives ``.function``.
+
+Example:
+    >>> from pmlfunc.compat.pml.regularizers import LpRegularizer
+    >>> LpRegularizer()(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+    tensor(3.)
+"""
 
 from __future__ import annotations
 
