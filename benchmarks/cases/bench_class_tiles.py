@@ -7,7 +7,8 @@ dimensions (``PMLFUNC_BENCH_CLASSES_DIM``, 128), float32, one thread, forward + 
 embeddings and the weights (``torch.autograd.grad``: the step returns both gradients):
 
 - ``{loss}-dense`` and ``{loss}-tiled`` (``class_chunk_size=8192``, ``PMLFUNC_BENCH_CLASS_CHUNK``)
-  for ``arcface``, ``cosface`` and ``normalized_softmax``;
+  for ``arcface``, ``cosface``, ``normalized_softmax``, ``proxy_anchor`` (the per-proxy column
+  walk) and ``p2s_grad`` (the sum-of-squares walk);
 - ``floor``: ``(x Wᵀ).sum()`` and its backward, the three ``B × D × C`` products any of them
   costs;
 - ``arcface-pml``: PML 2.9.0's ``ArcFaceLoss`` (dense), up to ``C = 100,000``
@@ -53,7 +54,11 @@ LOSSES = {
         pf.losses.normalized_softmax_init,
         {"temperature": 0.05},
     ),
+    # the per-proxy column walk and the sum-of-squares walk
+    "proxy_anchor": (pf.losses.proxy_anchor, pf.losses.proxy_anchor_init, {}),
+    "p2s_grad": (pf.losses.p2s_grad, pf.losses.p2s_grad_init, {}),
 }
+KEYS = {"proxy_anchor": "proxies"}  # the table's key in params (default "weight")
 MEMBERS = ("floor", *(f"{n}-{p}" for n in LOSSES for p in ("dense", "tiled")), "arcface-pml")
 MIB = 2**20
 
@@ -93,7 +98,8 @@ def member(impl: str, labels: torch.Tensor, chunk: int, w0: torch.Tensor):
         head.W.data = w0.t().clone()
         return (lambda x, w: head(x, labels)), head.W
     kw = {"class_chunk_size": chunk} if path == "tiled" else {}
-    return (lambda x, w: fn(x, labels, {"weight": w}, **hp, **kw)), w0
+    key = KEYS.get(name, "weight")
+    return (lambda x, w: fn(x, labels, {key: w}, **hp, **kw)), w0
 
 
 def bench_class_tiles(benchmark, request, classes: int, impl: str) -> None:
