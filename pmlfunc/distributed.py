@@ -427,10 +427,10 @@ def _statistics_objective(loss_fn, group, timeout):
         arguments = _named(loss_fn, args, kwargs)
 
         def checks() -> None:
-            for key in batch:
-                _check_batch(arguments.get(key), key)
-            for key in batch[1:]:
-                _check_rows(arguments[key], key, arguments[batch[0]], batch[0])
+            _check_batch(arguments.get(batch[0]), batch[0])
+            for key in batch[1:]:  # an optional one left out (None) the agreement compares
+                if arguments.get(key) is not None:
+                    _check_rows(arguments[key], key, arguments[batch[0]], batch[0])
 
         error = _local(checks)
         first = arguments.get(batch[0])

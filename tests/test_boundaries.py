@@ -797,6 +797,23 @@ def _threshold(parameter: str) -> None:
         _reduced_like_pml(name, reducer, pml_reducer, low if parameter == "low" else high)
 
 
+def _subcenter_outliers() -> None:
+    """An outlier's angle to its dominant sub-centre exceeds the threshold: a row exactly at it
+    (threshold 0: a row parallel to its centre, cosine exactly 1) is kept, as PML keeps it, and
+    the others (cosine < 1) are outliers."""
+    weight = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]], dtype=F64)  # two classes, one centre
+    emb = torch.tensor([[2.0, 0.0], [2.0, 1.0], [0.0, 3.0], [1.0, 3.0]], dtype=F64)
+    labels = torch.tensor([0, 0, 1, 1])
+    outliers, _ = pf.losses.subcenter_arcface_outliers(
+        emb, labels, {"weight": weight}, threshold=0.0
+    )
+    assert outliers.tolist() == [False, True, False, True]
+    pml = pml_losses.SubCenterArcFaceLoss(num_classes=2, embedding_size=2, sub_centers=1)
+    pml.W.data = weight.reshape(2, 2).t().clone().float()
+    want, _ = pml.get_outliers(emb.float(), labels, threshold=0)
+    assert sorted(want.tolist()) == outliers.nonzero().flatten().tolist()
+
+
 def _avg_nonzero() -> None:
     """``avg_nonzero()`` counts ``loss > 0``: element terms, the margin loss's sorted pair sums,
     and SupCon's anchors whose loss is exactly 0 (one positive, the negatives' ``e^{−2000}``
@@ -1027,6 +1044,8 @@ TABLE: list[Row] = [
         "loss < high", "losses < high"),
     Row(R.avg_nonzero, "-", _avg_nonzero,
         "loss > 0", "losses > 0"),
+    Row(L.subcenter_arcface_outliers, "threshold", _subcenter_outliers,
+        "outlier: cos to the dominant centre < cos(threshold)", "dominant_dist < cos_threshold"),
 ]  # fmt: skip
 
 # hyper-parameters whose name suggests a threshold but that enter no comparison
@@ -1069,6 +1088,7 @@ EXEMPT: dict[tuple[Callable, str], str] = {
     (L.hypersphere, "alpha"): "the alignment's power, not a threshold",
     (L.swav, "sinkhorn_epsilon"): "Sinkhorn's entropic temperature, exp(s / ε): a scale",
     (L.tico, "beta"): "the running covariance's momentum, not a threshold",
+    (L.koleo, "eps"): "a floor on each norm and a shift inside a norm and a log (lightly's)",
 }
 
 _THRESHOLD_NAMES = re.compile(

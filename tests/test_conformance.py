@@ -369,6 +369,26 @@ def _tico(d: Draw) -> Call:
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.tico(embeddings, ref_emb, state))
 
 
+def _mmcr(d: Draw) -> Call:
+    """Two views of each sample (``embeddings``, ``(B, 2, D)``) and two momentum views
+    (``ref_emb``), both differentiated (the loss does not detach the momentum views)."""
+    wrt = {"embeddings": d.randn(B, 2, D), "ref_emb": d.randn(B, 2, D)}
+    return Call(wrt, lambda embeddings, ref_emb: pf.losses.mmcr(embeddings, ref_emb, lmda=0.5))
+
+
+def _koleo(d: Draw) -> Call:
+    return Call({"embeddings": d.randn(B, D)}, lambda embeddings: pf.losses.koleo(embeddings))
+
+
+def _sigreg(d: Draw) -> Call:
+    """A seed tensor for the directions (the form compile and CUDA graphs take)."""
+    seed = d.seed()
+    return Call(
+        {"embeddings": d.randn(B, D)},
+        lambda embeddings: pf.losses.sigreg(embeddings, generator=seed, num_vectors=16),
+    )
+
+
 def _sym_neg_cosine_similarity(d: Draw) -> Call:
     """The predictions ``p0``, ``p1`` differentiated (``embeddings``, ``ref_emb``); the
     projections ``z0``, ``z1`` drawn and held (the loss detaches them: no gradient by design,
@@ -711,6 +731,9 @@ LOSSES: dict[str, Entry] = {
     "dino": Entry(L.dino, _dino),
     "swav": Entry(L.swav, _swav),
     "tico": Entry(L.tico, _tico),
+    "mmcr": Entry(L.mmcr, _mmcr),
+    "koleo": Entry(L.koleo, _koleo),
+    "sigreg": Entry(L.sigreg, _sigreg),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

@@ -235,6 +235,11 @@ LOSSES: dict[str, Loss] = {
     "softmax.supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1)),
     "self_supervised.vicreg": Loss(lambda e, y, p: L.vicreg(e[: B // 2], e[B // 2 :])),
     "self_supervised.barlow_twins": Loss(lambda e, y, p: L.barlow_twins(e[: B // 2], e[B // 2 :])),
+    "self_supervised.koleo": Loss(lambda e, y, p: L.koleo(e)),
+    "self_supervised.sigreg": Loss(
+        lambda e, y, p: L.sigreg(e, generator=seed_tensor(), num_vectors=64)
+    ),
+    # not mmcr: torch's SVD (and eigh) check convergence on the host, a sync no graph can hold
     "neighbors.nca": Loss(lambda e, y, p: L.nca(e, y)),
     "neighbors.manifold": Loss(
         lambda e, y, p: L.manifold(e, None, p, generator=seed_tensor(), margin=0.05),

@@ -80,6 +80,9 @@ def _disagreements() -> dict[str, tuple[str, str]]:
         "statistics momentum": lambda: gather(pf.losses.dino)(
             emb.view(6, 2, 3), emb.view(6, 2, 3), pf.losses.dino_init(3, dtype=torch.float64), center_momentum=0.9 if first else 0.8
         )[0],
+        "statistics optional on one rank": lambda: gather(pf.losses.mmcr)(
+            emb.view(6, 2, 3), **({"momentum": emb.view(6, 2, 3)} if first else {})
+        ),
         "labels of the wrong length on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels[:4]),
         "labels a list on rank 1": lambda: gather(NTXENT)(emb, labels if first else labels.tolist()),
     }  # fmt: skip
@@ -103,6 +106,7 @@ DISAGREEMENTS = {
     "guide on one rank (ring)": ("guide[0]", "(not given)", "given on some ranks only"),
     "statistics width": ("emb_a", "(*, 6)", "(*, 7)"),
     "statistics momentum": ("center_momentum", "0.9", "0.8"),
+    "statistics optional on one rank": ("momentum", "None", "given on some ranks only"),
     "different losses": ("different calls", "ntxent", "supcon"),
     "different exchanges": ("different calls", "exchange='ring'"),
     "requires_grad": ("embeddings", "requires_grad"),

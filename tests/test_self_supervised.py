@@ -573,3 +573,305 @@ def test_tico_bad_input_raises_naming_the_argument(change, error, match):
     }
     with pytest.raises(error, match=match):
         pf.losses.tico(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# lightly's loss files, loaded one by one without the package's init (it imports torchvision;
+# benchmarks/peers.py): the parity tests skip without lightly
+# ----------------------------------------------------------------------------------------------
+def _lightly(path: str):
+    """lightly's ``loss/<path>``, its ``lightly.utils.dist`` import served by the file itself."""
+    import types
+
+    from benchmarks import peers
+
+    try:
+        root = peers.package_dir("lightly")
+        dist = peers.load_file("lightly_dist", root / "utils" / "dist.py")
+        utils = types.ModuleType("lightly.utils")
+        utils.__path__ = []  # type: ignore[attr-defined]
+        utils.dist = dist  # type: ignore[attr-defined]
+        package = types.ModuleType("lightly")
+        package.__path__ = []  # type: ignore[attr-defined]
+        package.utils = utils  # type: ignore[attr-defined]
+        aliases = {"lightly": package, "lightly.utils": utils, "lightly.utils.dist": dist}
+        return peers.load_file(f"lightly_{path[:-3]}", root / "loss" / path, aliases)
+    except peers.PeerUnavailable as err:
+        pytest.skip(f"lightly: {err}")
+
+
+# ----------------------------------------------------------------------------------------------
+# koleo: the nearest neighbour on the sphere
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "hp", [{}, {"p": 1}, {"p": 3.0, "eps": 1e-3}], ids=["default", "l1", "p3-eps"]
+)
+def test_koleo_equals_the_float64_loops(gen, hp):
+    x = randn(gen, 7, 5)
+    x[3] = x[1]  # a duplicate row: its neighbour at distance 0 (ε keeps log and gradient finite)
+    got = value_and_grads(lambda e: pf.losses.koleo(e, **hp), x)
+    want = value_and_grads(lambda e: self_supervised.koleo(e, **hp), x)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("hp", [{}, {"p": 1, "eps": 1e-4}], ids=["default", "l1"])
+def test_koleo_equals_lightly(gen, dtype, hp):
+    lightly = _lightly("koleo_loss.py").KoLeoLoss(**hp)
+    x = randn(gen, 12, 6, dtype=dtype)
+    got = value_and_grads(lambda e: pf.losses.koleo(e, **hp), x)
+    want = value_and_grads(lightly, x)
+    assert_same(got, want, **TOL[dtype])
+
+
+def test_koleo_nan_propagates_and_low_precision_is_float32(gen):
+    x = randn(gen, 8, 4)
+    bad = x.clone()
+    bad[5, 2] = float("nan")
+    assert torch.isnan(pf.losses.koleo(bad))
+    got = pf.losses.koleo(x.to(torch.bfloat16))
+    assert got.dtype == F32
+    torch.testing.assert_close(
+        got.double(), pf.losses.koleo(x.to(torch.bfloat16).double()), rtol=1e-5, atol=1e-6
+    )
+
+
+def koleo_of_the_gathered_batch(x):
+    """The recipe for the global batch's neighbours: the loss of the gathered rows."""
+    return pf.losses.koleo(pf.distributed.all_gather(x))
+
+
+def test_koleo_of_all_gather_is_the_single_process_loss(gen):
+    """``koleo(all_gather(x))`` on ranks of 3 and 6 rows: every rank's loss and gradient is one
+    process's on the whole batch (koleo is per batch; this is the documented global form)."""
+    x = randn(gen, 9, 4)
+    pf.testing.check_distributed(
+        pf.losses.koleo, x, world_size=2, sizes=(3, 6), rtol=1e-9, atol=1e-11,
+        distributed_fn=koleo_of_the_gathered_batch,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"embeddings": torch.randn(1, 4)}, ValueError, "at least 2"),
+        ({"embeddings": torch.randn(4, 2, 3)}, ValueError, "embeddings"),
+        ({"embeddings": torch.ones(4, 3, dtype=torch.int64)}, TypeError, "embeddings"),
+        ({"p": 0}, ValueError, "p"),
+        ({"eps": -1e-3}, ValueError, "eps"),
+    ],
+)
+def test_koleo_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {"embeddings": torch.randn(6, 4), **change}
+    with pytest.raises(error, match=match):
+        pf.losses.koleo(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# mmcr: the nuclear norm of the centroids (singular values; the Gram matrix across ranks)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "hp"),
+    [
+        ((7, 3, 5), {}),
+        ((4, 2, 6), {"lmda": 0.3}),  # fewer samples than dimensions
+        ((6, 2, 4), {"lmda": 0.0, "normalize": False}),
+        ((5, 3, 4), {"lmda": torch.tensor(0.1, dtype=F64), "momentum": True}),
+    ],
+    ids=["default", "wide", "lightly-unnormalised", "momentum-tensor-lmda"],
+)
+def test_mmcr_equals_the_float64_loops(gen, shape, hp):
+    hp = dict(hp)
+    z = randn(gen, *shape)
+    if hp.pop("momentum", False):
+        m = randn(gen, shape[0], 2, shape[2])
+        got = value_and_grads(lambda a, b: pf.losses.mmcr(a, b, **hp), z, m)
+        want = value_and_grads(lambda a, b: self_supervised.mmcr(a, b, **hp), z, m)
+    else:
+        got = value_and_grads(lambda a: pf.losses.mmcr(a, **hp), z)
+        want = value_and_grads(lambda a: self_supervised.mmcr(a, **hp), z)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("lmda", [5e-3, 0.5])
+def test_mmcr_equals_lightly(gen, dtype, lmda):
+    """lightly's ``MMCRLoss(lmda)(online, momentum)`` is ``normalize=False``; on normalised
+    views it is the default."""
+    lightly = _lightly("mmcr_loss.py").MMCRLoss(lmda=lmda)
+    online, momentum = randn(gen, 10, 2, 6, dtype=dtype), randn(gen, 10, 2, 6, dtype=dtype)
+    got = value_and_grads(
+        lambda a, b: pf.losses.mmcr(a, b, lmda=lmda, normalize=False), online, momentum
+    )
+    want = value_and_grads(lightly, online, momentum)
+    assert_same(got, want, **TOL[dtype])
+    unit = torch.nn.functional.normalize
+    torch.testing.assert_close(
+        pf.losses.mmcr(online, momentum, lmda=lmda),
+        lightly(unit(online, dim=-1), unit(momentum, dim=-1)),
+        **TOL[dtype],
+    )
+
+
+def test_mmcr_non_finite_views_give_nan_and_low_precision_is_float32(gen):
+    z = randn(gen, 6, 2, 4)
+    for value in (float("nan"), float("inf")):
+        bad = z.clone()
+        bad[2, 1, 0] = value
+        for lmda in (0.0, 5e-3):
+            for normalize in (True, False):
+                assert torch.isnan(pf.losses.mmcr(bad, lmda=lmda, normalize=normalize))
+    got = pf.losses.mmcr(z.to(torch.float16))
+    assert got.dtype == F32
+    torch.testing.assert_close(
+        got.double(), pf.losses.mmcr(z.to(torch.float16).double()), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "sizes", "momentum"),
+    [(10, (3, 7), True), (5, (0, 2, 3), True), (9, (4, 5), False)],
+    ids=["tall-unequal", "wide-an-empty-rank", "no-momentum"],
+)
+def test_mmcr_under_global_objective_is_the_single_process_loss(gen, rows, sizes, momentum):
+    """``CᵀC`` all-reduced (its eigenvalues' square roots, against one process's singular
+    values of ``C``), the per-sample nuclear norms and ``N`` summed: every rank's loss and the
+    gradients of both view sets equal one process's, with more samples than dimensions and
+    with fewer (rank-deficient ``CᵀC``: its zero eigenvalues carry no gradient), and without
+    the optional momentum views."""
+    z = randn(gen, rows, 2, 6) + torch.arange(rows, dtype=F64).view(-1, 1, 1) / rows
+    views = (z, randn(gen, rows, 2, 6)) if momentum else (z,)
+    report = pf.testing.check_distributed(
+        pf.losses.mmcr, *views, world_size=len(sizes), sizes=sizes, rtol=1e-9, atol=1e-11,
+        lmda=0.2,
+    )  # fmt: skip
+    assert set(report.grad_diffs) == ({"embeddings", "momentum"} if momentum else {"embeddings"})
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"embeddings": torch.randn(6, 4)}, ValueError, "embeddings must be"),
+        ({"embeddings": torch.zeros(0, 2, 4)}, ValueError, "no rows"),
+        ({"momentum": torch.randn(5, 2, 4)}, ValueError, "momentum must be"),
+        ({"momentum": torch.randn(6, 2, 4, dtype=F64)}, TypeError, "momentum"),
+        ({"lmda": -1.0}, ValueError, "lmda"),
+        ({"normalize": 1}, TypeError, "normalize"),
+    ],
+)
+def test_mmcr_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {"embeddings": torch.randn(6, 2, 4), **change}
+    with pytest.raises(error, match=match):
+        pf.losses.mmcr(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# sigreg: the Epps-Pulley statistic of random projections (sums over rows all-reduced)
+# ----------------------------------------------------------------------------------------------
+def _directions(seed: int, dim: int, count: int) -> torch.Tensor:
+    from pmlfunc.losses.self_supervised import _sigreg_directions
+
+    return _sigreg_directions(torch.tensor(seed), dim, count)
+
+
+@pytest.mark.parametrize(
+    ("shape", "hp"),
+    [
+        ((9, 4), {"num_vectors": 5}),
+        ((6, 3, 4), {"num_vectors": 3, "knots": 5, "t_max": 2.0}),
+        ((8, 5), {"num_vectors": 4, "knots": 2, "t_max": torch.tensor(1.5, dtype=F64)}),
+    ],
+    ids=["default-grid", "views", "two-knots-tensor-t_max"],
+)
+def test_sigreg_equals_the_float64_loops(gen, shape, hp):
+    x = randn(gen, *shape)
+    seed = torch.tensor(11)
+    a = _directions(11, shape[-1], hp["num_vectors"])
+    ref_hp = {"knots": hp.get("knots", 17), "t_max": float(hp.get("t_max", 3.0))}
+    got = value_and_grads(lambda e: pf.losses.sigreg(e, generator=seed, **hp), x)
+    want = value_and_grads(lambda e: self_supervised.sigreg(e, a, **ref_hp), x)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_sigreg_directions_are_unit_seeded_and_isotropic():
+    a = _directions(3, 8, 4096)
+    torch.testing.assert_close(a.norm(dim=0), torch.ones(4096, dtype=F64))
+    assert torch.equal(a, _directions(3, 8, 4096)) and not torch.equal(a, _directions(4, 8, 4096))
+    # E[a aᵀ] = I / D for directions uniform on the sphere
+    torch.testing.assert_close(a @ a.T / 4096, torch.eye(8, dtype=F64) / 8, rtol=0, atol=0.01)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, dtype=F64)
+    assert pf.losses.sigreg(x, generator=g, num_vectors=3) != pf.losses.sigreg(
+        x, generator=g, num_vectors=3
+    )  # a Generator advances: new directions each call
+
+
+def test_sigreg_is_small_for_gaussian_samples_and_large_for_collapsed_ones():
+    g = torch.Generator().manual_seed(1)
+    gaussian = torch.randn(512, 16, generator=g)
+    seed = torch.tensor(2)
+    assert pf.losses.sigreg(gaussian, generator=seed) < 1.0
+    assert pf.losses.sigreg(0.1 * gaussian, generator=seed) > 20.0
+    assert pf.losses.sigreg(gaussian + 2.0, generator=seed) > 20.0
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("views", [False, True], ids=["2d", "views"])
+def test_sigreg_equals_lightly_with_the_same_directions(gen, dtype, views):
+    """lightly's ``SIGReg(knots=9, t_max=2.5, num_vectors=6)`` with its random directions
+    replaced by ours; its ``(V, N, D)`` input is ours transposed. lightly's grid is float32
+    whatever the input (so float64 agrees to float32's rounding of ``exp(−t²/2)``)."""
+    module = _lightly("lejepa_loss.py")
+    lightly = module.SIGReg(knots=9, t_max=2.5, num_vectors=6)
+    x = randn(gen, 10, 3, 5, dtype=dtype) if views else randn(gen, 10, 5, dtype=dtype)
+    a = _directions(5, 5, 6).to(dtype)
+    lightly._generate_unit_vectors = lambda device, dt, num_features: a
+    seed = torch.tensor(5)
+    got = value_and_grads(
+        lambda e: pf.losses.sigreg(e, generator=seed, knots=9, t_max=2.5, num_vectors=6), x
+    )
+    want = value_and_grads(lambda e: lightly(e.transpose(0, 1) if views else e), x)
+    assert_same(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_sigreg_nan_propagates_and_low_precision_is_float32(gen):
+    x = randn(gen, 8, 4)
+    seed = torch.tensor(0)
+    for value in (float("nan"), float("inf")):
+        bad = x.clone()
+        bad[3, 1] = value
+        assert torch.isnan(pf.losses.sigreg(bad, generator=seed, num_vectors=4))
+    got = pf.losses.sigreg(x.to(torch.bfloat16), generator=seed, num_vectors=4)
+    want = pf.losses.sigreg(x.to(torch.bfloat16).double(), generator=seed, num_vectors=4)
+    assert got.dtype == F32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["2d", "views"])
+def test_sigreg_under_global_objective_is_the_single_process_loss(gen, views):
+    """``Σ_n cos``, ``Σ_n sin`` and ``N`` all-reduced: ranks of 0, 4 and 7 rows (the same seed
+    on each) give one process's loss and gradient on the whole batch."""
+    x = randn(gen, 11, 2, 4) if views else randn(gen, 11, 4)
+    report = pf.testing.check_distributed(
+        pf.losses.sigreg, x, world_size=3, sizes=(0, 4, 7), rtol=1e-9, atol=1e-11,
+        generator=torch.tensor(7), num_vectors=8, knots=9,
+    )  # fmt: skip
+    assert set(report.grad_diffs) == {"embeddings"}
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"generator": None}, ValueError, "generator is required"),
+        ({"generator": 3}, TypeError, "generator"),
+        ({"embeddings": torch.randn(6)}, ValueError, "embeddings must be"),
+        ({"embeddings": torch.zeros(0, 4)}, ValueError, "no rows"),
+        ({"knots": 1}, ValueError, "knots"),
+        ({"num_vectors": 0}, ValueError, "num_vectors"),
+        ({"t_max": 0.0}, ValueError, "t_max"),
+    ],
+)
+def test_sigreg_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {"embeddings": torch.randn(6, 4), "generator": torch.tensor(0), **change}
+    with pytest.raises(error, match=match):
+        pf.losses.sigreg(**kw)

@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico``, ``mmcr``, ``koleo``, ``sigreg`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -105,7 +105,10 @@ from .self_supervised import (
     dino,
     dino_init,
     hypersphere,
+    koleo,
+    mmcr,
     negative_cosine_similarity,
+    sigreg,
     swav,
     sym_neg_cosine_similarity,
     tico,
@@ -147,6 +150,7 @@ __all__ = [
     "hypersphere",
     "instance",
     "intra_pair_variance",
+    "koleo",
     "large_margin_softmax",
     "large_margin_softmax_init",
     "lifted_structure",
@@ -157,6 +161,7 @@ __all__ = [
     "margin_init",
     "margin_mse",
     "mega_batch_margin",
+    "mmcr",
     "multi_similarity",
     "multi_supcon",
     "multiple_negatives_ranking",
@@ -179,6 +184,7 @@ __all__ = [
     "siglip",
     "siglip_init",
     "signal_to_noise_ratio_contrastive",
+    "sigreg",
     "smooth_ap",
     "soft_triple",
     "soft_triple_init",

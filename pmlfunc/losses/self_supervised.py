@@ -1,4 +1,4 @@
-"""Self-supervised losses of two views of a batch, without labels.
+"""Self-supervised losses of the views of a batch, without labels.
 
 | function | what it is | PML |
 |---|---|---|
@@ -10,6 +10,9 @@
 | :func:`dino` | student views against the centred, sharpened teacher views; the centre as state | none (lightly's ``DINOLoss``) |
 | :func:`swav` | each crop predicts the Sinkhorn–Knopp codes of the other high-resolution crops | none (lightly's ``SwaVLoss``) |
 | :func:`tico` | alignment plus a running covariance penalty; the covariance as state | none (lightly's ``TiCoLoss``) |
+| :func:`mmcr` | the nuclear norm of the views' centroids maximised | none (lightly's ``MMCRLoss``) |
+| :func:`koleo` | ``−mean log`` of each row's nearest-neighbour distance on the sphere | none (lightly's ``KoLeoLoss``) |
+| :func:`sigreg` | LeJEPA's Epps–Pulley test of random projections against ``N(0, 1)`` | none (lightly's ``SIGReg``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks, _global
+from .. import _checks, _global, _random
 from .._global import total
 from .._ops import einsum, matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, none, reduce
@@ -39,7 +42,10 @@ __all__ = [
     "dino",
     "dino_init",
     "hypersphere",
+    "koleo",
+    "mmcr",
     "negative_cosine_similarity",
+    "sigreg",
     "swav",
     "sym_neg_cosine_similarity",
     "tico",
@@ -697,3 +703,283 @@ def _state(state: object, key: str, shape: tuple[int, ...], device, init: str) -
             f"state[{key!r}] must be {shape} on {device}, got {tuple(t.shape)} on {t.device}"
         )
     return t
+
+
+def koleo(embeddings: Tensor, *, p: float = 2, eps: float | Tensor = 1e-8) -> Tensor:
+    r"""KoLeo: the Kozachenko–Leonenko differential-entropy estimator as a regulariser, which
+    spreads a batch's L2-normalised rows by pushing each away from its nearest neighbour.
+
+    With ``x̂_i = x_i / \max(\lVert x_i\rVert_2, ε)`` and ``n(i)`` row ``i``'s nearest
+    neighbour on the sphere (the largest cosine, ``j ≠ i``),
+
+    .. math::
+        L = -\frac1N \sum_i \log\big(\lVert \hat x_i - \hat x_{n(i)} + ε\rVert_p + ε\big).
+
+    lightly's ``KoLeoLoss(p, eps)`` and DINOv2's: the ``+ ε`` inside the norm is
+    ``torch.nn.PairwiseDistance``'s (it keeps the distance of duplicate rows, and its gradient,
+    finite); the gradient reaches both ``x̂_i`` and its neighbour, the choice of neighbour is not
+    differentiated. A NaN row makes the loss NaN (the neighbour search propagates it).
+
+    The nearest neighbour reads every row of the batch, so the loss is of the batch it is given:
+    per rank under DDP, as DINOv2 computes it. It is not a loss of batch statistics, and
+    :func:`pmlfunc.distributed.global_objective` does not take it (it has no labels to gather);
+    for the global batch's neighbours call it on the gathered rows,
+    ``koleo(pf.distributed.all_gather(embeddings))`` (autograd-aware: every rank computes the
+    whole loss and its rows receive ``W · ∂L/∂x``, which DDP's averaging turns into the
+    single-process gradient).
+
+    Args:
+        embeddings: ``(N, D)`` float tensor, ``N ≥ 2`` (normalised by the loss).
+        p: ``p > 0``, the norm of the neighbour distance (default 2; the neighbour itself is
+            always the largest cosine, as in lightly).
+        eps: ``ε ≥ 0`` of the normalisation, the distance and the logarithm (default
+            ``1e-8``).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> emb = torch.randn(16, 8)
+        >>> loss = pf.losses.koleo(emb)
+
+    References: Sablayrolles, Douze, Schmid, Jégou, "Spreading vectors for similarity search",
+    ICLR 2019; Oquab et al., "DINOv2: Learning Robust Visual Features without Supervision",
+    TMLR 2024.
+    """
+    x = _checks.embeddings(embeddings)
+    if x.shape[0] < 2:
+        raise ValueError("koleo needs a batch of at least 2 rows (each row's nearest neighbour)")
+    p_ = _checks.number(p, "p", positive=True)
+    e = _checks.hyper(eps, "eps", nonnegative=True)
+    cd = _checks.compute_dtype(x.dtype)
+    x = x.to(cd)
+    e = scalar_like(e, x)
+    unit = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(e)
+    with torch.no_grad():  # the neighbour: the largest cosine but itself (NaN wins: propagated)
+        cos = matmul(unit, unit.transpose(0, 1))
+        own = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
+        nearest = cos.masked_fill(own, -torch.inf).argmax(-1)
+    dist = torch.linalg.vector_norm(unit - unit[nearest] + e, ord=p_, dim=-1)
+    return -torch.log(dist + e).mean()
+
+
+@_global.reduces_statistics("embeddings", "momentum")
+def mmcr(
+    embeddings: Tensor,
+    momentum: Tensor | None = None,
+    *,
+    lmda: float | Tensor = 5e-3,
+    normalize: bool = True,
+) -> Tensor:
+    r"""MMCR: maximum manifold capacity, the nuclear norm of the batch's view centroids
+    maximised.
+
+    Row ``n`` holds one sample's ``K`` views, ``(N, K, D)`` (``momentum``, a momentum encoder's
+    views of the same samples, joins them along the views). With ``z_{nk}`` the views
+    (L2-normalised when ``normalize``), ``c_n = \frac1K \sum_k z_{nk}`` the centroids,
+    ``C = [c_1 … c_N]ᵀ`` (``N × D``), ``Z_n`` sample ``n``'s ``K × D`` matrix of views and
+    ``\lVert·\rVert_*`` the nuclear norm (the sum of the singular values),
+
+    .. math::
+        L = -\lVert C\rVert_* + λ \frac1N \sum_n \lVert Z_n\rVert_* .
+
+    The formula and default are lightly's ``MMCRLoss(lmda=5e-3)`` (``loss(online,
+    momentum)``, the two ``(N, K, D)`` tensors concatenated along the views), which does not
+    normalise: ``normalize=False`` reproduces it; the paper and its authors' code normalise
+    the views onto the sphere (``normalize=True``, the default), which bounds ``‖C‖_*`` and the
+    loss (without it, scaling the embeddings up lowers the loss without limit).
+
+    Under :func:`pmlfunc.distributed.global_objective` the loss is the global batch's: the
+    local term's sum over samples and ``N`` are all-reduced, and ``‖C‖_*`` is read from the
+    ``D × D`` Gram matrix ``CᵀC = Σ_ranks C_rᵀ C_r`` (all-reduced with autograd: per-rank
+    memory ``O(D²)``, flat in the world size; no rank holds ``C``):
+    ``‖C‖_* = Σ_i \sqrt{λ_i(CᵀC)}``, its gradient ``C_r (CᵀC)^{−1/2}`` (a pseudo-inverse; ``= U Vᵀ``, the
+    gradient of the singular values) with the eigenvalues below ``D · eps · λ_max`` taken as
+    zero (a rank-deficient ``C``: fewer samples than dimensions). The Gram matrix squares
+    ``C``'s condition number, so singular values below ``\sqrt{D · eps}`` of the largest are
+    not resolved there (float32: ``~10⁻²`` at ``D = 512``); one process takes the singular
+    values of ``C`` itself. Non-finite views make the loss NaN (the SVD is taken of finite
+    values, so it does not raise). On CUDA, torch's SVD and ``eigh`` check their convergence
+    on the host (a synchronisation per call, as in lightly): the loss compiles with
+    ``fullgraph=True`` but cannot be captured in a CUDA graph.
+
+    Args:
+        embeddings: ``(N, K, D)`` float tensor: ``K`` views of each of ``N`` samples.
+        momentum: ``None`` or ``(N, K', D)`` (a momentum encoder's views), joined to
+            ``embeddings``' views (not detached: detach it as lightly's callers do).
+        lmda: ``λ ≥ 0``, the weight of the per-sample nuclear norms (default ``5e-3``;
+            a Python ``0`` skips their SVD).
+        normalize: L2-normalise every view first (default ``True``, the paper's).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> views = torch.randn(16, 4, 8)
+        >>> loss = pf.losses.mmcr(views)
+
+    Reference: Yerxa, Kuang, Simoncelli, Chung, "Learning Efficient Coding of Natural Images
+    with Maximum Manifold Capacity Representations", NeurIPS 2023.
+    """
+    z = _mmcr_views(embeddings, momentum)
+    lam = _checks.hyper(lmda, "lmda", nonnegative=True)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    if normalize:
+        z = F.normalize(z, dim=-1)
+    safe = torch.where(torch.isfinite(z), z, 0.0)  # the SVD raises on non-finite values
+    poison = z.sum() * 0  # NaN for any non-finite view, else 0 (with a zero gradient)
+    n = total(torch.full((), z.shape[0], dtype=z.dtype, device=z.device))
+    local = poison
+    if not (isinstance(lam, (int, float)) and lam == 0):
+        local = local + torch.linalg.svdvals(safe).sum()
+    local = total(local) / n
+    return -_nuclear_norm(safe.mean(1)) + scalar_like(lam, z) * local
+
+
+def _mmcr_views(embeddings: object, momentum: object) -> Tensor:
+    """The views ``(N, K [+ K'], D)`` in the compute dtype, checked."""
+    views = [(embeddings, "embeddings")]
+    if momentum is not None:
+        views.append((momentum, "momentum"))
+    for x, name in views:
+        _checks.tensor(x, name)
+        assert isinstance(x, Tensor)
+        if x.dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        if x.ndim != 3 or x.shape[1] == 0 or x.shape[2] == 0:
+            raise ValueError(
+                f"{name} must be (N, views, D) with at least one view and dimension, got shape "
+                f"{tuple(x.shape)}"
+            )
+    assert isinstance(embeddings, Tensor)
+    if embeddings.shape[0] == 0 and not _global.active():
+        raise ValueError("embeddings has no rows (an empty batch)")
+    if not isinstance(momentum, Tensor):
+        return embeddings.to(_checks.compute_dtype(embeddings.dtype))
+    n, _, d = embeddings.shape
+    if momentum.shape[0] != n or momentum.shape[2] != d:
+        raise ValueError(
+            f"momentum must be ({n}, views, {d}) (embeddings' rows and width), got "
+            f"{tuple(momentum.shape)}"
+        )
+    if momentum.dtype != embeddings.dtype or momentum.device != embeddings.device:
+        raise TypeError(
+            f"momentum must have embeddings' dtype and device ({embeddings.dtype} on "
+            f"{embeddings.device}), got {momentum.dtype} on {momentum.device}"
+        )
+    cd = _checks.compute_dtype(embeddings.dtype)
+    return torch.cat([embeddings, momentum], 1).to(cd)
+
+
+def _nuclear_norm(c: Tensor) -> Tensor:
+    """``‖C‖_*`` of the batch's ``(N, D)`` rows: the singular values of ``C`` in one process;
+    under :func:`pmlfunc._global.summing` the square roots of the eigenvalues of the
+    all-reduced Gram matrix ``CᵀC`` (those below ``D · eps · λ_max`` taken as zero, value and
+    gradient: the rank ``C`` lacks)."""
+    if not _global.active():
+        return torch.linalg.svdvals(c).sum()
+    gram = total(matmul(c.transpose(0, 1), c))
+    lam = torch.linalg.eigvalsh(gram)  # ascending; its gradient V diag(·) Vᵀ has no gaps
+    floor = lam[-1].detach() * (c.shape[1] * torch.finfo(c.dtype).eps)
+    keep = lam > floor
+    return torch.where(keep, torch.sqrt(torch.where(keep, lam, 1.0)), 0.0).sum()
+
+
+@_global.reduces_statistics("embeddings")
+def sigreg(
+    embeddings: Tensor,
+    *,
+    generator: torch.Generator | Tensor | None = None,
+    knots: int = 17,
+    t_max: float | Tensor = 3.0,
+    num_vectors: int = 1024,
+) -> Tensor:
+    r"""SIGReg: sketched isotropic Gaussian regularisation (LeJEPA), the Epps–Pulley test of
+    random one-dimensional projections of the batch against the standard normal.
+
+    ``M = num_vectors`` random directions ``a_m`` (Gaussian vectors normalised to unit length,
+    drawn from ``generator``); each projection ``s_{nm} = x_n · a_m`` is compared with
+    ``N(0, 1)`` through its empirical characteristic function on the grid
+    ``t_k = k · t_max / (knots − 1)``, ``k = 0 … knots − 1``:
+
+    .. math::
+        e_m(t) = \Big(\frac1N \sum_n \cos(t s_{nm}) - e^{-t^2/2}\Big)^2
+               + \Big(\frac1N \sum_n \sin(t s_{nm})\Big)^2, \qquad
+        L = \frac1M \sum_m N \sum_k w_k\, e^{-t_k^2/2}\, e_m(t_k),
+
+    ``w`` the trapezoidal weights of ``∫_{−t_max}^{t_max}`` folded onto ``t ≥ 0`` (the
+    integrand is even): ``Δt · [1, 2, …, 2, 1]``, ``Δt = t_max / (knots − 1)``. This is the
+    Epps–Pulley statistic ``N ∫ |φ̂_N(t) − φ(t)|² φ(t) dt`` (weight function the Gaussian
+    density up to ``√(2π)``) averaged over the slices, as lightly's ``SIGReg(knots=17,
+    t_max=3.0, num_vectors=1024)`` computes it (LeJEPA's reference code). ``(N, V, D)``
+    embeddings (``V`` views of each sample) give each view its own statistic, averaged over the
+    views: lightly's ``(V, N, D)`` input, transposed. LeJEPA's loss is
+    ``λ · sigreg + (1 − λ) · invariance`` (lightly's ``LeJEPALoss``, ``λ = 0.05``); compose it.
+
+    The directions come from ``generator`` (required: a ``torch.Generator``, or a 0-d integer
+    seed tensor under ``torch.compile`` and CUDA graphs), counter-based
+    (``pmlfunc._random``): the same seed gives the same directions on every device, not
+    those of ``torch.randn``. Under :func:`pmlfunc.distributed.global_objective` the sums
+    ``Σ_n cos``, ``Σ_n sin`` and ``N`` are all-reduced (with autograd), so the statistic is the
+    global batch's, exactly (lightly's ``gather_distributed=True``); every rank must pass the
+    same generator state or seed (lightly broadcasts rank 0's directions instead). Memory:
+    ``N · V · M · knots`` numbers for the cosines and the sines.
+
+    Args:
+        embeddings: ``(N, D)`` or ``(N, V, D)`` float tensor (the projector's output, not
+            normalised).
+        generator: a ``torch.Generator`` or a 0-d integer seed tensor, for the directions.
+        knots: the number of frequencies ``t_k``, ``≥ 2`` (default 17).
+        t_max: the largest frequency, ``> 0`` (default 3).
+        num_vectors: the number of random directions (slices) ``M ≥ 1`` (default 1024).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> proj = torch.randn(32, 16)
+        >>> loss = pf.losses.sigreg(proj, generator=torch.Generator().manual_seed(0))
+
+    Reference: Balestriero, LeCun, "LeJEPA: Provable and Scalable Self-Supervised Learning
+    Without the Heuristics", 2025 (arXiv:2511.08544); Epps, Pulley, "A test for normality based
+    on the empirical characteristic function", Biometrika 1983.
+    """
+    _checks.tensor(embeddings, "embeddings")
+    if embeddings.dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"embeddings must be floating-point, got {embeddings.dtype}")
+    if embeddings.ndim not in (2, 3) or embeddings.shape[-1] == 0:
+        raise ValueError(
+            f"embeddings must be (N, D) or (N, views, D) with D >= 1, got shape "
+            f"{tuple(embeddings.shape)}"
+        )
+    if embeddings.shape[0] == 0 and not _global.active():
+        raise ValueError("embeddings has no rows (an empty batch)")
+    _checks.integer(knots, "knots", minimum=2)
+    _checks.integer(num_vectors, "num_vectors")
+    t_max_ = _checks.hyper(t_max, "t_max", positive=True)
+    cd = _checks.compute_dtype(embeddings.dtype)
+    x = embeddings.to(cd)
+    seed = _random.seed_tensor(generator, x.device)
+    directions = _sigreg_directions(seed, x.shape[-1], num_vectors).to(cd)
+    step = scalar_like(t_max_, x) / (knots - 1)
+    t = torch.arange(knots, dtype=cd, device=x.device) * step  # (knots,)
+    window = torch.exp(-t * t / 2)  # the standard normal's characteristic function
+    k = torch.arange(knots, device=x.device)
+    trapezoid = 2 - ((k == 0) | (k == knots - 1)).to(cd)  # 1, 2, …, 2, 1
+    weights = trapezoid * step * window
+    xt = matmul(x, directions).unsqueeze(-1) * t  # (N, [V,] M, knots)
+    n = total(torch.full((), x.shape[0], dtype=cd, device=x.device))
+    cos_mean = total(torch.cos(xt).sum(0)) / n
+    sin_mean = total(torch.sin(xt).sum(0)) / n
+    err = (cos_mean - window).square() + sin_mean.square()  # ([V,] M, knots)
+    return (matmul(err, weights.unsqueeze(-1)).squeeze(-1) * n).mean()
+
+
+def _sigreg_directions(seed: Tensor, dim: int, count: int) -> Tensor:
+    """``(dim, count)`` float64 unit columns, uniform on the sphere: Gaussian vectors
+    (Box–Muller on :func:`pmlfunc._random.uniform`'s streams 0 and 1) normalised."""
+    u1 = _random.uniform(seed, 0, (dim, count))
+    u2 = _random.uniform(seed, 1, (dim, count))
+    gauss = torch.sqrt(-2 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)
+    return gauss / torch.linalg.vector_norm(gauss, dim=0, keepdim=True)

@@ -1,5 +1,6 @@
 """Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg, Barlow Twins, the
-negative cosine similarity (and its symmetric form) and the hypersphere loss.
+negative cosine similarity (and its symmetric form), the hypersphere loss, DINO, SwaV, TiCo,
+KoLeo, MMCR and SIGReg.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -7,6 +8,8 @@ view.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -179,3 +182,77 @@ def tico(za, zb, c0, beta=0.9, rho=20.0):
     align = sum(torch.dot(a[i], b[i]) for i in range(n)) / n
     penalty = sum(torch.dot(a[i], c @ a[i]) for i in range(n)) / n
     return 1 - align + rho * penalty, c
+
+
+def koleo(x, p=2, eps=1e-8):
+    """KoLeo (Sablayrolles et al. 2019; DINOv2's and lightly's form), row by row: each row
+    normalised, its nearest neighbour the largest cosine (``j ≠ i``, compared as Python
+    floats), ``−mean_i log(‖x̂_i − x̂_n(i) + ε‖_p + ε)``."""
+    n, d = x.shape
+    unit = [x[i] / torch.clamp(x[i].norm(), min=eps) for i in range(n)]
+    loss = 0.0
+    for i in range(n):
+        cos = [float(torch.dot(unit[i], unit[j]).detach()) if j != i else -3.0 for j in range(n)]
+        j = max(range(n), key=lambda k: cos[k])
+        diff = [unit[i][k] - unit[j][k] + eps for k in range(d)]
+        dist = sum(abs(v) ** p for v in diff) ** (1 / p)
+        loss = loss - torch.log(dist + eps) / n
+    return loss
+
+
+def _nuclear(rows):
+    """``Σ σ`` of the matrix of ``rows`` (a list of ``(D,)``): the square roots of the
+    eigenvalues of the smaller Gram matrix, its entries summed product by product (full rank in
+    the tests: every eigenvalue positive, so its square root differentiable)."""
+    m, d = len(rows), rows[0].shape[0]
+    if m <= d:
+        gram = torch.stack(
+            [torch.stack([torch.dot(rows[a], rows[b]) for b in range(m)]) for a in range(m)]
+        )
+    else:
+        cols = [torch.stack([r[k] for r in rows]) for k in range(d)]
+        gram = torch.stack(
+            [torch.stack([torch.dot(cols[a], cols[b]) for b in range(d)]) for a in range(d)]
+        )
+    return torch.linalg.eigvalsh(gram).sqrt().sum()
+
+
+def mmcr(z, momentum=None, lmda=5e-3, normalize=True):
+    """MMCR (Yerxa et al. 2023; lightly's ``MMCRLoss``), sample by sample: the views (and the
+    momentum views) of each sample, normalised when ``normalize``, their centroid; ``−‖C‖_*
+    + λ mean_n ‖Z_n‖_*``."""
+    n, k, _ = z.shape
+    views = [[z[i, v] for v in range(k)] for i in range(n)]
+    if momentum is not None:
+        views = [views[i] + [momentum[i, v] for v in range(momentum.shape[1])] for i in range(n)]
+    if normalize:
+        views = [[v / v.norm() for v in sample] for sample in views]
+    centroids = [sum(sample) / len(sample) for sample in views]
+    local = sum(_nuclear(sample) for sample in views) / n
+    return -_nuclear(centroids) + lmda * local
+
+
+def sigreg(x, directions, knots=17, t_max=3.0):
+    """SIGReg (LeJEPA, Balestriero & LeCun 2025): for each direction ``a_m`` (a column of
+    ``directions``) and frequency ``t_k = k t_max / (knots − 1)``, the empirical characteristic
+    function of ``x_n · a_m`` summed sample by sample, its squared distance to ``exp(−t²/2)``,
+    integrated by the trapezoidal rule over ``[−t_max, t_max]`` with the weight ``exp(−t²/2)``
+    and times ``N``; the mean over the directions (and over the views of ``(N, V, D)``)."""
+    if x.ndim == 3:
+        per_view = [sigreg(x[:, v], directions, knots, t_max) for v in range(x.shape[1])]
+        return sum(per_view) / len(per_view)
+    n = x.shape[0]
+    dt = t_max / (knots - 1)
+    total = 0.0
+    for m in range(directions.shape[1]):
+        s = [torch.dot(x[i], directions[:, m]) for i in range(n)]
+        integral = 0.0
+        for k in range(-(knots - 1), knots):  # the whole symmetric grid
+            t = k * dt
+            phi = math.exp(-t * t / 2)
+            re = sum(torch.cos(t * v) for v in s) / n
+            im = sum(torch.sin(t * v) for v in s) / n
+            w = dt / 2 if abs(k) == knots - 1 else dt
+            integral = integral + w * phi * ((re - phi) ** 2 + im**2)
+        total = total + n * integral
+    return total / directions.shape[1]
