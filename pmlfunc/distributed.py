@@ -533,19 +533,20 @@ def sharded_classes(
     FC's layout): ``f(embeddings, labels, params, **kwargs)`` on every rank, with this rank's
     batch rows, their *global* class ids and this rank's rows of the table.
 
-    The losses whose class tiles keep per-row statistics (``pmlfunc.losses._tiled.CLASS_TILED``:
+    The losses with ``class_chunk_size=`` (``pmlfunc.losses._tiled.CLASS_TILED``:
     :func:`~pmlfunc.losses.arcface`, :func:`~pmlfunc.losses.cosface`, ...,
     :func:`~pmlfunc.losses.normalized_softmax`, :func:`~pmlfunc.losses.proxy_nca`,
-    :func:`~pmlfunc.losses.soft_triple`, :func:`~pmlfunc.losses.p2s_grad`; not
-    :func:`~pmlfunc.losses.proxy_anchor`, whose tiles keep per-proxy statistics over the
-    batch). Rank
-    ``r`` holds classes ``[o_r, o_r + C_r)``, in rank order (``C_r`` may differ, 0 included;
-    :func:`class_range` splits evenly). The embeddings and labels are gathered (``B × D``,
-    small); each rank walks its own classes in tiles of ``class_chunk_size`` (default: its whole
-    shard as one tile) for every gathered row, and the ranks' partial statistics (the other
-    classes' log-sum-exp, the target logit's cosine) are combined by all-reduces, so the loss,
-    the same on every rank, is the one-process loss over the whole table. Per rank, memory is
-    the shard, its gradient and ``B_global × class_chunk_size`` tiles: ``∝ C / W``.
+    :func:`~pmlfunc.losses.soft_triple`, :func:`~pmlfunc.losses.p2s_grad`,
+    :func:`~pmlfunc.losses.proxy_anchor`). Rank ``r`` holds classes ``[o_r, o_r + C_r)``, in
+    rank order (``C_r`` may differ, 0 included; :func:`class_range` splits evenly). The
+    embeddings and labels are gathered (``B × D``, small); each rank walks its own classes in
+    tiles of ``class_chunk_size`` (default: its whole shard as one tile) for every gathered row,
+    and the ranks' partial statistics (the other classes' log-sum-exp, the target logit's
+    cosine) are combined by all-reduces, so the loss, the same on every rank, is the one-process
+    loss over the whole table. Per rank, memory is the shard, its gradient and ``B_global ×
+    class_chunk_size`` tiles: ``∝ C / W``. ``proxy_anchor``'s statistics are per proxy, complete
+    on the rank that holds it: each rank reduces its own proxies' terms and the results are
+    summed (its reducer ``divisor()``, the default, or ``sum()``).
 
     Gradients: this rank's shard gets exactly ``∂L/∂W_r`` (its classes' only: keep the table
     out of DDP's averaging, e.g. a separate module and optimizer on each rank); the embeddings
@@ -579,8 +580,8 @@ def sharded_classes(
     if fn not in CLASS_TILED:
         names = sorted(getattr(f, "__name__", str(f)) for f in CLASS_TILED)
         raise ValueError(
-            "sharded_classes takes a loss whose class tiles keep per-row statistics "
-            f"({', '.join(names)}), got {_name(loss_fn)}"
+            f"sharded_classes takes a loss with class tiles ({', '.join(names)}), got "
+            f"{_name(loss_fn)}"
         )
     if timeout is not None:
         Session.check_timeout(timeout)

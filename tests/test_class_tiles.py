@@ -230,6 +230,7 @@ SHARD_CASES = {  # name -> (params key, hyper-parameters; tensors are differenti
     "proxy_nca": ("proxies", {"softmax_scale": 3.0}),
     "soft_triple": ("weight", {"la": torch.tensor(6.0, dtype=F64), "gamma": 0.3}),
     "p2s_grad": ("weight", {}),
+    "proxy_anchor": ("proxies", {"alpha": torch.tensor(8.0, dtype=F64), "margin": 0.2}),
 }
 
 
@@ -306,6 +307,9 @@ def sharded_error_on_rank(change: str):
         labels = torch.tensor([0, 2, 9])  # 9 classes in all: 0..8
     kw = {"indices_tuple": (torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))}
     try:
+        if change == "reducer":
+            loss_fn = pf.distributed.sharded_classes(pfl.proxy_anchor)
+            loss_fn(x, labels, pfl.proxy_anchor_init(3, d), reducer=pf.reducers.mean())
         pf.distributed.sharded_classes(pfl.arcface)(
             x, labels, pfl.arcface_init(3, d), **(kw if change == "mined" else {})
         )
@@ -320,22 +324,24 @@ def sharded_error_on_rank(change: str):
         ("width", r"disagree.*embeddings"),
         ("label", r"labels must be in \[0, 9\) \(num_classes from the ranks' shards together\)"),
         ("mined", r"indices_tuple refers to local rows"),
+        (
+            "reducer",
+            r"proxy_anchor with the table sharded takes reducer=None \(divisor\(\)\) or sum",
+        ),
     ],
 )
 def test_a_bad_sharded_call_raises_the_same_error_on_every_rank(change, match):
-    """Ranks that disagree on the embedding width, a label outside the ranks' classes together
-    and a miner's local indices: every rank raises, naming the cause, and none hangs."""
+    """Ranks that disagree on the embedding width, a label outside the ranks' classes together,
+    a miner's local indices and proxy_anchor with a reducer that does not sum over fixed
+    divisors: every rank raises, naming the cause, and none hangs."""
     got = pf.testing.spawn_ranks(sharded_error_on_rank, change, world_size=3, timeout=120)
     for message in got:
         assert re.search(match, message), message
 
 
-@pytest.mark.parametrize("loss", [pfl.proxy_anchor, pfl.triplet_margin])
-def test_sharded_classes_refuses_a_loss_without_per_row_class_statistics(loss):
-    """proxy_anchor has class tiles, but its statistics are per proxy over the batch (not a
-    per-row softmax that all-reduces combine); a pair loss has no classes at all."""
-    with pytest.raises(ValueError, match="sharded_classes takes a loss whose class tiles"):
-        pf.distributed.sharded_classes(loss)
+def test_sharded_classes_refuses_a_loss_without_class_tiles():
+    with pytest.raises(ValueError, match="sharded_classes takes a loss with class tiles"):
+        pf.distributed.sharded_classes(pfl.triplet_margin)
 
 
 def test_outside_a_process_group_sharded_classes_is_the_loss_itself():

@@ -98,6 +98,8 @@ __all__ = [
     "engine_call",
     "kind_name",
     "merge",
+    "rank_shared",
+    "rank_sum",
     "reduce",
     "run_local",
     "softmax_call",
@@ -1841,15 +1843,18 @@ class _ShardedClassStats(torch.autograd.Function):
     Forward: this rank's statistics over its classes, combined over the ranks into those of
     all ``C`` classes, the same on every rank: a log-sum-exp ``S`` by a maximum and a sum of
     ``e^{S_r − max}``, a sum of squares ``S``, ``T`` and ``N`` (non-zero on the rank that owns
-    the row's class only) by a sum. Backward: every rank holds the same cotangents (every rank
-    computes the same loss from the combined statistics); this rank's tiles give its shard's
-    exact weight gradient and its classes' part of the rows' gradients, summed over the ranks
-    so that every rank holds the whole of them and the computation upstream (the same on every
-    rank) differentiates as under the gather."""
+    the row's class only) by a sum. The columns' statistics (``fold="columns"``) are complete
+    on their rank and stay there, with the owned rows' ``T``. Backward: the cotangents are
+    ``∂L/∂`` of this rank's statistics (the same on every rank where they are combined); this
+    rank's tiles give its shard's exact weight gradient and its classes' part of the rows'
+    gradients, summed over the ranks so that every rank holds the whole of them and the
+    computation upstream (the same on every rank) differentiates as under the gather."""
 
     @staticmethod
     def forward(u, x, weight, labels, aux, kind, shard):
         stats = class_forward(kind, u, x, weight, labels - shard.offset, aux)
+        if kind.fold == "columns":  # each class's statistic is complete on the rank that owns it
+            return tuple(t.clone() for t in stats)  # T: the owned rows' (0 elsewhere)
         if kind.fold == "softmax":
             top = shard.max_(stats[0].clone(), "the classes' log-sum-exp (maximum)")
             shift = torch.where(torch.isfinite(top), top, 0.0)
@@ -1897,18 +1902,56 @@ def class_statistics(
     Inside :func:`pmlfunc._global.sharding` (:func:`pmlfunc.distributed.sharded_classes`)
     ``weight`` is this rank's shard of the table, ``labels`` are global class ids and the
     statistics are combined over the ranks (:class:`_ShardedClassStats`; not the columns'
-    statistics, which stay with their rank)."""
+    statistics, which stay with their rank: :func:`rank_sum` and :func:`rank_shared` carry
+    the rest of such a loss)."""
     if x is u:  # one tensor as two inputs of an autograd.Function: dynamo refuses it
         x = x.view_as(x)
     shard = _global.class_shard()
     if shard is not None:
-        if kind.fold == "columns":
-            raise ValueError(
-                "sharded_classes cannot shard proxy_anchor: its terms are per proxy and its "
-                "reducer reads all of them (run it with class_chunk_size= in one process)"
-            )
         return _ShardedClassStats.apply(u, x, weight, labels, aux, kind, shard)
     return apply(_ClassStats, u, x, weight, labels, aux, kind)
+
+
+class _RankSum(torch.autograd.Function):
+    """The sum over the ranks of a tensor each rank computed from its own classes; its
+    cotangent, the same on every rank, is each rank's part's."""
+
+    @staticmethod
+    def forward(ctx, value, shard):
+        return shard.sum_(value.clone(), "a sum over the ranks' classes")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RankShared(torch.autograd.Function):
+    """A tensor every rank holds alike, used by each rank for its own classes: the identity,
+    whose gradient is the sum of the ranks' parts."""
+
+    @staticmethod
+    def forward(ctx, value, shard):
+        ctx.shard = shard
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.shard.sum_(grad.contiguous(), "the gradient of a shared input"), None
+
+
+def rank_sum(value: Tensor) -> Tensor:
+    """Inside :func:`pmlfunc._global.sharding`: ``value`` summed over the ranks, as autograd
+    sees it (each rank's part gets the common cotangent); ``value`` itself otherwise."""
+    shard = _global.class_shard()
+    return value if shard is None else _RankSum.apply(value, shard)
+
+
+def rank_shared(value: Tensor) -> Tensor:
+    """Inside :func:`pmlfunc._global.sharding`: ``value`` (the same on every rank) for a
+    computation over this rank's classes only, its gradient summed over the ranks; ``value``
+    itself otherwise."""
+    shard = _global.class_shard()
+    return value if shard is None else _RankShared.apply(value, shard)
 
 
 def softmax_term(lse: Tensor, logit: Tensor) -> Tensor:

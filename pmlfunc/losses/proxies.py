@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _global
 from .. import params as _params
 from .._ops import (
     _RENORM_MAX,
@@ -57,6 +57,8 @@ from ._tiled import (
     class_cross_entropy,
     class_statistics,
     class_table,
+    rank_shared,
+    rank_sum,
     softmax_term,
 )
 
@@ -168,6 +170,7 @@ def proxy_anchor(
     margin = _checks.hyper(margin, "margin")
     alpha = _checks.hyper(alpha, "alpha")
     distance = resolve(distance, cosine())
+    reducer = _anchor_reducer(reducer)
     tiled = class_chunk_size is not None
     x, proxies, labels = _proxy_inputs(embeddings, labels, params, "proxies", cast=not tiled)
     num_classes = proxies.shape[0]
@@ -184,16 +187,19 @@ def proxy_anchor(
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     # log(1 + Σ_x e^z) per proxy (over the batch); a proxy without terms gives 0.
     pos_term, neg_term = torch.logaddexp(zero, pos_term), torch.logaddexp(zero, neg_term)
-    counts = torch.zeros(num_classes, dtype=x.dtype, device=x.device)
-    counts = counts.index_add(0, labels, torch.ones_like(labels, dtype=x.dtype))
-    with_pos = (counts > 0).to(x.dtype).sum()
+    counts = torch.zeros(num_classes + 1, dtype=x.dtype, device=x.device)
+    counts = counts.index_add(
+        0, _owned(labels, num_classes), torch.ones_like(labels, dtype=x.dtype)
+    )
+    with_pos = rank_sum((counts[:num_classes] > 0).to(x.dtype).sum())
     ones = torch.ones_like(pos_term)
+    total = float(class_count(proxies))
     terms = {
         "pos_loss": DenseTerms(pos_term, ones, "element", num_classes, divisor=with_pos),
-        "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=float(num_classes)),
+        "neg_loss": DenseTerms(neg_term, ones, "element", num_classes, divisor=total),
     }
     proxy_labels = torch.arange(num_classes, device=labels.device)
-    loss = reduce((divisor() if reducer is None else reducer), terms, proxy_labels, x.dtype)
+    loss = rank_sum(reduce(reducer, terms, proxy_labels, x.dtype))
     return regularize_params(
         loss,
         embeddings,
@@ -264,7 +270,31 @@ def _anchor_terms_tiled(x, proxies, labels, margin, alpha, distance, shift, chun
     b = b if shift is None else b + shift
     kind = Classes(chunk, unit=distance.normalize, fold="columns")
     neg, t = class_statistics(-rows, rows, class_table(proxies), labels, kind, b)
-    return _segment_logsumexp(t + b, labels, proxies.shape[0]), neg
+    c = proxies.shape[0]  # this rank's proxies when sharded: the rows of others' go to slot c
+    return _segment_logsumexp(t + rank_shared(b), _owned(labels, c), c + 1)[:c], neg
+
+
+def _owned(labels: Tensor, num_classes: int) -> Tensor:
+    """The labels as indices of this rank's proxies (``num_classes`` of them; all of the table
+    outside :func:`pmlfunc.distributed.sharded_classes`), ``num_classes`` for a row whose class
+    another rank holds."""
+    shard = _global.class_shard()
+    if shard is None:
+        return labels
+    local = labels - shard.offset
+    return torch.where((local >= 0) & (local < num_classes), local, num_classes)
+
+
+def _anchor_reducer(reducer: Reducer | None) -> Reducer:
+    """proxy_anchor's reducer: ``divisor()`` by default. With the table sharded, each rank
+    reduces its proxies' terms and the results are summed over the ranks: right for the
+    reducers that sum terms over fixed divisors (``divisor()``, ``sum()``) only."""
+    if _global.class_shard() is not None and reducer is not None and repr(reducer) != "sum()":
+        raise ValueError(
+            "proxy_anchor with the table sharded takes reducer=None (divisor()) or sum(), got "
+            f"{reducer!r}: its proxies' terms are reduced on the rank that holds them"
+        )
+    return divisor() if reducer is None else reducer
 
 
 def _segment_logsumexp(values: Tensor, labels: Tensor, num_classes: int) -> Tensor:
@@ -928,6 +958,7 @@ CLASS_LOGITS.update(
         p2s_grad: _p2s_class_logits,
     }
 )
+CLASS_TILED[proxy_anchor] = "proxies"
 CLASS_TILED[proxy_nca] = "proxies"
 CLASS_TILED[normalized_softmax] = "weight"
 CLASS_TILED[soft_triple] = "weight"
