@@ -528,6 +528,7 @@ def sharded_classes(
     group=None,
     timeout: float | None = None,
     sample_rate: float | None = None,
+    sparse_grad: bool = False,
 ) -> Callable[..., Tensor]:
     r"""A classifier loss over a class table sharded across the ranks (model parallel; Partial
     FC's layout): ``f(embeddings, labels, params, **kwargs)`` on every rank, with this rank's
@@ -564,8 +565,10 @@ def sharded_classes(
     softmax's negatives subsampled: a biased estimate of the full loss, cheaper by about
     ``1 / sample_rate`` at millions of classes). The classes not kept get a zero gradient in
     the shard's ``(C_r, K, D)`` gradient (an optimizer with momentum or weight decay still
-    moves them: use plain SGD on the table, or mask its update). Eager also in one process
-    (the kept count is data-dependent).
+    moves them: use plain SGD on the table, or mask its update). ``sparse_grad=True`` (with
+    ``sample_rate``) makes the shard's gradient a sparse COO tensor of the kept rows only, for
+    ``torch.optim.SparseAdam`` or plain ``SGD``, which then touch nothing else. Eager also in
+    one process (the kept count is data-dependent).
 
     Example:
         >>> start, stop = class_range(1000)
@@ -589,6 +592,8 @@ def sharded_classes(
         sample_rate = _checks.number(sample_rate, "sample_rate", positive=True)
         if sample_rate > 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    if sparse_grad and sample_rate is None:
+        raise ValueError("sparse_grad=True is for sampled classes: give sample_rate too")
     key = CLASS_TILED[fn]
     what = f"sharded_classes({_name(loss_fn)})"
 
@@ -603,7 +608,8 @@ def sharded_classes(
             _check_rows(labels, "labels", embeddings, "embeddings")
             _params.class_labels(labels, table.shape[0])
             kept = _kept_classes(table.shape[0], labels, sample_rate, generator)
-            params, labels, kwargs, _, _ = _sampled(params, key, labels, kwargs, kept, 0)
+            sampled = _sampled(params, key, labels, kwargs, kept, 0, sparse=sparse_grad)
+            params, labels, kwargs, _, _ = sampled
             return loss_fn(embeddings, labels, params, **kwargs)
         session = Session(group, what, timeout)
         arguments = _named(loss_fn, (embeddings, labels, params), kwargs)
@@ -639,7 +645,7 @@ def sharded_classes(
                 _params.class_labels(all_labels, num_classes)
                 kept = _kept_classes(num_classes, all_labels, sample_rate, generator)
                 params, all_labels, kwargs, offset, num_classes = _sampled(
-                    params, key, all_labels, kwargs, kept, offset, mine
+                    params, key, all_labels, kwargs, kept, offset, mine, sparse=sparse_grad
                 )
                 mine = params[key].shape[0]
             if kwargs.get("class_chunk_size") is None:
@@ -698,20 +704,44 @@ def _kept_classes(num_classes: int, labels: Tensor, rate, generator: torch.Gener
     return kept.index_fill_(0, labels.long(), True)
 
 
-def _sampled(params, key, labels, kwargs, kept: Tensor, offset: int, rows: int | None = None):
+def _sampled(
+    params, key, labels, kwargs, kept: Tensor, offset: int, rows: int | None = None, sparse=False
+):
     """The call over the kept classes only: this rank's kept rows of the table (a gather: the
-    gradient reaches the table's rows kept, zero elsewhere), the labels renumbered among the
-    kept classes, the per-class arguments sliced, and this rank's offset and the total count
-    among them."""
+    gradient reaches the table's rows kept, zero elsewhere, or with ``sparse`` a sparse COO
+    gradient of those rows only), the labels renumbered among the kept classes, the per-class
+    arguments sliced, and this rank's offset and the total count among them."""
     rows = params[key].shape[0] if rows is None else rows
-    mine = kept[offset : offset + rows].nonzero().squeeze(-1)
-    sub = {**params, key: params[key].index_select(0, mine.to(params[key].device))}
+    mine = kept[offset : offset + rows].nonzero().squeeze(-1).to(params[key].device)
+    table = params[key]
+    picked = _SparseRows.apply(table, mine) if sparse else table.index_select(0, mine)
+    sub = {**params, key: picked}
     order = torch.cumsum(kept, 0) - 1
     kwargs = dict(kwargs)
     for name in _PER_CLASS:
         if isinstance(kwargs.get(name), Tensor):
             kwargs[name] = kwargs[name][kept.to(kwargs[name].device)]
     return sub, order[labels.long()], kwargs, int(kept[:offset].sum()), int(kept.sum())
+
+
+class _SparseRows(torch.autograd.Function):
+    """``table.index_select(0, rows)`` whose gradient is a sparse COO tensor of those rows."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, rows: Tensor) -> Tensor:
+        ctx.save_for_backward(rows)
+        ctx.shape = table.shape
+        return table.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rows,) = ctx.saved_tensors
+        # the rows are distinct and increasing (a nonzero()): already coalesced
+        indices = rows.unsqueeze(0)
+        sparse = torch.sparse_coo_tensor(
+            indices, grad, ctx.shape, is_coalesced=True, check_invariants=False
+        )
+        return sparse, None
 
 
 def _all_max(session: Session, t: Tensor, where: str) -> Tensor:

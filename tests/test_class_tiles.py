@@ -390,6 +390,40 @@ def test_sampling_is_the_loss_over_the_kept_classes_with_zero_gradient_elsewhere
     assert (leaves[1].grad[kept].abs().sum((1, 2)) > 0).all()
 
 
+def test_a_sparse_gradient_holds_the_kept_rows_only_and_equals_the_dense_one():
+    """``sparse_grad=True``: the table's gradient is a sparse COO tensor of the kept rows (the
+    dense gradient's non-zero rows), equal to the dense gradient; ``SparseAdam`` then moves
+    those rows only."""
+    x, labels, params = _draw("subcenter_arcface", 10, 60, 6, dtype=F64)
+    grads = []
+    for sparse in (False, True):
+        w = params["weight"].clone().requires_grad_(True)
+        loss_fn = pf.distributed.sharded_classes(
+            pfl.subcenter_arcface, sample_rate=0.25, sparse_grad=sparse
+        )
+        loss_fn(
+            x, labels, {"weight": w}, generator=torch.Generator().manual_seed(3),
+            class_chunk_size=4,
+        ).backward()  # fmt: skip
+        grads.append(w.grad)
+    dense, sparse = grads
+    assert sparse.is_sparse and sparse.shape == dense.shape
+    kept = _kept_reference(60, labels, 0.25, 3)
+    assert sparse.coalesce().indices().flatten().tolist() == kept.nonzero().flatten().tolist()
+    torch.testing.assert_close(sparse.to_dense(), dense, rtol=0, atol=0)
+    w = params["weight"].clone().float().requires_grad_(True)
+    before = w.detach().clone()
+    w.grad = sparse.float()
+    torch.optim.SparseAdam([w], lr=0.1).step()
+    moved = (w.detach() != before).flatten(1).any(1)
+    assert torch.equal(moved, kept)
+
+
+def test_sparse_grad_needs_sampling():
+    with pytest.raises(ValueError, match="sparse_grad=True is for sampled classes"):
+        pf.distributed.sharded_classes(pfl.arcface, sparse_grad=True)
+
+
 def test_sampling_every_class_is_the_full_loss():
     x, labels, params = _draw("arcface", 8, 30, 5, dtype=F64)
     loss_fn = pf.distributed.sharded_classes(pfl.arcface, sample_rate=1.0)
