@@ -1089,6 +1089,7 @@ EXEMPT: dict[tuple[Callable, str], str] = {
     (L.swav, "sinkhorn_epsilon"): "Sinkhorn's entropic temperature, exp(s / ε): a scale",
     (L.tico, "beta"): "the running covariance's momentum, not a threshold",
     (L.koleo, "eps"): "a floor on each norm and a shift inside a norm and a log (lightly's)",
+    (L.wmse, "eps"): "the covariance's shrinkage to the identity, (1 − ε) Σ + ε I: a weight",
 }
 
 _THRESHOLD_NAMES = re.compile(

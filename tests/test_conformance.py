@@ -97,6 +97,7 @@ EXCLUDED = {
     "dynamic_soft_margin_init_state": "builds the histogram state of dynamic_soft_margin",
     "dino_init": "builds the centre state of dino",
     "tico_init": "builds the covariance state of tico",
+    "ibot_patch_init": "builds the centre state of ibot_patch",
     # helpers that compute a loss's inputs, not a loss
     "dynamic_arcface_margins": "computes dynamic_arcface's per-class margins from class counts",
     "manifold_meta_classes": "draws manifold's meta-classes from a seed (manifold's generator=)",
@@ -386,6 +387,30 @@ def _sigreg(d: Draw) -> Call:
     return Call(
         {"embeddings": d.randn(B, D)},
         lambda embeddings: pf.losses.sigreg(embeddings, generator=seed, num_vectors=16),
+    )
+
+
+def _ibot_patch(d: Draw) -> Call:
+    """The student's patches differentiated (``embeddings``, ``(B, 3, D)``); the teacher's, the
+    mask (image 0's first patch masked, image 1 none) and the centre drawn and held (the loss
+    detaches the teacher: tests/test_self_supervised.py)."""
+    teacher = d.randn(B, 3, D)
+    mask = torch.tensor([[True, False, True], [False] * 3] + [[True, True, False]] * (B - 2))
+    mask = d._made(mask.to(d.device))
+    state = {"center": d.randn(D)}
+    return Call(
+        {"embeddings": d.randn(B, 3, D)},
+        lambda embeddings: pf.losses.ibot_patch(teacher, embeddings, mask, state, teacher_temp=0.5),
+    )
+
+
+def _wmse(d: Draw) -> Call:
+    """Two views of ``2 B`` samples whitened in two sub-batches of ``B = 2 D`` (a seed tensor
+    for the permutation)."""
+    seed = d.seed()
+    return Call(
+        {"embeddings": d.randn(2 * B, 2, D)},
+        lambda embeddings: pf.losses.wmse(embeddings, generator=seed, w_size=B, eps=0.1),
     )
 
 
@@ -734,6 +759,8 @@ LOSSES: dict[str, Entry] = {
     "mmcr": Entry(L.mmcr, _mmcr),
     "koleo": Entry(L.koleo, _koleo),
     "sigreg": Entry(L.sigreg, _sigreg),
+    "ibot_patch": Entry(L.ibot_patch, _ibot_patch),
+    "wmse": Entry(L.wmse, _wmse),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

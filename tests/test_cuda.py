@@ -239,6 +239,19 @@ LOSSES: dict[str, Loss] = {
     "self_supervised.sigreg": Loss(
         lambda e, y, p: L.sigreg(e, generator=seed_tensor(), num_vectors=64)
     ),
+    # the teacher is the student's rows reversed (detached by the loss); a fixed mask
+    "self_supervised.ibot_patch": Loss(
+        lambda e, y, p: L.ibot_patch(
+            e.flip(0).view(16, 4, D),
+            e.view(16, 4, D),
+            torch.arange(B, device=e.device).view(16, 4) % 3 == 0,
+            {"center": torch.zeros(D, device=e.device)},
+        )
+    ),
+    # two sub-batches of 32 (cholesky_ex: no status read on the host)
+    "self_supervised.wmse": Loss(
+        lambda e, y, p: L.wmse(e.view(B, 2, D // 2), generator=seed_tensor(), w_size=32)
+    ),
     # not mmcr: torch's SVD (and eigh) check convergence on the host, a sync no graph can hold
     "neighbors.nca": Loss(lambda e, y, p: L.nca(e, y)),
     "neighbors.manifold": Loss(

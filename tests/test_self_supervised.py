@@ -875,3 +875,309 @@ def test_sigreg_bad_input_raises_naming_the_argument(change, error, match):
     kw = {"embeddings": torch.randn(6, 4), "generator": torch.tensor(0), **change}
     with pytest.raises(error, match=match):
         pf.losses.sigreg(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# ibot_patch: masked patch tokens, the centre as explicit state
+# ----------------------------------------------------------------------------------------------
+def _ibot_patches(gen, b=4, h=2, w=3, k=5):
+    mask = torch.rand(b, h, w, generator=gen) < 0.5
+    mask[0] = True  # every patch of image 0 masked
+    mask[1] = False  # none of image 1: its term is 0 (the count clamped to 1)
+    mask[2, 0, 0] = True
+    teacher, student = randn(gen, b, h * w, k), randn(gen, b, h * w, k)
+    return teacher, student, mask, 0.1 * randn(gen, k)
+
+
+def _lightly_ibot():
+    """lightly's ``ibot_loss.py``, its ``lightly.models.modules.center`` import served by the
+    file itself."""
+    import types
+
+    from benchmarks import peers
+
+    try:
+        root = peers.package_dir("lightly")
+        center = peers.load_file("lightly_center", root / "models" / "modules" / "center.py")
+        names = ("lightly", "lightly.models", "lightly.models.modules")
+        packages = {n: types.ModuleType(n) for n in names}
+        for package in packages.values():
+            package.__path__ = []  # type: ignore[attr-defined]
+        aliases = {**packages, "lightly.models.modules.center": center}
+        return peers.load_file("lightly_ibot_loss", root / "loss" / "ibot_loss.py", aliases)
+    except peers.PeerUnavailable as err:
+        pytest.skip(f"lightly: {err}")
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {},
+        {
+            "teacher_temp": torch.tensor(0.07, dtype=F64),
+            "student_temp": 0.2,
+            "center_momentum": 0.5,
+        },
+    ],
+    ids=["default", "scheduled-teacher-temperature"],
+)
+@pytest.mark.parametrize("layout", ["patches", "masked"])
+def test_ibot_patch_equals_the_float64_loops_on_loss_gradient_and_new_centre(gen, hp, layout):
+    teacher, student, mask, center = _ibot_patches(gen)
+    flat = mask.flatten(1)
+    state = {"center": center.clone()}
+
+    def ours(t, s):
+        if layout == "masked":  # lightly's layout: the masked patches in row-major order
+            t, s = t[flat], s[flat]
+        return pf.losses.ibot_patch(t, s, mask, state, **hp)
+
+    got = value_and_grads(lambda t, s: ours(t, s)[0], teacher, student)
+    want = value_and_grads(
+        lambda t, s: self_supervised.ibot_patch(t, s, flat, center, **hp)[0], teacher, student
+    )
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+    assert not got[1][0].any()  # the teacher gets no gradient
+    assert not got[1][1][~flat].any()  # nor the unmasked student patches
+    new = ours(teacher, student)[1]["center"]
+    torch.testing.assert_close(
+        new, self_supervised.ibot_patch(teacher, student, flat, center, **hp)[1]
+    )
+    torch.testing.assert_close(state["center"], center)  # the state given is not changed
+    assert not new.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_ibot_patch_equals_lightly_over_two_steps(gen, dtype):
+    """lightly's ``IBOTPatchLoss`` on the masked patches (its centre updated by the first step,
+    used by the second). Its teacher temperature is a float32 tensor (so ours is given that
+    rounding) and its per-image weights ``1 / count`` are float32 whatever the input (so
+    float64 agrees to float32's rounding of them); it does not detach the teacher (its callers
+    do: the teacher's outputs are given detached here)."""
+    module = _lightly_ibot()
+    lightly = module.IBOTPatchLoss(output_dim=5, center_momentum=0.8)
+    state = pf.losses.ibot_patch_init(5, dtype=dtype)
+    hp = {"teacher_temp": float(torch.tensor(0.04)), "center_momentum": 0.8}
+    for _ in range(2):
+        teacher, student, mask, _ = _ibot_patches(gen)
+        flat = mask.flatten(1)
+        t, s = teacher.to(dtype)[flat], student.to(dtype)[flat]
+        want = value_and_grads(lambda b, t=t, mask=mask: lightly(t, b, mask), s)
+        got = value_and_grads(
+            lambda b, t=t, mask=mask, state=state: pf.losses.ibot_patch(t, b, mask, state, **hp)[0],
+            s,
+        )
+        assert_same(got, want, **(TOL[F32] if dtype == F32 else {"rtol": 1e-7, "atol": 1e-10}))
+        state = pf.losses.ibot_patch(t, s, mask, state, **hp)[1]
+        torch.testing.assert_close(
+            state["center"], lightly.center.value.view(-1).to(dtype), **TOL[dtype]
+        )
+
+
+def test_ibot_patch_nan_propagates_low_precision_is_float32_and_no_mask_keeps_the_centre(gen):
+    teacher, student, mask, center = _ibot_patches(gen)
+    state = {"center": center}
+    bad = student.clone()
+    bad[1, 0, 2] = float("nan")  # an unmasked patch (image 1 has none masked)
+    assert torch.isnan(pf.losses.ibot_patch(teacher, bad, mask, state)[0])
+    bad = teacher.clone()
+    bad[0, 0, 0] = float("nan")
+    loss, new = pf.losses.ibot_patch(bad, student, mask, state)
+    assert torch.isnan(loss) and torch.isnan(new["center"]).any()
+    half = (teacher.to(torch.bfloat16), student.to(torch.bfloat16))
+    got, new = pf.losses.ibot_patch(*half, mask, {"center": center.float()}, teacher_temp=0.5)
+    want, _ = pf.losses.ibot_patch(
+        *(x.double() for x in half), mask, {"center": center.float()}, teacher_temp=0.5
+    )
+    assert got.dtype == F32 and new["center"].dtype == F32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    none = torch.zeros_like(mask)
+    loss, new = pf.losses.ibot_patch(teacher, student, none, state)
+    assert loss == 0 and torch.equal(new["center"], center)
+
+
+def ibot_patch_loss(teacher, student, mask, state, **hp):
+    """:func:`pf.losses.ibot_patch`'s loss alone (check_distributed compares a loss)."""
+    return pf.losses.ibot_patch(teacher, student, mask, state, **hp)[0]
+
+
+def ibot_patch_loss_global(teacher, student, mask, state, **hp):
+    fn = pf.distributed.global_objective(pf.losses.ibot_patch)
+    return fn(teacher, student, mask, state, **hp)[0]
+
+
+def ibot_centre_on_rank(teacher, student, mask, state, sizes):
+    import torch.distributed as dist
+
+    r0 = sum(sizes[: dist.get_rank()])
+    rows = slice(r0, r0 + sizes[dist.get_rank()])
+    fn = pf.distributed.global_objective(pf.losses.ibot_patch)
+    return fn(teacher[rows], student[rows], mask[rows], state)[1]
+
+
+def test_ibot_patch_under_global_objective_is_the_single_process_loss_and_centre(gen):
+    """``B`` and the centre's sums over the masked patches all-reduced: ranks of 0, 2 and 5
+    images (unequal masked counts) give one process's loss, student gradient and new centre."""
+    teacher, student, mask, center = _ibot_patches(gen, b=7)
+    state, sizes = {"center": center}, (0, 2, 5)
+    flat = mask.flatten(1)
+    pf.testing.check_distributed(
+        ibot_patch_loss, teacher, student, flat, state, world_size=3, sizes=sizes, rtol=1e-9,
+        atol=1e-11, distributed_fn=ibot_patch_loss_global,
+    )  # fmt: skip
+    centres = pf.testing.spawn_ranks(
+        ibot_centre_on_rank, teacher, student, flat, state, sizes, world_size=3
+    )
+    want = pf.losses.ibot_patch(teacher, student, flat, state)[1]["center"]
+    for got in centres:
+        torch.testing.assert_close(got["center"], want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"student_out": torch.randn(4, 5, 5)}, ValueError, "student_out must have"),
+        ({"teacher_out": torch.randn(4, 6)}, ValueError, "student_out must have"),
+        ({"mask": torch.ones(4, 6)}, TypeError, "mask must be a bool"),
+        ({"mask": torch.ones(3, 6, dtype=torch.bool)}, ValueError, "mask must hold"),
+        ({"mask": torch.ones(4, 2, 2, dtype=torch.bool)}, ValueError, "mask must hold"),
+        ({"mask": torch.ones(24, dtype=torch.bool)}, ValueError, "mask must be"),
+        ({"teacher_out": torch.randn(4, 6, 5, 1)}, ValueError, "teacher_out must be"),
+        ({"state": {"center": torch.zeros(4)}}, ValueError, "center"),
+        ({"state": {}}, TypeError, "ibot_patch_init"),
+        ({"teacher_temp": 0.0}, ValueError, "teacher_temp"),
+        ({"student_temp": -1.0}, ValueError, "student_temp"),
+        ({"center_momentum": 1.5}, ValueError, "center_momentum"),
+    ],
+)
+def test_ibot_patch_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "teacher_out": torch.randn(4, 6, 5),
+        "student_out": torch.randn(4, 6, 5),
+        "mask": torch.rand(4, 2, 3) < 0.5,
+        "state": pf.losses.ibot_patch_init(5),
+        **change,
+    }
+    with pytest.raises(error, match=match):
+        pf.losses.ibot_patch(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# wmse: Cholesky whitening of random sub-batches (per batch: not a loss of global sums)
+# ----------------------------------------------------------------------------------------------
+def _wmse_orders(seed: int, w_iter: int, n: int) -> torch.Tensor:
+    from pmlfunc.losses.self_supervised import _wmse_orders
+
+    return _wmse_orders(torch.tensor(seed), w_iter, n)
+
+
+@pytest.mark.parametrize(
+    ("shape", "hp"),
+    [
+        ((6, 2, 3), {"w_size": 6}),
+        ((12, 3, 2), {"w_size": 4, "w_iter": 2, "eps": 0.1}),
+        ((8, 2, 2), {"w_size": 4, "eps": torch.tensor(0.05, dtype=F64)}),
+    ],
+    ids=["one-sub-batch", "three-views-two-iterations", "tensor-eps"],
+)
+def test_wmse_equals_the_float64_loops(gen, shape, hp):
+    x = randn(gen, *shape)
+    n, w_iter = shape[0], hp.get("w_iter", 1)
+    orders = _wmse_orders(3, w_iter, n).tolist() if n > hp["w_size"] else [list(range(n))]
+    eps = float(hp.get("eps", 0.0))
+    got = value_and_grads(lambda e: pf.losses.wmse(e, generator=torch.tensor(3), **hp), x)
+    want = value_and_grads(lambda e: self_supervised.wmse(e, orders, hp["w_size"], eps), x)
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_wmse_orders_are_seeded_permutations():
+    a = _wmse_orders(1, 3, 64)
+    assert all(sorted(o) == list(range(64)) for o in a.tolist())
+    assert not torch.equal(a[0], a[1])
+    assert torch.equal(a, _wmse_orders(1, 3, 64)) and not torch.equal(a, _wmse_orders(2, 3, 64))
+    x = torch.randn(16, 2, 3, dtype=F64)
+    g = torch.Generator().manual_seed(0)
+    assert pf.losses.wmse(x, generator=g, w_size=8) != pf.losses.wmse(x, generator=g, w_size=8)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(
+    "hp", [{"w_size": 8}, {"w_size": 4, "w_iter": 2, "eps": 0.1}], ids=["one", "sub-batches"]
+)
+def test_wmse_equals_lightly_with_the_same_permutations(gen, dtype, hp, monkeypatch):
+    """lightly's ``WMSELoss`` (training mode) with ``torch.randperm`` serving our orders; its
+    input is the views concatenated, ``(V · N, D)``."""
+    module = _lightly("wmse_loss.py")
+    n, v, d = 16, 3, 2
+    x = randn(gen, n, v, d, dtype=dtype)
+    lightly = module.WMSELoss(embedding_dim=d, num_samples=v, **hp)
+    orders = iter(_wmse_orders(9, hp.get("w_iter", 1), n))
+    monkeypatch.setattr(torch, "randperm", lambda size: next(orders))
+    want = value_and_grads(lambda e: lightly(e.transpose(0, 1).reshape(v * n, d)), x)
+    got = value_and_grads(lambda e: pf.losses.wmse(e, generator=torch.tensor(9), **hp), x)
+    assert_same(got, want, **TOL[dtype])
+
+
+def test_wmse_whitens_each_sub_batch():
+    """A view ``x U + b`` of another (``U`` upper triangular with a positive diagonal: the
+    Cholesky factor's ``Uᵀ L``) whitens to the same rows in every sub-batch: loss 0."""
+    x = torch.randn(32, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    u = torch.tensor([[2.0, 0.5, -1.0, 1.0], [0, 1, 0.3, 1], [0, 0, 3, 1], [0, 0, 0, 0.5]])
+    views = torch.stack([x, x @ u.double() + 7.0], 1)
+    loss = pf.losses.wmse(views, w_size=8, generator=torch.tensor(0))
+    assert abs(float(loss)) < 1e-10
+
+
+def test_wmse_nan_propagates_singular_covariances_are_nan_and_low_precision_is_float32(gen):
+    x = randn(gen, 16, 2, 3)
+    seed = torch.tensor(0)
+    for value in (float("nan"), float("inf")):
+        bad = x.clone()
+        bad[5, 1, 2] = value
+        assert torch.isnan(pf.losses.wmse(bad, generator=seed, w_size=8))
+    flat = x.clone()
+    flat[:, 0, 2] = 1.0  # a constant dimension: a singular covariance (lightly raises)
+    assert torch.isnan(pf.losses.wmse(flat, generator=seed, w_size=8))
+    assert torch.isfinite(pf.losses.wmse(flat, generator=seed, w_size=8, eps=0.1))
+    got = pf.losses.wmse(x.to(torch.bfloat16), generator=seed, w_size=8)
+    want = pf.losses.wmse(x.to(torch.bfloat16).double(), generator=seed, w_size=8)
+    assert got.dtype == F32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def wmse_of_the_gathered_batch(x, **hp):
+    """The recipe for sub-batches of the global batch: the loss of the gathered rows."""
+    return pf.losses.wmse(pf.distributed.all_gather(x), **hp)
+
+
+def test_wmse_of_all_gather_is_the_single_process_loss(gen):
+    """``wmse(all_gather(x))`` with the same seed on ranks of 4 and 12 rows: every rank's loss
+    and gradient is one process's on the whole batch (the documented global form)."""
+    x = randn(gen, 16, 2, 3)
+    pf.testing.check_distributed(
+        pf.losses.wmse, x, world_size=2, sizes=(4, 12), rtol=1e-9, atol=1e-11,
+        distributed_fn=wmse_of_the_gathered_batch, generator=torch.tensor(4), w_size=8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"generator": None}, ValueError, "generator is required"),
+        ({"generator": 3}, TypeError, "generator"),
+        ({"embeddings": torch.randn(16, 6)}, ValueError, "embeddings must be"),
+        ({"embeddings": torch.randn(16, 1, 3)}, ValueError, "at least 2 views"),
+        ({"embeddings": torch.ones(16, 2, 3, dtype=torch.int64)}, TypeError, "embeddings"),
+        ({"embeddings": torch.randn(12, 2, 3)}, ValueError, "multiple of w_size"),
+        ({"embeddings": torch.randn(4, 2, 3)}, ValueError, "multiple of w_size"),
+        ({"w_size": 4}, ValueError, "w_size must be at least"),
+        ({"w_size": 8.0}, TypeError, "w_size"),
+        ({"w_iter": 0}, ValueError, "w_iter"),
+        ({"eps": 1.5}, ValueError, "eps"),
+        ({"eps": -0.1}, ValueError, "eps"),
+    ],
+)
+def test_wmse_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {"embeddings": torch.randn(16, 2, 3), "generator": torch.tensor(0), "w_size": 8, **change}
+    with pytest.raises(error, match=match):
+        pf.losses.wmse(**kw)

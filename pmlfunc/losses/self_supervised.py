@@ -13,6 +13,8 @@
 | :func:`mmcr` | the nuclear norm of the views' centroids maximised | none (lightly's ``MMCRLoss``) |
 | :func:`koleo` | ``−mean log`` of each row's nearest-neighbour distance on the sphere | none (lightly's ``KoLeoLoss``) |
 | :func:`sigreg` | LeJEPA's Epps–Pulley test of random projections against ``N(0, 1)`` | none (lightly's ``SIGReg``) |
+| :func:`ibot_patch` | iBOT's masked patch tokens against the centred, sharpened teacher's; the centre as state | none (lightly's ``IBOTPatchLoss``) |
+| :func:`wmse` | the views whitened in random sub-batches (Cholesky), then their normalised MSE | none (lightly's ``WMSELoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -42,6 +44,8 @@ __all__ = [
     "dino",
     "dino_init",
     "hypersphere",
+    "ibot_patch",
+    "ibot_patch_init",
     "koleo",
     "mmcr",
     "negative_cosine_similarity",
@@ -51,6 +55,7 @@ __all__ = [
     "tico",
     "tico_init",
     "vicreg",
+    "wmse",
 ]
 
 
@@ -187,9 +192,10 @@ def barlow_twins(
         C = \tfrac{1}{N} Ẑ_aᵀ Ẑ_b, \qquad
         L = \sum_i (1 - C_{ii})^2 + λ \sum_{i \ne j} C_{ij}^2 .
 
-    The defaults are the paper's Algorithm 1 and lightly's ``BarlowTwinsLoss``: the unbiased
-    variance (``torch.std``), no ``ε``, ``λ = 5·10⁻³``; the authors' training code normalises
-    with ``BatchNorm1d(affine=False)`` instead: ``unbiased=False, eps=1e-5``. Under
+    The defaults are the paper's Algorithm 1: the unbiased variance (``torch.std``), no ``ε``,
+    ``λ = 5·10⁻³``. The authors' training code and lightly 1.6.0's ``BarlowTwinsLoss``
+    normalise with a batch norm without affine parameters instead: ``unbiased=False,
+    eps=1e-5`` gives theirs. Under
     :func:`pmlfunc.distributed.global_objective` ``μ``, ``σ²`` and ``C`` are the global batch's
     (two all-reduces of ``D`` and ``D × D`` sums; per-rank memory does not grow with the world
     size), where lightly's ``gather_distributed=True`` averages the ranks' ``C``, each
@@ -983,3 +989,275 @@ def _sigreg_directions(seed: Tensor, dim: int, count: int) -> Tensor:
     u2 = _random.uniform(seed, 1, (dim, count))
     gauss = torch.sqrt(-2 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)
     return gauss / torch.linalg.vector_norm(gauss, dim=0, keepdim=True)
+
+
+def ibot_patch_init(
+    output_dim: int, *, dtype: torch.dtype = torch.float32, device=None
+) -> dict[str, Tensor]:
+    """The state of :func:`ibot_patch`: ``{"center": (output_dim,) zeros}`` (iBOT's initial
+    patch centre).
+
+    Example:
+        >>> pf.losses.ibot_patch_init(3)["center"]
+        tensor([0., 0., 0.])
+    """
+    _checks.integer(output_dim, "output_dim")
+    return {"center": torch.zeros(output_dim, dtype=dtype, device=device)}
+
+
+@_global.reduces_statistics("teacher_out", "student_out", "mask")
+def ibot_patch(
+    teacher_out: Tensor,
+    student_out: Tensor,
+    mask: Tensor,
+    state: dict[str, Tensor],
+    *,
+    teacher_temp: float | Tensor = 0.04,
+    student_temp: float | Tensor = 0.1,
+    center_momentum: float | Tensor = 0.9,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""iBOT's masked patch-token self-distillation loss (as in DINOv2), the teacher's patch
+    centre as explicit state.
+
+    Image ``b`` has ``P`` patch tokens, ``m_{bp} = 1`` for the patches masked in the student's
+    input. With ``c`` the centre, ``t_{bp}``, ``s_{bp}`` the teacher's and the student's
+    prototype scores of patch ``p`` (``K`` of them) and ``B`` the number of images,
+
+    .. math::
+        H_{bp} = -\operatorname{softmax}\big((t_{bp} - c) / τ_t\big) \cdot
+                 \operatorname{log\,softmax}(s_{bp} / τ_s), \qquad
+        L = \frac1B \sum_b \frac{\sum_p m_{bp} H_{bp}}{\max(1, \sum_p m_{bp})}
+
+    (each image's masked patches averaged, then the images; no gradient through the teacher),
+    and the new centre is ``μ · c + (1 − μ) · mean_{m_{bp} = 1} t_{bp}``, the mean over the
+    masked patches (the centre is kept when no patch is masked). Returns
+    ``(L, {"center": new centre})``. ``teacher_temp`` may be a 0-d tensor (a schedule's value).
+
+    Two layouts of the patch outputs:
+
+    - ``(B, P, K)``, every patch of each image, ``mask`` ``(B, P)`` or ``(B, H, W)`` with
+      ``H · W = P``: fixed shapes whatever the masking (compile and CUDA graphs), the unmasked
+      patches weighted 0 (a non-finite one still makes the loss NaN: its gradient would be);
+    - ``(M, K)``, the masked patches only, in the mask's row-major order (lightly's
+      ``IBOTPatchLoss`` input, ``M = mask.sum()``; not checked, which would read the mask on
+      the host): each row's image is found by a search in the cumulative counts.
+
+    lightly's ``IBOTPatchLoss(output_dim, teacher_temp=0.04, student_temp=0.1,
+    center_momentum=0.9)`` (``forward(teacher_out, student_out, mask)``, the second layout)
+    with its ``Center`` buffer as the state. Under
+    :func:`pmlfunc.distributed.global_objective` (first layout: ``mask`` has one row per
+    image) ``B`` and the centre's sums ``Σ m_{bp} t_{bp}``, ``Σ m_{bp}`` are the global batch's
+    (all-reduced, no gather; each image's normaliser is its own rank's), so every rank's loss
+    and new centre equal one process's on the whole batch; lightly averages the ranks' means,
+    equal only when every rank holds as many masked patches.
+
+    Args:
+        teacher_out: ``(B, P, K)`` or ``(M, K)`` float tensor (detached by the loss).
+        student_out: ``teacher_out``'s shape.
+        mask: ``(B, P)`` or ``(B, H, W)`` bool tensor, ``True`` for a masked patch.
+        state: ``{"center": (K,)}`` from :func:`ibot_patch_init` or the previous step.
+        teacher_temp: ``τ_t > 0`` (default 0.04).
+        student_temp: ``τ_s > 0`` (default 0.1).
+        center_momentum: ``μ`` in ``[0, 1]`` (default 0.9).
+
+    Returns:
+        ``(loss, new state)``: a 0-d tensor (float32 for float16/bfloat16 outputs, else their
+        dtype) and ``{"center": (K,)}`` in the state's dtype, detached.
+
+    Example:
+        >>> state = pf.losses.ibot_patch_init(32)
+        >>> teacher, student = torch.randn(4, 9, 32), torch.randn(4, 9, 32)
+        >>> mask = torch.rand(4, 3, 3) < 0.4
+        >>> loss, state = pf.losses.ibot_patch(teacher, student, mask, state)
+
+    References: Zhou et al., "iBOT: Image BERT Pre-Training with Online Tokenizer", ICLR 2022;
+    Oquab et al., "DINOv2: Learning Robust Visual Features without Supervision", TMLR 2024.
+    """
+    t, s, masked, center = _ibot_inputs(teacher_out, student_out, mask, state)
+    tau_t = scalar_like(_checks.hyper(teacher_temp, "teacher_temp", positive=True), t)
+    tau_s = scalar_like(_checks.hyper(student_temp, "student_temp", positive=True), t)
+    m = scalar_like(_momentum(center_momentum, "center_momentum"), t)
+    c = center.to(t.dtype)
+    teacher = torch.softmax((t - c) / tau_t, dim=-1)
+    cross = -(teacher * torch.log_softmax(s / tau_s, dim=-1)).sum(-1)  # (B, P) or (M,)
+    counts = masked.sum(1)  # masked patches per image, (B,)
+    per_image = 1 / counts.clamp_min(1)
+    if t.ndim == 3:
+        weight = masked * per_image.unsqueeze(1)  # (B, P): 0 for the unmasked patches
+        rows = (cross * weight).sum(1)  # (B,)
+        picked = (masked.unsqueeze(-1) * t).sum((0, 1))  # Σ over the masked patches, (K,)
+        n_masked = counts.sum()
+    else:  # row r of the masked patches belongs to the first image whose cumulative count > r
+        ends = torch.cumsum(counts, 0)
+        r = torch.arange(t.shape[0], device=t.device, dtype=ends.dtype)
+        image = torch.searchsorted(ends, r, right=True).clamp_max(masked.shape[0] - 1)
+        rows = cross * per_image[image]  # (M,): summed over the images below
+        picked = t.sum(0)
+        n_masked = torch.full((), t.shape[0], dtype=t.dtype, device=t.device)
+    n = total(torch.full((), masked.shape[0], dtype=t.dtype, device=t.device))
+    loss = total(rows.sum()) / n
+    n_masked = total(n_masked)
+    batch_center = total(picked) / n_masked.clamp_min(1)
+    new_center = torch.where(n_masked > 0, m * c + (1 - m) * batch_center, c)
+    return loss, {"center": new_center.to(center.dtype)}
+
+
+def _ibot_inputs(teacher_out, student_out, mask, state) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The patch outputs in the compute dtype (the teacher detached), the mask as ``(B, P)``
+    in that dtype, and the centre, checked."""
+    _checks.tensor(teacher_out, "teacher_out")
+    _checks.tensor(student_out, "student_out")
+    _checks.tensor(mask, "mask")
+    for x, name in ((teacher_out, "teacher_out"), (student_out, "student_out")):
+        if x.dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        if x.ndim not in (2, 3) or x.shape[-1] == 0:
+            raise ValueError(
+                f"{name} must be (B, P, K) (every patch) or (M, K) (the masked patches), got "
+                f"shape {tuple(x.shape)}"
+            )
+    if student_out.shape != teacher_out.shape:
+        raise ValueError(
+            f"student_out must have teacher_out's shape {tuple(teacher_out.shape)}, got "
+            f"{tuple(student_out.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True: a masked patch), got {mask.dtype}")
+    if mask.ndim not in (2, 3):
+        raise ValueError(f"mask must be (B, P) or (B, H, W), got shape {tuple(mask.shape)}")
+    if mask.device != teacher_out.device:
+        raise ValueError(f"mask must be on teacher_out's device {teacher_out.device}")
+    flat = mask.flatten(1)
+    if teacher_out.ndim == 3 and (
+        teacher_out.shape[0] != mask.shape[0] or teacher_out.shape[1] != flat.shape[1]
+    ):
+        raise ValueError(
+            f"mask must hold teacher_out's {teacher_out.shape[0]} images of "
+            f"{teacher_out.shape[1]} patches, got shape {tuple(mask.shape)}"
+        )
+    if mask.shape[0] == 0 and not _global.active():
+        raise ValueError("mask has no rows (an empty batch of images)")
+    center = _state(
+        state, "center", (teacher_out.shape[-1],), teacher_out.device, "ibot_patch_init"
+    )
+    cd = _checks.compute_dtype(torch.promote_types(teacher_out.dtype, student_out.dtype))
+    return teacher_out.detach().to(cd), student_out.to(cd), flat.to(cd), center.detach()
+
+
+def wmse(
+    embeddings: Tensor,
+    *,
+    generator: torch.Generator | Tensor | None = None,
+    w_size: int = 256,
+    w_iter: int = 1,
+    eps: float | Tensor = 0.0,
+) -> Tensor:
+    r"""W-MSE: the views whitened in random sub-batches, then their normalised MSE.
+
+    Row ``n`` holds one sample's ``V`` views, ``(N, V, D)``. Each of ``w_iter`` iterations
+    splits the batch by a random permutation into ``N / w_size`` sub-batches of ``w_size``
+    rows; each view of each sub-batch ``X`` (``w_size × D``) is whitened with the Cholesky
+    factor of its shrunk unbiased covariance,
+
+    .. math::
+        Σ = (1 - ε) \tfrac{1}{w - 1} (X - \bar X)^⊤ (X - \bar X) + ε I = L L^⊤, \qquad
+        Z = (X - \bar X) L^{-⊤},
+
+    and with ``ẑ`` the L2-normalised whitened rows
+
+    .. math::
+        L_{wmse} = \frac{1}{w_{iter} \binom V2} \sum_{iter} \sum_{u < v}
+            \frac1N \sum_n \lVert ẑ^{(u)}_n - ẑ^{(v)}_n \rVert^2
+            \quad\big(= 2 - 2 \cos\big).
+
+    lightly's ``WMSELoss(w_size=256, w_iter=1, eps=0)`` in training mode (its running mean and
+    covariance, ``momentum`` and ``track_running_stats``, are used in eval mode only and are
+    not provided; ``embedding_dim`` and ``num_samples`` are read from the shape); its input
+    ``torch.cat(views)`` is ours as ``x.view(V, N, D).transpose(0, 1)``. As lightly, ``N``
+    must be a multiple of ``w_size`` and ``w_size ≥ 2 D``. The permutation comes from
+    ``generator`` (counter-based, ``pmlfunc._random``: a stable argsort of random keys,
+    not ``torch.randperm``'s order), required when there is more than one sub-batch; with
+    one (``N = w_size``) the loss does not depend on the order and ``generator`` is not used.
+    A sub-batch whose shrunk covariance is not positive definite (fewer than ``D + 1``
+    distinct rows with ``ε = 0``) gives NaN where lightly's Cholesky raises (the check would
+    read the factorisation's status on the host).
+
+    The whitening reads each sub-batch's own mean and covariance: it does not map to sums over
+    the global batch, so :func:`pmlfunc.distributed.global_objective` does not take it. Under
+    DDP it is per rank (each rank whitens sub-batches of its own rows, as the authors' code);
+    for sub-batches drawn from the global batch call it on the gathered rows,
+    ``wmse(pf.distributed.all_gather(embeddings), generator=seed)`` with the same seed on
+    every rank (autograd-aware, as for :func:`koleo`).
+
+    Args:
+        embeddings: ``(N, V, D)`` float tensor, ``V ≥ 2`` views of each of ``N`` samples.
+        generator: a ``torch.Generator`` or a 0-d integer seed tensor, for the sub-batches.
+        w_size: the sub-batch size ``w``, ``≥ 2 D``, dividing ``N`` (default 256).
+        w_iter: the number of whitening iterations (default 1).
+        eps: ``ε`` in ``[0, 1]``, the shrinkage of the covariance to the identity (default 0).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
+
+    Example:
+        >>> views = torch.randn(32, 2, 8)
+        >>> loss = pf.losses.wmse(views, w_size=16, generator=torch.Generator().manual_seed(0))
+
+    Reference: Ermolov, Siarohin, Sangineto, Sebe, "Whitening for Self-Supervised
+    Representation Learning", ICML 2021.
+    """
+    x = _wmse_views(embeddings)
+    n, v, d = x.shape
+    _checks.integer(w_size, "w_size", minimum=2)
+    _checks.integer(w_iter, "w_iter")
+    if w_size < 2 * d:
+        raise ValueError(f"w_size must be at least 2 D = {2 * d} (lightly's bound), got {w_size}")
+    if n % w_size:
+        raise ValueError(f"embeddings must hold a multiple of w_size = {w_size} samples, got {n}")
+    e = _momentum(eps, "eps")
+    groups = n // w_size
+    if groups > 1:
+        sub = x[_wmse_orders(_random.seed_tensor(generator, x.device), w_iter, n)]
+    else:  # one sub-batch: every iteration whitens the same rows
+        sub = x.unsqueeze(0)
+    sub = sub.view(sub.shape[0], groups, w_size, v, d).transpose(2, 3)  # (I, G, V, w, D)
+    z = _whitened(sub, scalar_like(e, x))
+    unit = F.normalize(z, dim=-1)
+    cos = einsum("igvwd,igqwd->vq", unit, unit)  # Σ over the rows of each pair of views
+    pairs = torch.triu(torch.ones(v, v, dtype=torch.bool, device=x.device), diagonal=1)
+    mean_cos = cos.masked_fill(~pairs, 0.0).sum() / (sub.shape[0] * n * (v * (v - 1) // 2))
+    return 2 - 2 * mean_cos
+
+
+def _wmse_orders(seed: Tensor, w_iter: int, n: int) -> Tensor:
+    """``(w_iter, n)``: each iteration's order of the rows, a stable argsort of random keys
+    (:func:`pmlfunc._random.random_bits`, stream 0)."""
+    return torch.argsort(_random.random_bits(seed, 0, (w_iter, n)), dim=-1, stable=True)
+
+
+def _whitened(x: Tensor, eps: float | Tensor) -> Tensor:
+    """Each ``(w, D)`` matrix of ``x`` (``(..., w, D)``) centred and whitened: ``(X − X̄) L^{−⊤}``,
+    ``L`` the Cholesky factor of the shrunk unbiased covariance (NaN where it is not positive
+    definite: no host sync)."""
+    xc = x - x.mean(-2, keepdim=True)
+    cov = matmul(xc.transpose(-1, -2), xc) / (x.shape[-2] - 1)
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+    chol, info = torch.linalg.cholesky_ex((1 - eps) * cov + eps * eye)
+    chol = torch.where((info == 0)[..., None, None], chol, torch.nan)
+    return torch.linalg.solve_triangular(chol.transpose(-1, -2), xc, upper=True, left=False)
+
+
+def _wmse_views(embeddings: object) -> Tensor:
+    """The views ``(N, V, D)`` in the compute dtype, checked."""
+    _checks.tensor(embeddings, "embeddings")
+    assert isinstance(embeddings, Tensor)
+    if embeddings.dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"embeddings must be floating-point, got {embeddings.dtype}")
+    if embeddings.ndim != 3 or embeddings.shape[1] < 2 or embeddings.shape[2] == 0:
+        raise ValueError(
+            f"embeddings must be (N, views, D) with at least 2 views and one dimension, got "
+            f"shape {tuple(embeddings.shape)}"
+        )
+    if embeddings.shape[0] == 0:
+        raise ValueError("embeddings has no rows (an empty batch)")
+    return embeddings.to(_checks.compute_dtype(embeddings.dtype))

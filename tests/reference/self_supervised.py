@@ -1,6 +1,6 @@
 """Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg, Barlow Twins, the
 negative cosine similarity (and its symmetric form), the hypersphere loss, DINO, SwaV, TiCo,
-KoLeo, MMCR and SIGReg.
+KoLeo, MMCR, SIGReg, iBOT's patch loss and W-MSE.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -256,3 +256,79 @@ def sigreg(x, directions, knots=17, t_max=3.0):
             integral = integral + w * phi * ((re - phi) ** 2 + im**2)
         total = total + n * integral
     return total / directions.shape[1]
+
+
+def ibot_patch(
+    teacher, student, mask, center, teacher_temp=0.04, student_temp=0.1, center_momentum=0.9
+):
+    """iBOT's patch loss (Zhou et al. 2022; DINOv2's and lightly's ``IBOTPatchLoss``), image by
+    image over ``(B, P, K)`` patch outputs and a ``(B, P)`` mask: each masked patch's cross
+    entropy of the centred, sharpened teacher with the student, averaged over the image's
+    masked patches, then over the images; the centre ``m c + (1 − m) mean`` of the masked
+    teacher patches."""
+    b, p, _ = teacher.shape
+    loss, picked = 0.0, []
+    for i in range(b):
+        masked = [j for j in range(p) if bool(mask[i, j])]
+        for j in masked:
+            pt = torch.softmax((teacher[i, j].detach() - center) / teacher_temp, 0)
+            ls = torch.log_softmax(student[i, j] / student_temp, 0)
+            loss = loss - (pt * ls).sum() / max(1, len(masked)) / b
+            picked.append(teacher[i, j].detach())
+    if not picked:
+        return loss, center
+    return loss, center_momentum * center + (1 - center_momentum) * sum(picked) / len(picked)
+
+
+def _cholesky(a):
+    """The lower Cholesky factor of ``a`` entry by entry (Cholesky–Banachiewicz)."""
+    d = a.shape[0]
+    rows = [[zero(a) for _ in range(d)] for _ in range(d)]
+    for i in range(d):
+        for j in range(i + 1):
+            s = sum((rows[i][k] * rows[j][k] for k in range(j)), zero(a))
+            if i == j:
+                rows[i][j] = torch.sqrt(a[i, i] - s)
+            else:
+                rows[i][j] = (a[i, j] - s) / rows[j][j]
+    return rows
+
+
+def _whiten(rows, eps):
+    """``(x − x̄) L^{−ᵀ}`` for each row (``L L^ᵀ`` the shrunk unbiased covariance): forward
+    substitution ``L z = x − x̄``, entry by entry."""
+    w, d = len(rows), rows[0].shape[0]
+    mean = sum(rows) / w
+    xc = [r - mean for r in rows]
+    cov = torch.stack(
+        [torch.stack([sum(v[a] * v[c] for v in xc) / (w - 1) for c in range(d)]) for a in range(d)]
+    )
+    chol = _cholesky((1 - eps) * cov + eps * torch.eye(d, dtype=cov.dtype))
+    out = []
+    for v in xc:
+        z = []
+        for i in range(d):
+            z.append((v[i] - sum((chol[i][k] * z[k] for k in range(i)), zero(v))) / chol[i][i])
+        out.append(torch.stack(z))
+    return out
+
+
+def wmse(x, orders, w_size, eps=0.0):
+    """W-MSE (Ermolov et al. 2021; lightly's ``WMSELoss``) over ``(N, V, D)`` views: for each
+    order of the rows (one per iteration), each view of each consecutive block of ``w_size``
+    rows whitened, then ``2 − 2 cos`` of every pair of views of every row, averaged over the
+    rows, the pairs and the iterations."""
+    n, v, _ = x.shape
+    total, count = 0.0, 0
+    for order in orders:
+        z = [[None] * v for _ in range(n)]
+        for start in range(0, n, w_size):
+            block = order[start : start + w_size]
+            for u in range(v):
+                for r, white in zip(block, _whiten([x[r, u] for r in block], eps), strict=True):
+                    z[r][u] = white / white.norm()
+        for a in range(v):
+            for c in range(a + 1, v):
+                total = total + sum(2 - 2 * torch.dot(z[r][a], z[r][c]) for r in range(n)) / n
+                count += 1
+    return total / count
