@@ -404,6 +404,34 @@ def _ibot_patch(d: Draw) -> Call:
     )
 
 
+def _msn(fn: Callable, **hp: Any) -> Callable[[Draw], Call]:
+    """MSN's two anchor views (``embeddings``, ``(B, 2, D)``) and the prototypes
+    (``prototypes``, ``(C, D)``) differentiated; the targets drawn and held (the loss detaches
+    them: tests/test_self_supervised.py), in values bfloat16 holds exactly, cast to the anchors'
+    dtype as a model would give them."""
+
+    def make(d: Draw) -> Call:
+        targets = d._made(d.randn(B, D).to(torch.bfloat16).to(d.dtype))
+        wrt = {"embeddings": d.randn(B, 2, D), "prototypes": d.randn(C, D)}
+        return Call(
+            wrt,
+            lambda embeddings, prototypes: fn(
+                embeddings, targets.to(embeddings.dtype), prototypes, temperature=0.5, **hp
+            ),
+        )
+
+    return make
+
+
+# the targets' Sinkhorn codes read the prototypes without a gradient (MSN's and lightly's)
+_MSN_TARGET_CODES = (
+    ("prototypes",),
+    "the targets' codes use the prototypes without a gradient by design, so a numerical "
+    "gradient through them would not match (tests/test_self_supervised.py checks the "
+    "prototypes' gradient against the float64 loops and lightly)",
+)
+
+
 def _wmse(d: Draw) -> Call:
     """Two views of ``2 B`` samples whitened in two sub-batches of ``B = 2 D`` (a seed tensor
     for the permutation)."""
@@ -761,6 +789,10 @@ LOSSES: dict[str, Entry] = {
     "sigreg": Entry(L.sigreg, _sigreg),
     "ibot_patch": Entry(L.ibot_patch, _ibot_patch),
     "wmse": Entry(L.wmse, _wmse),
+    "msn": Entry(L.msn, _msn(L.msn), constant=_MSN_TARGET_CODES),
+    "pmsn": Entry(
+        L.pmsn, _msn(L.pmsn, power_law_exponent=0.5), constant=_MSN_TARGET_CODES, backend=_SHARED
+    ),
     # neighbors
     **batch(L.nca, mined=True, softmax_scale=2.0),
     **batch(L.npairs, mined=True),

@@ -252,6 +252,14 @@ LOSSES: dict[str, Loss] = {
     "self_supervised.wmse": Loss(
         lambda e, y, p: L.wmse(e.view(B, 2, D // 2), generator=seed_tensor(), w_size=32)
     ),
+    # MSN: 32 images of 2 anchor views, the targets the first half's rows reversed (detached
+    # by the loss), 16 learnable prototypes; Sinkhorn's 3 rounds are a fixed count
+    "self_supervised.msn": Loss(
+        lambda e, y, p: L.msn(e.view(B // 2, 2, D), e[: B // 2].flip(0), p["prototypes"]),
+        lambda: on_device(
+            {"prototypes": torch.randn(C, D, generator=torch.Generator().manual_seed(1))}
+        ),
+    ),
     # not mmcr: torch's SVD (and eigh) check convergence on the host, a sync no graph can hold
     "neighbors.nca": Loss(lambda e, y, p: L.nca(e, y)),
     "neighbors.manifold": Loss(

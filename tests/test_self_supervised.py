@@ -8,6 +8,8 @@ loss keeps are in test_conformance.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import F32, F64, assert_same, assert_vmap_equals_a_loop, randn, value_and_grads
@@ -1181,3 +1183,169 @@ def test_wmse_bad_input_raises_naming_the_argument(change, error, match):
     kw = {"embeddings": torch.randn(16, 2, 3), "generator": torch.tensor(0), "w_size": 8, **change}
     with pytest.raises(error, match=match):
         pf.losses.wmse(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# msn, pmsn: Sinkhorn-balanced targets on the prototypes, me-max or a power-law prior
+# ----------------------------------------------------------------------------------------------
+def _msn_views(gen, n=6, v=3, d=5, k=7):
+    return randn(gen, n, v, d), randn(gen, n, d), randn(gen, k, d)
+
+
+def _msn_pair(power):
+    """``(pf loss, its keyword of the prior)`` for ``power`` (``None``: :func:`msn`)."""
+    if power is None:
+        return pf.losses.msn, {}
+    return pf.losses.pmsn, {"power_law_exponent": power}
+
+
+_MSN_HP = [
+    ({}, {}),
+    (
+        {
+            "temperature": 0.3,
+            "sinkhorn_iterations": 5,
+            "regularization_weight": 0.5,
+            "target_sharpen_temperature": 0.5,
+        },
+        {"temperature": 0.3, "iterations": 5, "weight": 0.5, "sharpen": 0.5},
+    ),
+    (
+        {"sinkhorn_iterations": 0, "temperature": torch.tensor(0.2, dtype=F64)},
+        {"iterations": 0, "temperature": 0.2},
+    ),
+]
+
+
+@pytest.mark.parametrize(("hp", "ref_hp"), _MSN_HP, ids=["default", "hp", "no-sinkhorn"])
+@pytest.mark.parametrize("power", [None, 0.25, 1.0], ids=["msn", "pmsn", "pmsn-1"])
+@pytest.mark.parametrize("layout", ["views", "lightly"])
+def test_msn_equals_the_float64_loops(gen, hp, ref_hp, power, layout):
+    anchors, targets, prototypes = _msn_views(gen)
+    fn, prior = _msn_pair(power)
+
+    def ours(a, t, c):
+        if layout == "lightly":  # (V·N, D), view-major
+            a = a.transpose(0, 1).reshape(-1, a.shape[-1])
+        return fn(a, t, c, **hp, **prior)
+
+    got = value_and_grads(ours, anchors, targets, prototypes)
+    want = value_and_grads(
+        lambda a, t, c: self_supervised.msn(a, t, c, **ref_hp, power=power),
+        anchors,
+        targets,
+        prototypes,
+    )
+    assert_same(got, want, rtol=1e-10, atol=1e-12)
+    assert not got[1][1].any()  # the targets get no gradient
+
+
+def test_msn_of_uniform_anchor_predictions_is_log_k(gen):
+    """Anchors orthogonal to every prototype predict ``1/K`` everywhere: with ``λ = 0`` the loss
+    is ``log K`` whatever the targets, as each image's Sinkhorn-balanced code sums to 1."""
+    _, targets, prototypes = _msn_views(gen, n=8, k=4)
+    uniform = torch.zeros(8, 2, 5, dtype=F64)
+    uniform[..., 0] = 1.0
+    c = prototypes.clone()
+    c[:, 0] = 0.0  # every anchor orthogonal to every prototype: p uniform
+    loss = pf.losses.msn(uniform, targets, c, regularization_weight=0.0, sinkhorn_iterations=50)
+    torch.testing.assert_close(loss, torch.tensor(math.log(4), dtype=F64))
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # lightly's power law
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("power", [None, 0.25], ids=["msn", "pmsn"])
+@pytest.mark.parametrize("defaults", [True, False], ids=["default", "hp"])
+def test_msn_equals_lightly(gen, dtype, power, defaults):
+    """lightly's ``MSNLoss`` / ``PMSNLoss`` on its ``(N·V, D)`` anchors: values and the
+    gradients of the anchors and the prototypes (lightly builds the power law in float32: float64
+    agrees to that rounding)."""
+    module = _lightly("msn_loss.py")
+    hp = {"temperature": 0.2, "sinkhorn_iterations": 4, "regularization_weight": 0.7}
+    init = {} if defaults else hp
+    fn, prior = _msn_pair(power)
+    if power is None:
+        lightly = module.MSNLoss(**init)
+    else:
+        import types
+
+        from benchmarks import peers
+
+        root = peers.package_dir("lightly")
+        loss_pkg = types.ModuleType("lightly.loss")
+        loss_pkg.__path__ = []  # type: ignore[attr-defined]
+        aliases = {"lightly.loss": loss_pkg, "lightly.loss.msn_loss": module}
+        pmsn = peers.load_file("lightly_pmsn_loss", root / "loss" / "pmsn_loss.py", aliases)
+        lightly = pmsn.PMSNLoss(**init, power_law_exponent=power)
+    sharpen = {} if defaults else {"target_sharpen_temperature": 0.4}
+    anchors = randn(gen, 18, 6, dtype=dtype)
+    targets, prototypes = randn(gen, 6, 6, dtype=dtype), randn(gen, 9, 6, dtype=dtype)
+    got = value_and_grads(
+        lambda a, c: fn(a, targets, c, **init, **sharpen, **prior), anchors, prototypes
+    )
+    want = value_and_grads(lambda a, c: lightly(a, targets, c, **sharpen), anchors, prototypes)
+    tol = TOL[dtype] if dtype == F32 or power is None else {"rtol": 1e-5, "atol": 1e-8}
+    assert_same(got, want, **tol)
+
+
+@pytest.mark.parametrize("fn", [pf.losses.msn, pf.losses.pmsn], ids=["msn", "pmsn"])
+def test_msn_nan_propagates_and_low_precision_is_float32(gen, fn):
+    anchors, targets, prototypes = _msn_views(gen)
+    for i, name in enumerate(("anchors", "targets", "prototypes")):
+        args = [anchors.clone(), targets.clone(), prototypes.clone()]
+        args[i].view(-1)[3] = float("nan")
+        assert torch.isnan(fn(*args)), name
+    half = [x.to(torch.bfloat16) for x in (anchors, targets, prototypes)]
+    got = fn(*half)
+    assert got.dtype == F32
+    torch.testing.assert_close(got.double(), fn(*(x.double() for x in half)), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(
+        fn(half[0].requires_grad_(), half[1], half[2].requires_grad_()), (half[0], half[2])
+    )
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("fn", [pf.losses.msn, pf.losses.pmsn], ids=["msn", "pmsn"])
+def test_msn_under_global_objective_is_the_single_process_loss(gen, fn):
+    """Every Sinkhorn round's prototype sums, the mean over rows and ``p̄`` all-reduced: ranks
+    of 0, 3 and 5 images give one process's loss and the gradients of the anchors and the
+    prototypes on the whole batch."""
+    anchors, targets, prototypes = _msn_views(gen, n=8, k=5)
+    report = pf.testing.check_distributed(
+        fn, anchors, targets, prototypes, world_size=3, sizes=(0, 3, 5), rtol=1e-9, atol=1e-11
+    )
+    assert {"anchors", "prototypes"} <= set(report.grad_diffs)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"anchors": torch.randn(6, 2, 3)}, ValueError, "anchors must be"),
+        ({"anchors": torch.randn(13, 4)}, ValueError, "anchors must be"),
+        ({"anchors": torch.randn(6, 0, 4)}, ValueError, "anchors has no views"),
+        ({"anchors": torch.ones(6, 2, 4, dtype=torch.int64)}, TypeError, "anchors"),
+        ({"anchors": [[0.0] * 4] * 6}, TypeError, "anchors"),
+        ({"targets": torch.randn(6, 2, 4)}, ValueError, "targets must be"),
+        ({"targets": torch.randn(0, 4), "anchors": torch.randn(0, 2, 4)}, ValueError, "targets"),
+        ({"prototypes": torch.randn(5, 3)}, ValueError, "prototypes must be"),
+        ({"prototypes": torch.randn(0, 4)}, ValueError, "prototypes must be"),
+        ({"prototypes": torch.ones(5, 4, dtype=torch.int32)}, TypeError, "prototypes"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"target_sharpen_temperature": -1.0}, ValueError, "target_sharpen_temperature"),
+        ({"regularization_weight": -0.1}, ValueError, "regularization_weight"),
+        ({"sinkhorn_iterations": -1}, ValueError, "sinkhorn_iterations"),
+        ({"sinkhorn_iterations": 1.5}, TypeError, "sinkhorn_iterations"),
+        ({"power_law_exponent": -0.5}, ValueError, "power_law_exponent"),
+        ({"power_law_exponent": torch.tensor(0.5)}, TypeError, "power_law_exponent"),
+    ],
+)
+def test_msn_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "anchors": torch.randn(6, 2, 4),
+        "targets": torch.randn(6, 4),
+        "prototypes": torch.randn(5, 4),
+        **change,
+    }
+    fn = pf.losses.pmsn if "power_law_exponent" in change else pf.losses.msn
+    with pytest.raises(error, match=match):
+        fn(**kw)

@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico``, ``mmcr``, ``koleo``, ``sigreg``, ``ibot_patch``, ``wmse`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico``, ``mmcr``, ``koleo``, ``sigreg``, ``ibot_patch``, ``wmse``, ``msn``, ``pmsn`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -109,7 +109,9 @@ from .self_supervised import (
     ibot_patch_init,
     koleo,
     mmcr,
+    msn,
     negative_cosine_similarity,
+    pmsn,
     sigreg,
     swav,
     sym_neg_cosine_similarity,
@@ -167,6 +169,7 @@ __all__ = [
     "margin_mse",
     "mega_batch_margin",
     "mmcr",
+    "msn",
     "multi_similarity",
     "multi_supcon",
     "multiple_negatives_ranking",
@@ -179,6 +182,7 @@ __all__ = [
     "ntxent",
     "p2s_grad",
     "p2s_grad_init",
+    "pmsn",
     "pnp",
     "proxy_anchor",
     "proxy_anchor_init",

@@ -15,6 +15,8 @@
 | :func:`sigreg` | LeJEPA's Epps–Pulley test of random projections against ``N(0, 1)`` | none (lightly's ``SIGReg``) |
 | :func:`ibot_patch` | iBOT's masked patch tokens against the centred, sharpened teacher's; the centre as state | none (lightly's ``IBOTPatchLoss``) |
 | :func:`wmse` | the views whitened in random sub-batches (Cholesky), then their normalised MSE | none (lightly's ``WMSELoss``) |
+| :func:`msn` | masked anchor views predict the sharpened, Sinkhorn-balanced prototype assignment of the target view, plus me-max | none (lightly's ``MSNLoss``) |
+| :func:`pmsn` | :func:`msn` with a power-law prior's KL divergence instead of me-max | none (lightly's ``PMSNLoss``) |
 
 :func:`barlow_twins` is a function of batch statistics only (means, variances, the ``D × D``
 cross-correlation), each sum over rows taken through :func:`pmlfunc._global.total`: under
@@ -48,7 +50,9 @@ __all__ = [
     "ibot_patch_init",
     "koleo",
     "mmcr",
+    "msn",
     "negative_cosine_similarity",
+    "pmsn",
     "sigreg",
     "swav",
     "sym_neg_cosine_similarity",
@@ -476,12 +480,13 @@ def dino(
     n_t, n_s = t.shape[1], s_out.shape[1]
     teacher = torch.softmax((t - center.to(t.dtype)) / tau_t, dim=-1)  # (N, V_t, K)
     log_student = torch.log_softmax(s_out / tau_s, dim=-1)  # (N, V_s, K)
-    # −⟨P_t^(i), log P_s^(v)⟩ for every pair, summed over the rows: (V_t, V_s)
-    cross = -einsum("nik,nvk->iv", teacher, log_student)
-    own = torch.eye(n_t, n_s, dtype=torch.bool, device=t.device)  # v = i: the same crop
+    # Σ_n Σ_{i, v ≠ i} −⟨P_t^(i), log P_s^(v)⟩: every pair's sum, ⟨Σ_i P_t^(i), Σ_v log P_s^(v)⟩,
+    # less the same crops' (v = i): elementwise passes over the views, no (V_t, V_s) product
+    every = (teacher.sum(1) * log_student.sum(1)).sum()
+    same = (teacher * log_student[:, :n_t]).sum()
     pairs = n_t * n_s - n_t
     n = total(torch.full((), t.shape[0], dtype=t.dtype, device=t.device))
-    loss = total(cross.masked_fill(own, 0.0).sum()) / (n * pairs)
+    loss = total(same - every) / (n * pairs)
     batch_center = total(t.sum((0, 1))) / (n * n_t)
     m_ = scalar_like(m, t)
     new_center = (m_ * center.to(t.dtype) + (1 - m_) * batch_center).to(center.dtype)
@@ -567,16 +572,20 @@ def swav(
     tau = scalar_like(_checks.hyper(temperature, "temperature", positive=True), high)
     eps = scalar_like(_checks.hyper(sinkhorn_epsilon, "sinkhorn_epsilon", positive=True), high)
     _checks.integer(sinkhorn_iterations, "sinkhorn_iterations", minimum=0)
-    crops = high if low is None else torch.cat([high, low], 1)  # (N, V, K)
-    v_h, v = high.shape[1], crops.shape[1]
-    log_p = torch.log_softmax(crops / tau, dim=-1)  # every crop's predictions
+    v_h = high.shape[1]
+    v = v_h if low is None else v_h + low.shape[1]
+    log_high = torch.log_softmax(high / tau, dim=-1)  # every crop's predictions
     with torch.no_grad():  # the codes of each high-resolution crop: (N, V_h, K)
         codes = _sinkhorn(high.detach(), eps, sinkhorn_iterations)
-    # −Σ_n q^(i)_n · log p^(v)_n for every (i, v), summed over the rows: (V_h, V)
-    cross = -einsum("nik,nvk->iv", codes, log_p)
-    own = torch.eye(v_h, v, dtype=torch.bool, device=high.device)
+    # Σ_n Σ_{i, v ≠ i} −q^(i)_n · log p^(v)_n: every pair's sum, ⟨Σ_i q^(i), Σ_v log p^(v)⟩,
+    # less the same crops' (v = i): elementwise passes, no (V_h, V) product or concatenation
+    summed = log_high.sum(1)
+    if low is not None:
+        summed = summed + torch.log_softmax(low / tau, dim=-1).sum(1)
+    every = (codes.sum(1) * summed).sum()
+    same = (codes * log_high).sum()
     n = total(torch.full((), high.shape[0], dtype=high.dtype, device=high.device))
-    return total(cross.masked_fill(own, 0.0).sum()) / (n * v_h * (v - 1))
+    return total(same - every) / (n * v_h * (v - 1))
 
 
 def _sinkhorn(scores: Tensor, eps: float | Tensor, iterations: int) -> Tensor:
@@ -617,6 +626,212 @@ def _swav_inputs(high, low) -> tuple[Tensor, Tensor | None]:
     dtype = high.dtype if low is None else torch.promote_types(high.dtype, low.dtype)
     cd = _checks.compute_dtype(dtype)
     return high.to(cd), None if low is None else low.to(cd)
+
+
+@_global.reduces_statistics("anchors", "targets")
+def msn(
+    anchors: Tensor,
+    targets: Tensor,
+    prototypes: Tensor,
+    *,
+    temperature: float | Tensor = 0.1,
+    sinkhorn_iterations: int = 3,
+    regularization_weight: float | Tensor = 1.0,
+    target_sharpen_temperature: float | Tensor = 0.25,
+) -> Tensor:
+    r"""Masked Siamese Networks: each masked anchor view predicts the sharpened, Sinkhorn-balanced
+    prototype assignment of its image's target view, plus the mean-entropy maximisation (me-max)
+    of the anchors' mean assignment.
+
+    Image ``n`` has ``V`` anchor views ``a_{nv}`` and one target view ``t_n``; ``ĉ_k`` are the
+    ``K`` unit prototypes, ``x̂`` a unit row (``x / max(‖x‖, 10⁻¹²)``, ``F.normalize``'s). With
+
+    .. math::
+        p_{nv} = \operatorname{softmax}(\hat a_{nv} \hat C^\top / τ), \qquad
+        q_n = \operatorname{softmax}\big(\hat t_n \hat C^\top / (τ T)\big)
+
+    (``softmax(·/τ)^{1/T}`` renormalised, the sharpened target) followed by
+    ``sinkhorn_iterations`` rounds of Sinkhorn–Knopp (each prototype's column of ``q`` divided
+    by its sum over the batch, then each image's row by its sum; no gradient through the
+    targets), and ``p̄ = mean_{n, v} p_{nv}``,
+
+    .. math::
+        L = \frac{1}{NV} \sum_{n, v} -q_n \cdot \log p_{nv}
+            + λ \Big(\sum_k p̄_k \log p̄_k + \log K\Big).
+
+    The prototypes are the caller's learnable tensor (a model's parameter, as in lightly: no
+    ``*_init``), differentiated through the anchors' predictions only.
+
+    lightly's ``MSNLoss(temperature=0.1, sinkhorn_iterations=3, regularization_weight=1.0)``
+    with ``forward(anchors, targets, prototypes, target_sharpen_temperature=0.25)``: its anchors
+    ``(N·V, D)`` view-major (view ``v`` of image ``n`` in row ``v N + n``) are taken as they are,
+    or ``(N, V, D)``. Under :func:`pmlfunc.distributed.global_objective` (the ``(N, V, D)``
+    layout) the means over rows, ``p̄`` and every Sinkhorn round's prototype sums are the global
+    batch's (all-reduced, no gather); lightly's ``gather_distributed=True`` all-reduces the
+    same Sinkhorn sums, but its cross-entropy and ``p̄`` are each rank's own means.
+
+    Args:
+        anchors: ``(N, V, D)`` or lightly's ``(N·V, D)`` float tensor, the anchor (masked)
+            views' embeddings (normalised by the loss).
+        targets: ``(N, D)`` float tensor, the target views' embeddings (detached by the loss).
+        prototypes: ``(K, D)`` float tensor (normalised by the loss).
+        temperature: ``τ > 0`` (default 0.1).
+        sinkhorn_iterations: rounds of Sinkhorn–Knopp on the targets (default 3; 0 disables;
+            a fixed count: no host sync).
+        regularization_weight: ``λ ≥ 0`` of the me-max term (default 1.0).
+        target_sharpen_temperature: ``T > 0`` (default 0.25).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 inputs, else their dtype.
+
+    Example:
+        >>> anchors, targets = torch.randn(8, 3, 16), torch.randn(8, 16)
+        >>> prototypes = torch.randn(10, 16, requires_grad=True)
+        >>> loss = pf.losses.msn(anchors, targets, prototypes)
+
+    Reference: Assran et al., "Masked Siamese Networks for Label-Efficient Learning" (MSN),
+    ECCV 2022.
+    """
+    return _msn(
+        anchors,
+        targets,
+        prototypes,
+        temperature,
+        sinkhorn_iterations,
+        regularization_weight,
+        target_sharpen_temperature,
+        None,
+    )
+
+
+@_global.reduces_statistics("anchors", "targets")
+def pmsn(
+    anchors: Tensor,
+    targets: Tensor,
+    prototypes: Tensor,
+    *,
+    temperature: float | Tensor = 0.1,
+    sinkhorn_iterations: int = 3,
+    regularization_weight: float | Tensor = 1.0,
+    power_law_exponent: float = 0.25,
+    target_sharpen_temperature: float | Tensor = 0.25,
+) -> Tensor:
+    r"""Prior-Matching Siamese Networks: :func:`msn` with the me-max term replaced by the KL
+    divergence of a power-law prior from the anchors' mean assignment ``p̄``.
+
+    With :func:`msn`'s cross-entropy term and ``π_k = k^{-s} / \sum_{j=1}^{K} j^{-s}``
+    (``k = 1 … K``, ``s`` = ``power_law_exponent``),
+
+    .. math::
+        L = \frac{1}{NV} \sum_{n, v} -q_n \cdot \log p_{nv}
+            + λ \sum_k π_k \log\frac{π_k}{p̄_k}.
+
+    lightly's ``PMSNLoss(temperature=0.1, sinkhorn_iterations=3, regularization_weight=1,
+    power_law_exponent=0.25)`` (its ``F.kl_div(p̄.log(), π, reduction="sum")``); everything
+    else, the layouts and :func:`pmlfunc.distributed.global_objective` included, is
+    :func:`msn`'s. lightly builds ``π`` in float32 whatever the input; here in the compute
+    dtype. (lightly's ``PMSNCustomLoss``, any prior: compose :func:`msn` with
+    ``regularization_weight=0`` and your own KL term of ``p̄``.)
+
+    Args:
+        anchors: ``(N, V, D)`` or lightly's ``(N·V, D)`` float tensor (normalised by the loss).
+        targets: ``(N, D)`` float tensor (detached by the loss).
+        prototypes: ``(K, D)`` float tensor (normalised by the loss).
+        temperature: ``τ > 0`` (default 0.1).
+        sinkhorn_iterations: rounds of Sinkhorn–Knopp on the targets (default 3; 0 disables).
+        regularization_weight: ``λ ≥ 0`` of the prior term (default 1.0).
+        power_law_exponent: ``s ≥ 0``, a Python number (default 0.25; 0 is the uniform prior,
+            :func:`msn`'s me-max).
+        target_sharpen_temperature: ``T > 0`` (default 0.25).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 inputs, else their dtype.
+
+    Example:
+        >>> anchors, targets = torch.randn(8, 3, 16), torch.randn(8, 16)
+        >>> prototypes = torch.randn(10, 16, requires_grad=True)
+        >>> loss = pf.losses.pmsn(anchors, targets, prototypes)
+
+    Reference: Assran et al., "The Hidden Uniform Cluster Prior in Self-Supervised Learning"
+    (PMSN), ICLR 2023.
+    """
+    power = _checks.number(power_law_exponent, "power_law_exponent", nonnegative=True)
+    return _msn(
+        anchors,
+        targets,
+        prototypes,
+        temperature,
+        sinkhorn_iterations,
+        regularization_weight,
+        target_sharpen_temperature,
+        power,
+    )
+
+
+def _msn(anchors, targets, prototypes, temperature, iterations, weight, sharpen, power):
+    """:func:`msn`'s loss; ``power``: ``None`` (me-max, the uniform prior) or the exponent of
+    :func:`pmsn`'s power-law prior."""
+    a, t, c = _msn_inputs(anchors, targets, prototypes)
+    tau = scalar_like(_checks.hyper(temperature, "temperature", positive=True), a)
+    tau_t = scalar_like(_checks.hyper(sharpen, "target_sharpen_temperature", positive=True), a)
+    lam = scalar_like(_checks.hyper(weight, "regularization_weight", nonnegative=True), a)
+    _checks.integer(iterations, "sinkhorn_iterations", minimum=0)
+    unit = c / torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp_min(1e-12)
+    a = a / torch.linalg.vector_norm(a, dim=-1, keepdim=True).clamp_min(1e-12)
+    log_p = torch.log_softmax(einsum("nvd,kd->nvk", a, unit) / tau, dim=-1)  # (N, V, K)
+    with torch.no_grad():  # the targets' sharpened, balanced assignments: (N, K)
+        t = t / torch.linalg.vector_norm(t, dim=-1, keepdim=True).clamp_min(1e-12)
+        q = torch.softmax(matmul(t, unit.detach().transpose(0, 1)) / (tau * tau_t), dim=-1)
+        for _ in range(iterations):
+            q = q / total(q.sum(0, keepdim=True))  # each prototype's sum over the batch
+            q = q / q.sum(-1, keepdim=True)  # each image's assignment sums to 1
+    rows = total(torch.full((), a.shape[0] * a.shape[1], dtype=a.dtype, device=a.device))
+    cross = total(-einsum("nk,nvk->", q, log_p)) / rows
+    mean_p = total(log_p.exp().sum((0, 1))) / rows  # p̄, (K,)
+    k = mean_p.shape[0]
+    if power is None:  # me-max: the KL divergence of p̄ from the uniform prior
+        reg = torch.xlogy(mean_p, mean_p).sum() + math.log(k)
+    else:  # the KL divergence of p̄ from the power law ∝ k^(−power), k = 1 … K
+        prior = torch.arange(1, k + 1, dtype=a.dtype, device=a.device) ** -power
+        prior = prior / prior.sum()
+        reg = (prior * (prior.log() - mean_p.log())).sum()
+    return cross + lam * reg
+
+
+def _msn_inputs(anchors, targets, prototypes) -> tuple[Tensor, Tensor, Tensor]:
+    """The anchors as ``(N, V, D)``, the targets (detached) and the prototypes in the compute
+    dtype, checked."""
+    for x, name in ((anchors, "anchors"), (targets, "targets"), (prototypes, "prototypes")):
+        _checks.tensor(x, name)
+        if x.dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+    if targets.ndim != 2:
+        raise ValueError(f"targets must be (N, D), got shape {tuple(targets.shape)}")
+    n, d = targets.shape
+    if prototypes.ndim != 2 or prototypes.shape[0] == 0 or prototypes.shape[1] != d:
+        raise ValueError(
+            f"prototypes must be (K, {d}) (targets' width, K ≥ 1), got {tuple(prototypes.shape)}"
+        )
+    if anchors.ndim == 2 and anchors.shape[1] == d and n > 0 and anchors.shape[0] % n == 0:
+        a = anchors.view(anchors.shape[0] // n, n, d).transpose(0, 1)  # lightly's view-major rows
+    elif anchors.ndim == 3 and anchors.shape[0] == n and anchors.shape[2] == d:
+        a = anchors
+    else:
+        raise ValueError(
+            f"anchors must be ({n}, V, {d}) or lightly's (V·{n}, {d}) (targets' rows and width), "
+            f"got {tuple(anchors.shape)}"
+        )
+    if a.shape[1] == 0:
+        raise ValueError("anchors has no views")
+    if n == 0 and not _global.active():
+        raise ValueError("targets has no rows (an empty batch)")
+    for x, name in ((targets, "targets"), (prototypes, "prototypes")):
+        if x.device != anchors.device:
+            raise ValueError(f"{name} must be on anchors' device {anchors.device}")
+    cd = _checks.compute_dtype(
+        torch.promote_types(torch.promote_types(anchors.dtype, targets.dtype), prototypes.dtype)
+    )
+    return a.to(cd), targets.detach().to(cd), prototypes.to(cd)
 
 
 def tico_init(

@@ -1,6 +1,6 @@
 """Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg, Barlow Twins, the
 negative cosine similarity (and its symmetric form), the hypersphere loss, DINO, SwaV, TiCo,
-KoLeo, MMCR, SIGReg, iBOT's patch loss and W-MSE.
+KoLeo, MMCR, SIGReg, iBOT's patch loss, W-MSE, MSN and PMSN.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -332,3 +332,52 @@ def wmse(x, orders, w_size, eps=0.0):
                 total = total + sum(2 - 2 * torch.dot(z[r][a], z[r][c]) for r in range(n)) / n
                 count += 1
     return total / count
+
+
+def _unit(x):
+    return x / torch.clamp(x.norm(), min=1e-12)
+
+
+def msn(anchors, targets, prototypes, temperature=0.1, iterations=3, weight=1.0, sharpen=0.25,
+        power=None):  # fmt: skip
+    """MSN (Assran et al. 2022; lightly's ``MSNLoss``), image by image over ``(N, V, D)``
+    anchors: ``p_nv = softmax(â·Ĉᵀ/τ)``; the target's ``softmax(t̂·Ĉᵀ/τ)^(1/T)`` renormalised,
+    then lightly's Sinkhorn entry by entry (the matrix scaled to sum 1, each prototype's row to
+    ``1/K``, each image's column to ``1/N``; returned ``N · Qᵀ``); the mean over ``(n, v)`` of
+    ``−Σ_k q_nk log p_nvk`` plus ``λ KL(p̄ ‖ prior)`` (``Σ p̄ log p̄ + log K`` for the uniform
+    prior, ``power=None``; else ``Σ π log(π / p̄)``, ``π_k ∝ k^(−power)``, PMSN's)."""
+    n, v, _ = anchors.shape
+    c = [_unit(prototypes[j]) for j in range(prototypes.shape[0])]
+    k = len(c)
+
+    def probs(x, tau):
+        return torch.softmax(torch.stack([torch.dot(_unit(x), cj) for cj in c]) / tau, 0)
+
+    q = []
+    for b in range(n):
+        p = probs(targets[b].detach(), temperature).detach() ** (1 / sharpen)
+        q.append([p[j] / p.sum() for j in range(k)])
+    if iterations > 0:
+        qt = [[q[b][j] for b in range(n)] for j in range(k)]  # K × N
+        whole = sum(sum(row) for row in qt)
+        qt = [[x / whole for x in row] for row in qt]
+        for _ in range(iterations):
+            qt = [[x / sum(row) / k for x in row] for row in qt]
+            cols = [sum(qt[j][b] for j in range(k)) for b in range(n)]
+            qt = [[qt[j][b] / cols[b] / n for b in range(n)] for j in range(k)]
+        q = [[qt[j][b] * n for j in range(k)] for b in range(n)]
+    loss, mean_p = 0.0, [0.0] * k
+    for b in range(n):
+        for u in range(v):
+            p = probs(anchors[b, u], temperature)
+            loss = loss - sum(q[b][j] * torch.log(p[j]) for j in range(k)) / (n * v)
+            mean_p = [mean_p[j] + p[j] / (n * v) for j in range(k)]
+    if power is None:
+        reg = sum(m * torch.log(m) for m in mean_p) + math.log(k)
+    else:
+        prior = [(j + 1) ** -power for j in range(k)]
+        prior = [x / sum(prior) for x in prior]
+        reg = sum(
+            pi * math.log(pi) - pi * torch.log(m) for pi, m in zip(prior, mean_p, strict=True)
+        )
+    return loss + weight * reg
