@@ -460,6 +460,42 @@ def test_swav_equals_the_float64_loops(gen, hp, with_low):
     assert_same(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_swav_with_a_queue_equals_lightly(gen, dtype):
+    """``queue_outputs``: earlier rows join the Sinkhorn equipartition and are dropped; lightly's
+    ``SwaVLoss(...)(high, low, queue_outputs)`` with its lists stacked on dimension 1. Without a
+    queue, lightly's too."""
+    module = _lightly("swav_loss.py")
+    high, low = _swav_crops(gen, n=6, v_h=2, v_l=3, k=4)
+    high, low = high.to(dtype), low.to(dtype)
+    queue = randn(gen, 10, 2, 4, dtype=dtype).tanh()
+    for q in (queue, None):
+        lightly = module.SwaVLoss()
+
+        def theirs(h, lo, q=q, lightly=lightly):
+            queued = None if q is None else list(q.unbind(1))
+            return lightly(list(h.unbind(1)), list(lo.unbind(1)), queued).squeeze()
+
+        got = value_and_grads(lambda h, lo, q=q: pf.losses.swav(h, lo, queue_outputs=q), high, low)
+        assert_same(got, value_and_grads(theirs, high, low), **TOL[dtype])
+    with_queue = pf.losses.swav(high, low, queue_outputs=queue)
+    assert not torch.equal(with_queue, pf.losses.swav(high, low))  # the queue changed the codes
+
+
+@pytest.mark.parametrize(
+    ("queue", "error", "match"),
+    [
+        ([[1.0]], TypeError, "queue_outputs must be a torch.Tensor"),
+        (torch.zeros(4, 3, 4, dtype=F64), ValueError, r"queue_outputs must be \(Q, 2, 4\)"),
+        (torch.zeros(4, 2, 4, dtype=torch.long), TypeError, "queue_outputs must be floating"),
+    ],
+)
+def test_swav_refuses_a_bad_queue_naming_it(gen, queue, error, match):
+    high, low = _swav_crops(gen, n=6, v_h=2, v_l=3, k=4)
+    with pytest.raises(error, match=match):
+        pf.losses.swav(high, low, queue_outputs=queue)
+
+
 def test_swav_codes_are_an_equipartition_of_the_batch(gen):
     """After many rounds each sample's codes sum to 1 and each prototype gets N/K of the
     batch."""

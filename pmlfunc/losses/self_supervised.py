@@ -528,6 +528,7 @@ def swav(
     temperature: float | Tensor = 0.1,
     sinkhorn_iterations: int = 3,
     sinkhorn_epsilon: float | Tensor = 0.05,
+    queue_outputs: Tensor | None = None,
 ) -> Tensor:
     r"""SwaV: every crop predicts the codes of the other high-resolution crops, the codes an
     equipartition of the batch over the prototypes (Sinkhorn–Knopp).
@@ -542,8 +543,12 @@ def swav(
         L = \frac{1}{V_h} \sum_{i} \frac{1}{V_h + V_l - 1} \sum_{v \ne i}
             -\frac1N \sum_n q^{(i)}_n \cdot \log\operatorname{softmax}(s^{(v)}_n / τ).
 
-    lightly's ``SwaVLoss`` (its lists of crops stacked as ``torch.stack(crops, 1)``); its
-    queue is not provided. Under :func:`pmlfunc.distributed.global_objective` the prototypes'
+    lightly's ``SwaVLoss`` (its lists of crops stacked as ``torch.stack(crops, 1)``).
+    ``queue_outputs`` ``(Q, V_h, K)``: the scores of earlier batches' high-resolution crops
+    against the current prototypes (the caller keeps the features, e.g. a FIFO updated with
+    ``torch.cat([new, queue])[:Q]``, and scores them each step), appended to the batch for the
+    codes' Sinkhorn rounds only, no gradient (lightly's ``queue_outputs``, its list stacked on
+    dimension 1); SwaV uses it when the batch is small against the prototypes. Under :func:`pmlfunc.distributed.global_objective` the prototypes'
     row sums of every Sinkhorn round and the means over rows are the global batch's
     (all-reduced). lightly's ``sinkhorn_gather_distributed=True`` all-reduces the same
     Sinkhorn sums, but its loss is each rank's own mean, which DDP's averaging turns into the
@@ -557,6 +562,9 @@ def swav(
         sinkhorn_iterations: rounds of Sinkhorn–Knopp (default 3; a fixed count: no host
             sync).
         sinkhorn_epsilon: ``ε > 0`` (default 0.05).
+        queue_outputs: ``None`` (default) or ``(Q, V_h, K)``, earlier rows' scores (under
+            :func:`~pmlfunc.distributed.global_objective`, each rank's own queue: the Sinkhorn
+            sums run over every rank's batch and queue).
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 outputs, else their dtype.
@@ -576,7 +584,11 @@ def swav(
     v = v_h if low is None else v_h + low.shape[1]
     log_high = torch.log_softmax(high / tau, dim=-1)  # every crop's predictions
     with torch.no_grad():  # the codes of each high-resolution crop: (N, V_h, K)
-        codes = _sinkhorn(high.detach(), eps, sinkhorn_iterations)
+        scores = high.detach()
+        if queue_outputs is not None:  # earlier rows join the equipartition, then are dropped
+            queue = _swav_queue(queue_outputs, high)
+            scores = torch.cat([scores, queue], 0)
+        codes = _sinkhorn(scores, eps, sinkhorn_iterations)[: high.shape[0]]
     # Σ_n Σ_{i, v ≠ i} −q^(i)_n · log p^(v)_n: every pair's sum, ⟨Σ_i q^(i), Σ_v log p^(v)⟩,
     # less the same crops' (v = i): elementwise passes, no (V_h, V) product or concatenation
     summed = log_high.sum(1)
@@ -598,6 +610,22 @@ def _sinkhorn(scores: Tensor, eps: float | Tensor, iterations: int) -> Tensor:
         q = q / total(q.sum(0, keepdim=True))  # each prototype's row over the batch
         q = q / q.sum(-1, keepdim=True)  # each sample's column
     return q
+
+
+def _swav_queue(queue: object, high: Tensor) -> Tensor:
+    """The queue's scores, checked against the high-resolution crops ``(N, V_h, K)``, detached
+    in their compute dtype."""
+    queue = _checks.tensor(queue, "queue_outputs")
+    if queue.dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"queue_outputs must be floating-point, got {queue.dtype}")
+    if queue.ndim != 3 or queue.shape[1:] != high.shape[1:]:
+        raise ValueError(
+            f"queue_outputs must be (Q, {high.shape[1]}, {high.shape[2]}) (the high-resolution "
+            f"crops' views and prototypes), got {tuple(queue.shape)}"
+        )
+    if queue.device != high.device:
+        raise ValueError(f"queue_outputs is on {queue.device}, the crops on {high.device}")
+    return queue.detach().to(high.dtype)
 
 
 def _swav_inputs(high, low) -> tuple[Tensor, Tensor | None]:
