@@ -1082,6 +1082,8 @@ EXEMPT: dict[tuple[Callable, str], str] = {
     (L.soft_triple, "margin"): "subtracted from the target logit",
     (L.tuplet_margin, "margin"): "an angle shift, cos(θ − β)",
     (L.vicreg, "eps"): "inside a square root",
+    (L.vicregl, "eps"): "inside a square root (vicreg's variance hinge)",
+    (L.vicregl, "alpha"): "the weight of the global loss against the local one, not a threshold",
     (L.barlow_twins, "eps"): "added to the variance inside a square root",
     (L.negative_cosine_similarity, "eps"): "a floor on each norm (F.cosine_similarity's)",
     (L.sym_neg_cosine_similarity, "eps"): "a floor on each norm (F.cosine_similarity's)",

@@ -328,6 +328,28 @@ def _vicreg(d: Draw) -> Call:
     return Call(wrt, lambda embeddings, ref_emb: pf.losses.vicreg(embeddings, ref_emb))
 
 
+def _vicregl(d: Draw) -> Call:
+    """Two global views (pooled ``(B, 2, D)`` as ``embeddings``, ``3 × 3`` feature maps as
+    ``ref_emb``) differentiated; one local view (``2 × 2`` maps, in values bfloat16 holds
+    exactly: cast with the embeddings) and the grids drawn and held."""
+    grids, local_grids = d.rand(B, 2, 3, 3, 2), d.rand(B, 1, 2, 2, 2)
+    local, local_maps = (
+        d._made(d.randn(*shape).to(torch.bfloat16).to(d.dtype))
+        for shape in ((B, 1, D), (B, 1, 2, 2, D))
+    )
+    wrt = {"embeddings": d.randn(B, 2, D), "ref_emb": d.randn(B, 2, 3, 3, D)}
+    return Call(
+        wrt,
+        lambda embeddings, ref_emb: pf.losses.vicregl(
+            (embeddings, ref_emb),
+            grids,
+            (local.to(embeddings.dtype), local_maps.to(embeddings.dtype)),
+            local_grids,
+            num_matches=(4, 2),
+        ),
+    )
+
+
 def two_views(fn: Callable, **hp: Any) -> Callable[[Draw], Call]:
     """A self-supervised loss of two row-aligned views ``fn(emb_a, emb_b, **hp)``."""
 
@@ -775,6 +797,7 @@ LOSSES: dict[str, Entry] = {
     ),
     # self_supervised
     "vicreg": Entry(L.vicreg, _vicreg),
+    "vicregl": Entry(L.vicregl, _vicregl),
     "barlow_twins": Entry(L.barlow_twins, two_views(L.barlow_twins)),
     "negative_cosine_similarity": Entry(
         L.negative_cosine_similarity, two_views(L.negative_cosine_similarity)

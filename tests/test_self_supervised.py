@@ -1385,3 +1385,200 @@ def test_msn_bad_input_raises_naming_the_argument(change, error, match):
     fn = pf.losses.pmsn if "power_law_exponent" in change else pf.losses.msn
     with pytest.raises(error, match=match):
         fn(**kw)
+
+
+def _lightly_vicregl():
+    """lightly's ``vicregl_loss.py``, its ``vicreg_loss`` and ``lightly.utils.dist`` imports
+    served by their files and ``lightly.models.utils.nearest_neighbors`` by its source (the rest
+    of ``models/utils.py`` needs torchvision)."""
+    import ast
+    import types
+
+    from benchmarks import peers
+
+    try:
+        root = peers.package_dir("lightly")
+        dist = peers.load_file("lightly_dist", root / "utils" / "dist.py")
+        names = ("lightly", "lightly.utils", "lightly.loss", "lightly.models")
+        packages = {n: types.ModuleType(n) for n in names}
+        for package in packages.values():
+            package.__path__ = []  # type: ignore[attr-defined]
+        packages["lightly.utils"].dist = dist  # type: ignore[attr-defined]
+        aliases = {**packages, "lightly.utils.dist": dist}
+        vicreg = peers.load_file("lightly_vicreg_loss", root / "loss" / "vicreg_loss.py", aliases)
+        source = (root / "models" / "utils.py").read_text()
+        (fn,) = (
+            node
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and node.name == "nearest_neighbors"
+        )
+        utils = types.ModuleType("lightly.models.utils")
+        exec(ast.get_source_segment(source, fn), {"torch": torch, "Tuple": tuple}, utils.__dict__)
+        aliases = {**aliases, "lightly.loss.vicreg_loss": vicreg, "lightly.models.utils": utils}
+        packages["lightly.models"].utils = utils  # type: ignore[attr-defined]
+        return peers.load_file("lightly_vicregl_loss", root / "loss" / "vicregl_loss.py", aliases)
+    except (peers.PeerUnavailable, ValueError) as err:
+        pytest.skip(f"lightly: {err}")
+
+
+# ----------------------------------------------------------------------------------------------
+# vicregl: VICReg of the pooled views plus VICReg of matched feature-map locations
+# ----------------------------------------------------------------------------------------------
+VICREGL_HP = {"lambda_param": 3.0, "mu_param": 5.0, "nu_param": 0.7, "alpha": 0.6, "eps": 1e-3}
+
+
+def _vicregl_views(gen, n=5, g=2, n_local=2, d=4, e=3, dtype=F64):
+    """``(pooled, maps, grids)`` of ``g`` global views on a 3 × 3 grid and of ``n_local`` local
+    views on a 2 × 2 grid."""
+    glob = (randn(gen, n, g, d, dtype=dtype), randn(gen, n, g, 3, 3, e, dtype=dtype))
+    g_grid = torch.rand(n, g, 3, 3, 2, generator=gen, dtype=F64).to(dtype)
+    loc = (
+        randn(gen, n, n_local, d, dtype=dtype),
+        randn(gen, n, n_local, 2, 2, e, dtype=dtype),
+    )
+    l_grid = torch.rand(n, n_local, 2, 2, 2, generator=gen, dtype=F64).to(dtype)
+    return glob, g_grid, loc, l_grid
+
+
+@pytest.mark.parametrize("with_local", [True, False], ids=["local", "global-only"])
+@pytest.mark.parametrize("num_matches", [(4, 2), (20, 4)], ids=["4-2", "default"])
+def test_vicregl_equals_the_float64_loops(gen, with_local, num_matches):
+    (gp, gm), gg, (lp, lm), lg = _vicregl_views(gen, g=3 if not with_local else 2)
+    hp = {**VICREGL_HP, "num_matches": num_matches}
+    ref_hp = {"lam": 3.0, "mu": 5.0, "nu": 0.7, "alpha": 0.6, "eps": 1e-3}
+    if with_local:
+        got = value_and_grads(
+            lambda a, b, c, d: pf.losses.vicregl((a, b), gg, (c, d), lg, **hp), gp, gm, lp, lm
+        )
+        want = value_and_grads(
+            lambda a, b, c, d: self_supervised.vicregl(
+                a, b, gg, c, d, lg, **ref_hp, num_matches=num_matches
+            ),
+            gp,
+            gm,
+            lp,
+            lm,
+        )
+    else:
+        got = value_and_grads(lambda a, b: pf.losses.vicregl((a, b), gg, **hp), gp, gm)
+        want = value_and_grads(
+            lambda a, b: self_supervised.vicregl(a, b, gg, **ref_hp, num_matches=num_matches),
+            gp,
+            gm,
+        )
+    assert_same(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("hp", [{}, {**VICREGL_HP, "num_matches": (3, 2)}], ids=["default", "hp"])
+def test_vicregl_equals_lightly(gen, dtype, hp):
+    lightly = _lightly_vicregl().VICRegLLoss(**hp)
+    (gp, gm), gg, (lp, lm), lg = _vicregl_views(gen, n=6, g=2, n_local=3, dtype=dtype)
+
+    def theirs(a, b, c, d):
+        return lightly(
+            [(a[:, v], b[:, v]) for v in range(a.shape[1])],
+            [gg[:, v] for v in range(a.shape[1])],
+            [(c[:, v], d[:, v]) for v in range(c.shape[1])],
+            [lg[:, v] for v in range(c.shape[1])],
+        ).squeeze()
+
+    got = value_and_grads(
+        lambda a, b, c, d: pf.losses.vicregl((a, b), gg, (c, d), lg, **hp), gp, gm, lp, lm
+    )
+    assert_same(got, value_and_grads(theirs, gp, gm, lp, lm), **TOL[dtype])
+
+
+def test_vicregl_nan_propagates_and_low_precision_is_float32(gen):
+    (gp, gm), gg, (lp, lm), lg = _vicregl_views(gen)
+    for k, t in enumerate((gp, gm, lp, lm)):  # a NaN in any input, a map's too (matched first)
+        args = [gp, gm, lp, lm]
+        args[k] = t.clone()
+        args[k].view(-1)[7] = float("nan")
+        assert torch.isnan(pf.losses.vicregl(args[:2], gg, args[2:], lg))
+    low = [t.to(torch.bfloat16) for t in (gp, gm, lp, lm)]
+    got = pf.losses.vicregl(low[:2], gg, low[2:], lg)
+    assert got.dtype == F32
+    want = pf.losses.vicregl([t.double() for t in low[:2]], gg, [t.double() for t in low[2:]], lg)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"global_view_features": torch.randn(5, 2, 4)}, TypeError, "global_view_features"),
+        (
+            {"global_view_features": (torch.randn(5, 4), torch.randn(5, 2, 3, 3, 3))},
+            ValueError,
+            r"global_view_features\[0\]",
+        ),
+        (
+            {"global_view_features": (torch.randn(5, 2, 4), torch.randn(5, 3, 3, 3, 3))},
+            ValueError,
+            r"global_view_features\[1\]",
+        ),
+        (
+            {
+                "global_view_features": (torch.randn(1, 2, 4), torch.randn(1, 2, 3, 3, 3)),
+                "global_view_grids": torch.rand(1, 2, 3, 3, 2),
+            },
+            ValueError,
+            "at least 2 rows",
+        ),
+        (
+            {"global_view_features": (torch.randn(5, 2, 4), torch.randn(5, 2, 3, 3, 3).double())},
+            TypeError,
+            r"global_view_features\[1\]",
+        ),
+        (
+            {
+                "global_view_features": (
+                    torch.ones(5, 2, 4, dtype=torch.int64),
+                    torch.randn(5, 2, 3, 3, 3),
+                )
+            },
+            TypeError,
+            r"global_view_features\[0\]",
+        ),
+        ({"global_view_grids": torch.rand(5, 2, 2, 2, 2)}, ValueError, "global_view_grids"),
+        ({"global_view_grids": torch.rand(5, 2, 3, 3, 3)}, ValueError, "global_view_grids"),
+        ({"local_view_grids": None}, ValueError, "local_view_grids"),
+        ({"local_view_grids": torch.rand(5, 2, 3, 3, 2)}, ValueError, "local_view_grids"),
+        (
+            {"local_view_features": (torch.randn(5, 2, 6), torch.randn(5, 2, 2, 2, 3))},
+            ValueError,
+            "local_view_features",
+        ),
+        (
+            {"local_view_features": (torch.randn(4, 2, 4), torch.randn(4, 2, 2, 2, 3))},
+            ValueError,
+            "local_view_features",
+        ),
+        (
+            {
+                "local_view_features": None,
+                "local_view_grids": None,
+                "global_view_features": (torch.randn(5, 1, 4), torch.randn(5, 1, 3, 3, 3)),
+                "global_view_grids": torch.rand(5, 1, 3, 3, 2),
+            },
+            ValueError,
+            "at least 2 views",
+        ),
+        ({"eps": -1.0}, ValueError, "eps"),
+        ({"alpha": "a"}, TypeError, "alpha"),
+        ({"lambda_param": torch.ones(2)}, ValueError, "lambda_param"),
+        ({"num_matches": 4}, TypeError, "num_matches"),
+        ({"num_matches": (0, 4)}, ValueError, "num_matches"),
+        ({"num_matches": (2.0, 4)}, TypeError, "num_matches"),
+    ],
+)
+def test_vicregl_bad_input_raises_naming_the_argument(change, error, match):
+    kw = {
+        "global_view_features": (torch.randn(5, 2, 4), torch.randn(5, 2, 3, 3, 3)),
+        "global_view_grids": torch.rand(5, 2, 3, 3, 2),
+        "local_view_features": (torch.randn(5, 2, 4), torch.randn(5, 2, 2, 2, 3)),
+        "local_view_grids": torch.rand(5, 2, 2, 2, 2),
+        **change,
+    }
+    with pytest.raises(error, match=match):
+        pf.losses.vicregl(**kw)

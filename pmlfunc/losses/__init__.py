@@ -15,7 +15,7 @@ arguments of :class:`BatchInputs` (``distance``, ``reducer``, ``ref_emb``, ``ref
 | ``pmlfunc.losses.retrieval`` | ``multiple_negatives_ranking`` (queries, positives, hard negatives; directions, id and guide masks, hardness; the tiled engine) |
 | ``pmlfunc.losses.graded`` | ``margin_mse``, ``distill_kl_div``, ``cosent``, ``angle`` (learn from given scores: a teacher's, gold similarities) |
 | ``pmlfunc.losses.in_batch`` | ``mega_batch_margin`` (anchor–positive pairs, the hardest in-batch negative) |
-| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico``, ``mmcr``, ``koleo``, ``sigreg``, ``ibot_patch``, ``wmse``, ``msn``, ``pmsn`` |
+| ``pmlfunc.losses.self_supervised`` | ``vicreg``, ``vicregl``, ``barlow_twins``, ``negative_cosine_similarity``, ``sym_neg_cosine_similarity``, ``hypersphere``, ``dino``, ``swav``, ``tico``, ``mmcr``, ``koleo``, ``sigreg``, ``ibot_patch``, ``wmse``, ``msn``, ``pmsn`` |
 | ``pmlfunc.losses.neighbors`` | ``nca``, ``npairs``, ``angular``, ``instance``, ``ranked_list``, ``manifold`` |
 | ``pmlfunc.losses.ranking`` | ``fast_ap``, ``histogram``, ``smooth_ap``, ``pnp``, ``dynamic_soft_margin`` |
 | ``pmlfunc.losses.proxies`` | ``proxy_anchor``, ``proxy_nca``, ``normalized_softmax``, ``soft_triple``, ``p2s_grad`` |
@@ -118,6 +118,7 @@ from .self_supervised import (
     tico,
     tico_init,
     vicreg,
+    vicregl,
     wmse,
 )
 from .softmax import decoupled_contrastive, multi_supcon, ntxent, supcon
@@ -211,5 +212,6 @@ __all__ = [
     "triplet_margin",
     "tuplet_margin",
     "vicreg",
+    "vicregl",
     "wmse",
 ]

@@ -3,6 +3,7 @@
 | function | what it is | PML |
 |---|---|---|
 | :func:`vicreg` | invariance + variance + covariance of two views | ``VICRegLoss`` |
+| :func:`vicregl` | VICReg of the pooled views plus VICReg of nearest-neighbour-matched feature-map locations | none (lightly's ``VICRegLLoss``) |
 | :func:`barlow_twins` | the two views' cross-correlation pulled to the identity | none (lightly's ``BarlowTwinsLoss``) |
 | :func:`negative_cosine_similarity` | ``−mean_i cos(a_i, b_i)`` | none (lightly's ``NegativeCosineSimilarity``) |
 | :func:`sym_neg_cosine_similarity` | BYOL/SimSiam's symmetric form, targets detached | none (lightly's ``SymNegCosineSimilarityLoss``) |
@@ -59,6 +60,7 @@ __all__ = [
     "tico",
     "tico_init",
     "vicreg",
+    "vicregl",
     "wmse",
 ]
 
@@ -164,16 +166,255 @@ def _variance_hinge(var: Tensor, eps: float | Tensor) -> Tensor:
 
 def _covariance(x: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
     """The unbiased variance of each column of ``x`` over the batch and ``Σ_{d≠e} C_de²`` of its
-    unbiased covariance ``C`` (each sum over rows a :func:`pmlfunc._global.total`).
+    unbiased covariance ``C`` (each sum over rows a :func:`pmlfunc._global.total`); ``x`` is
+    ``(N, D)`` or ``(N, ..., D)``, one ``C`` per index of ``...`` (variances ``(..., D)``, sums
+    ``(...)``).
 
     The diagonal is subtracted before squaring (not ``‖C‖² − Σ C_dd²``, which cancels when the
     features are nearly decorrelated: the regime VICReg drives them to).
     """
     xc = x - total(x.sum(0)) / n
-    cov = total(matmul(xc.t(), xc)) / (n - 1)
-    var = cov.diagonal()
+    cov = total(matmul(xc.movedim(0, -1), xc.movedim(0, -2))) / (n - 1)
+    var = cov.diagonal(dim1=-2, dim2=-1)
     off = cov - torch.diag_embed(var)
-    return var, (off * off).sum()
+    return var, (off * off).sum((-2, -1))
+
+
+def vicregl(
+    global_view_features: tuple[Tensor, Tensor],
+    global_view_grids: Tensor,
+    local_view_features: tuple[Tensor, Tensor] | None = None,
+    local_view_grids: Tensor | None = None,
+    *,
+    lambda_param: float | Tensor = 25.0,
+    mu_param: float | Tensor = 25.0,
+    nu_param: float | Tensor = 1.0,
+    alpha: float | Tensor = 0.75,
+    eps: float | Tensor = 1e-4,
+    num_matches: tuple[int, int] = (20, 4),
+) -> Tensor:
+    r"""VICRegL: VICReg of the pooled embeddings plus VICReg of matched feature-map locations.
+
+    Each view ``v`` of sample ``n`` has a pooled embedding ``y_{nv}`` (``D``), a feature map
+    ``z_{nv}`` (``S_v = H_v × W_v`` locations of ``E`` features) and the image coordinates
+    ``g_{nv}`` of those locations. With ``G`` global and ``L`` local views (``V = G + L``) and
+    ``P`` the ``G (V − 1)`` ordered pairs ``(a, b)`` with ``a`` a global view and ``b ≠ a``,
+    the loss is ``α L_g + (1 − α) L_l`` where
+
+    .. math::
+        L_g = \frac{λ}{|P|} \sum_{(a,b) \in P} \mathrm{MSE}(y_a, y_b)
+            + \frac{μ}{V} \sum_v \mathrm{mean}_d \big[1 - \sqrt{\mathrm{Var}(y_{v,:,d}) + ε}\big]_+
+            + \frac{ν}{V D} \sum_v \sum_{d \ne e} C(y_v)_{de}^2
+
+    .. math::
+        L_l = \frac{1}{|P|} \sum_{(a,b) \in P} \frac12 \big(R_f(a, b) + R_f(b, a)
+            + R_g(a, b) + R_g(b, a)\big)
+
+    ``R_f(a, b)`` matches, per sample, each location of ``z_a`` with its nearest location of
+    ``z_b`` (L2 distance of the features; ``R_g``: of the grid coordinates) and keeps the ``k``
+    pairs with the smallest distances (``k = min(num_matches[0], S_a)``; ``num_matches[1]``
+    for ``R_·(b, a)``), giving two ``(N, k, E)`` tensors, then takes VICReg of them with the
+    variances and covariances over the batch for each of the ``k`` match ranks:
+    ``λ·MSE + μ·½(var + var') + ½ν·(cov + cov')`` (``½ν``: the VICRegL authors' covariance,
+    half VICReg's). This is lightly 1.6.0's ``VICRegLLoss`` and the authors' code: 20 matches
+    in the first search, 4 in the second, whatever the view type. The matching is ``topk`` on
+    the distances (fixed shapes, no host sync) and is not differentiated; a non-finite distance
+    is matched first, so a NaN or inf in a feature map makes the loss non-finite (lightly
+    would skip it).
+
+    The variance and covariance terms are those of :func:`vicreg` (``_variance_hinge``,
+    ``_covariance``). The loss is of the batch it is given: per rank under DDP, as lightly's
+    ``gather_distributed=False``; :func:`pmlfunc.distributed.global_objective` does not take it.
+
+    Args:
+        global_view_features: ``(pooled, maps)``: ``(N, G, D)`` pooled embeddings and
+            ``(N, G, H, W, E)`` feature maps of the ``G ≥ 1`` global views (lightly's list of
+            ``(global_features, local_features)`` tuples, stacked along dimension 1), ``N ≥ 2``.
+        global_view_grids: ``(N, G, H, W, 2)`` float tensor, the coordinates of the global maps'
+            locations.
+        local_view_features: ``None`` or ``(pooled, maps)``: ``(N, L, D)`` and
+            ``(N, L, h, w, E)`` of the local views (``h × w`` may differ from ``H × W``).
+        local_view_grids: ``(N, L, h, w, 2)``, given exactly when ``local_view_features`` is.
+        lambda_param: weight λ of the invariance terms (default ``25``).
+        mu_param: weight μ of the variance terms (default ``25``).
+        nu_param: weight ν of the covariance terms (default ``1``).
+        alpha: weight α of the global loss, ``1 − α`` the local loss's (default ``0.75``).
+        eps: ``ε ≥ 0`` added to the variances under the square root (default ``1e-4``).
+        num_matches: ``(k_0, k_1)`` ints ``≥ 1``, the matches kept in the two searches (default
+            ``(20, 4)``; a count above a map's size keeps all its locations).
+
+    Returns:
+        0-d tensor: float32 for float16/bfloat16 inputs, else their dtype.
+
+    Example:
+        >>> pooled, maps = torch.randn(8, 2, 16), torch.randn(8, 2, 7, 7, 4)
+        >>> grids = torch.rand(8, 2, 7, 7, 2)
+        >>> loss = pf.losses.vicregl((pooled, maps), grids)
+
+    Reference: Bardes, Ponce, LeCun, "VICRegL: Self-Supervised Learning of Local Visual
+    Features", NeurIPS 2022.
+    """
+    g_emb, g_maps, g_grid = _vicregl_views(global_view_features, global_view_grids, "global_view")
+    if (local_view_features is None) != (local_view_grids is None):
+        raise ValueError(
+            "vicregl: local_view_features and local_view_grids must both be given or both be None"
+        )
+    if g_emb.shape[0] < 2:
+        raise ValueError(
+            "vicregl needs a batch of at least 2 rows in global_view_features (the variance is "
+            "unbiased)"
+        )
+    lam = _checks.hyper(lambda_param, "lambda_param")
+    mu = _checks.hyper(mu_param, "mu_param")
+    nu = _checks.hyper(nu_param, "nu_param")
+    al = _checks.hyper(alpha, "alpha")
+    eps = _checks.hyper(eps, "eps", nonnegative=True)
+    if not isinstance(num_matches, (tuple, list)) or len(num_matches) != 2:
+        raise TypeError(f"num_matches must be a pair of ints >= 1, got {num_matches!r}")
+    k0, k1 = (_checks.integer(k, "num_matches") for k in num_matches)
+    cd = _checks.compute_dtype(g_emb.dtype)
+    locals_: tuple[Tensor, Tensor, Tensor] | None = None
+    if local_view_features is not None:
+        locals_ = _vicregl_views(local_view_features, local_view_grids, "local_view")
+        l_emb, l_maps, _ = locals_
+        for got, want, what in ((l_emb, g_emb, "pooled"), (l_maps, g_maps, "maps")):
+            if got.shape[0] != want.shape[0] or got.shape[-1] != want.shape[-1]:
+                raise ValueError(
+                    f"local_view_features' {what} must have the global views' batch size "
+                    f"{want.shape[0]} and width {want.shape[-1]}, got shape {tuple(got.shape)}"
+                )
+            if got.dtype != want.dtype or got.device != want.device:
+                raise TypeError(
+                    f"local_view_features' {what} must have the global views' dtype and "
+                    f"device ({want.dtype}, {want.device}), got ({got.dtype}, {got.device})"
+                )
+    n_global = g_emb.shape[1]
+    n_views = n_global + (0 if locals_ is None else locals_[0].shape[1])
+    if n_views < 2:
+        raise ValueError(
+            "vicregl needs at least 2 views: give global_view_features 2 global views or add "
+            "local views"
+        )
+    x = g_emb.to(cd)
+    lam, mu, nu, al, eps = (scalar_like(v, x) for v in (lam, mu, nu, al, eps))
+    emb = x if locals_ is None else torch.cat([x, locals_[0].to(cd)], 1)  # (N, V, D)
+    n = torch.full((), x.shape[0], dtype=cd, device=x.device)
+    pairs = n_global * (n_views - 1)
+    diff = emb[:, :n_global, None] - emb[:, None]  # (N, G, V, D); a == b gives 0
+    invariance = (diff * diff).mean((0, 3)).sum() / pairs
+    var, off = _covariance(emb, n)  # (V, D), (V,)
+    variance = (2 * _variance_hinge(var, eps)).mean()  # lightly's mean_d [1 − √(Var + ε)]₊
+    covariance = (off / emb.shape[-1]).mean()
+    global_loss = lam * invariance + mu * variance + nu * covariance
+
+    hp = (lam, mu, nu, eps, n, k0, k1)
+    maps = g_maps.to(cd).flatten(2, 3)  # (N, G, S, E)
+    grid = g_grid.to(cd).flatten(2, 3)
+    local_loss = x.new_zeros(())
+    if n_global > 1:
+        a_idx = [a for a in range(n_global) for b in range(n_global) if a != b]
+        b_idx = [b for a in range(n_global) for b in range(n_global) if a != b]
+        ia, ib = (torch.tensor(i, device=x.device) for i in (a_idx, b_idx))
+        local_loss = (
+            local_loss
+            + _vicregl_local(
+                maps.index_select(1, ia),
+                maps.index_select(1, ib),
+                grid.index_select(1, ia),
+                grid.index_select(1, ib),
+                hp,
+            ).sum()
+        )
+    if locals_ is not None:
+        l_maps = locals_[1].to(cd).flatten(2, 3)  # (N, L, s, E)
+        l_grid = locals_[2].to(cd).flatten(2, 3)
+        n_local = l_maps.shape[1]
+        ia = torch.arange(n_global, device=x.device).repeat_interleave(n_local)
+        ib = torch.arange(n_local, device=x.device).repeat(n_global)
+        local_loss = (
+            local_loss
+            + _vicregl_local(
+                maps.index_select(1, ia),
+                l_maps.index_select(1, ib),
+                grid.index_select(1, ia),
+                l_grid.index_select(1, ib),
+                hp,
+            ).sum()
+        )
+    return al * global_loss + (1 - al) * local_loss / pairs
+
+
+def _vicregl_views(features: object, grids: object, what: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pooled (N, V, D), maps (N, V, H, W, E))`` and ``grids (N, V, H, W, 2)``, checked."""
+    name = f"{what}_features"
+    if not isinstance(features, (tuple, list)) or len(features) != 2:
+        raise TypeError(
+            f"{name} must be a pair (pooled (N, V, D), maps (N, V, H, W, E)), got "
+            f"{type(features).__name__}"
+        )
+    pooled = _checks.tensor(features[0], f"{name}[0]")
+    maps = _checks.tensor(features[1], f"{name}[1]")
+    grid = _checks.tensor(grids, f"{what}_grids")
+    for t, nm, nd, shape in (
+        (pooled, f"{name}[0]", 3, "(N, V, D)"),
+        (maps, f"{name}[1]", 5, "(N, V, H, W, E)"),
+        (grid, f"{what}_grids", 5, "(N, V, H, W, 2)"),
+    ):
+        if not t.is_floating_point():
+            raise TypeError(f"{nm} must be a floating-point tensor, got {t.dtype}")
+        if t.ndim != nd or 0 in t.shape:
+            raise ValueError(f"{nm} must be a non-empty {shape} tensor, got {tuple(t.shape)}")
+    if maps.dtype != pooled.dtype or maps.device != pooled.device:
+        raise TypeError(
+            f"{name}[1] must have {name}[0]'s dtype and device ({pooled.dtype}, "
+            f"{pooled.device}), got ({maps.dtype}, {maps.device})"
+        )
+    if maps.shape[:2] != pooled.shape[:2]:
+        raise ValueError(
+            f"{name}[1] must have {name}[0]'s batch size and views {tuple(pooled.shape[:2])}, "
+            f"got {tuple(maps.shape)}"
+        )
+    if grid.shape[:4] != maps.shape[:4] or grid.shape[-1] != 2 or grid.device != maps.device:
+        raise ValueError(
+            f"{what}_grids must be (N, V, H, W, 2) = {(*maps.shape[:4], 2)} on {maps.device} "
+            f"(one coordinate pair per location of {name}[1]), got {tuple(grid.shape)} on "
+            f"{grid.device}"
+        )
+    return pooled, maps, grid
+
+
+def _vicregl_local(za: Tensor, zb: Tensor, ga: Tensor, gb: Tensor, hp: tuple) -> Tensor:
+    """Per view pair ``(P,)``: the VICReg losses of the locations matched in feature space and
+    by grid location, each ``½`` (``a ⇝ b`` with ``k_0`` matches ``+ b ⇝ a`` with ``k_1``);
+    ``za`` ``(N, P, S_a, E)``, ``zb`` ``(N, P, S_b, E)``, the grids ``(N, P, S, 2)``."""
+    lam, mu, nu, eps, n, k0, k1 = hp
+
+    def matched(x: Tensor, y: Tensor, dist: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():  # lightly's nearest_neighbors; a non-finite distance first
+            key = torch.where(torch.isfinite(dist), dist, -torch.inf)
+            best, col = key.topk(1, dim=-1, largest=False)  # (N, P, S_x, 1)
+            _, rows = best.squeeze(-1).topk(min(k, x.shape[2]), dim=-1, largest=False)
+            cols = col.squeeze(-1).gather(-1, rows)
+        width = x.shape[-1]
+        take = (rows.unsqueeze(-1).expand(*rows.shape, width), cols.unsqueeze(-1))
+        return x.gather(2, take[0]), y.gather(2, take[1].expand(*cols.shape, width))
+
+    def vicreg_(x: Tensor, y: Tensor) -> Tensor:
+        d = x - y
+        inv = (d * d).mean((0, 2, 3))
+        (x_var, x_off), (y_var, y_off) = (_covariance(z, n) for z in (x, y))
+        var = _variance_hinge(x_var, eps).mean((-2, -1)) + _variance_hinge(y_var, eps).mean(
+            (-2, -1)
+        )
+        cov = ((x_off + y_off) / x.shape[-1]).mean(-1)
+        return lam * inv + mu * var + 0.5 * nu * cov
+
+    def both(da: Tensor, db: Tensor) -> Tensor:
+        return 0.5 * (vicreg_(*matched(za, zb, da, k0)) + vicreg_(*matched(zb, za, db, k1)))
+
+    with torch.no_grad():
+        dists = [torch.cdist(p, q) for p, q in ((za, zb), (zb, za), (ga, gb), (gb, ga))]
+    return both(dists[0], dists[1]) + both(dists[2], dists[3])
 
 
 @_global.reduces_statistics("emb_a", "emb_b")

@@ -1,6 +1,6 @@
 """Float64 loop reference of ``pmlfunc.losses.self_supervised``: VICReg, Barlow Twins, the
 negative cosine similarity (and its symmetric form), the hypersphere loss, DINO, SwaV, TiCo,
-KoLeo, MMCR, SIGReg, iBOT's patch loss, W-MSE, MSN and PMSN.
+KoLeo, MMCR, SIGReg, iBOT's patch loss, W-MSE, MSN, PMSN and VICRegL.
 
 Written from PML 2.9.0's ``VICRegLoss`` (Bardes et al. 2022): λ·mean squared difference of the
 two views per row, μ·relu(1 − √(var + ε))/2 per dimension of each view, and ν·Σ_{k≠m} cov²/D per
@@ -182,6 +182,92 @@ def tico(za, zb, c0, beta=0.9, rho=20.0):
     align = sum(torch.dot(a[i], b[i]) for i in range(n)) / n
     penalty = sum(torch.dot(a[i], c @ a[i]) for i in range(n)) / n
     return 1 - align + rho * penalty, c
+
+
+def vicregl(
+    g_pooled,
+    g_maps,
+    g_grids,
+    l_pooled=None,
+    l_maps=None,
+    l_grids=None,
+    lam=25.0,
+    mu=25.0,
+    nu=1.0,
+    alpha=0.75,
+    eps=1e-4,
+    num_matches=(20, 4),
+):
+    """VICRegL (Bardes et al. 2022; the authors' code and lightly 1.6.0's ``VICRegLLoss``) entry
+    by entry: views stacked ``(N, V, ...)``; the global term over the pooled embeddings, the
+    local term over nearest-neighbour matches of the flattened maps (in feature space and by
+    grid location), each match set's VICReg with variances and covariances per match rank."""
+    n = g_pooled.shape[0]
+    views = [
+        (g_pooled[:, v], g_maps[:, v].flatten(1, 2), g_grids[:, v].flatten(1, 2))
+        for v in range(g_pooled.shape[1])
+    ]
+    if l_pooled is not None:
+        views += [
+            (l_pooled[:, v], l_maps[:, v].flatten(1, 2), l_grids[:, v].flatten(1, 2))
+            for v in range(l_pooled.shape[1])
+        ]
+    pairs = [(a, b) for a in range(g_pooled.shape[1]) for b in range(len(views)) if a != b]
+
+    def mse(rows_a, rows_b):  # lists of equal-length vectors
+        terms = [
+            (x[e] - y[e]) ** 2 for x, y in zip(rows_a, rows_b, strict=True) for e in range(len(x))
+        ]
+        return sum(terms) / len(terms)
+
+    def var_cov(cols):  # cols: N vectors of width d -> mean_d relu(1 - std), Σ_{d≠e} C² / d
+        d = len(cols[0])
+        means = [sum(c[k] for c in cols) / n for k in range(d)]
+
+        def cov(k, m):
+            return sum((c[k] - means[k]) * (c[m] - means[m]) for c in cols) / (n - 1)
+
+        var = sum(torch.relu(1 - (cov(k, k) + eps).sqrt()) for k in range(d)) / d
+        off = sum(cov(k, m) ** 2 for k in range(d) for m in range(d) if k != m) / d
+        return var, off
+
+    pooled = [v[0] for v in views]
+    inv = sum(mse(list(pooled[a]), list(pooled[b])) for a, b in pairs) / len(pairs)
+    stats = [var_cov(list(p)) for p in pooled]
+    g_var = sum(s[0] for s in stats) / len(stats)
+    g_cov = sum(s[1] for s in stats) / len(stats)
+    global_loss = lam * inv + mu * g_var + nu * g_cov
+
+    def match(x, y, kx, ky, k):  # per sample: the k rows of x nearest their neighbour in y
+        out_x, out_y = [], []
+        for i in range(n):
+            best = []
+            for r in range(kx.shape[1]):
+                dist = [((kx[i, r] - ky[i, c]) ** 2).sum().sqrt() for c in range(ky.shape[1])]
+                c = min(range(len(dist)), key=lambda j: float(dist[j]))
+                best.append((float(dist[c]), r, c))
+            kept = sorted(best)[: min(k, len(best))]
+            out_x.append([x[i, r] for _, r, _ in kept])
+            out_y.append([y[i, c] for _, _, c in kept])
+        return out_x, out_y
+
+    def vicreg_(xs, ys):  # N lists of k vectors each
+        k = len(xs[0])
+        inv = mse([v for row in xs for v in row], [v for row in ys for v in row])
+        sx = [var_cov([xs[i][j] for i in range(n)]) for j in range(k)]
+        sy = [var_cov([ys[i][j] for i in range(n)]) for j in range(k)]
+        var = 0.5 * (sum(s[0] for s in sx) / k + sum(s[0] for s in sy) / k)
+        cov = sum(s[1] for s in sx) / k + sum(s[1] for s in sy) / k
+        return lam * inv + mu * var + 0.5 * nu * cov
+
+    local = 0.0
+    for a, b in pairs:
+        (_, za, ga), (_, zb, gb) = views[a], views[b]
+        for ka, kb in ((za, zb), (ga, gb)):  # in feature space, then by grid location
+            m1 = vicreg_(*match(za, zb, ka.detach(), kb.detach(), num_matches[0]))
+            m2 = vicreg_(*match(zb, za, kb.detach(), ka.detach(), num_matches[1]))
+            local = local + 0.5 * (m1 + m2)
+    return alpha * global_loss + (1 - alpha) * local / len(pairs)
 
 
 def koleo(x, p=2, eps=1e-8):
