@@ -26,6 +26,14 @@ def tensor(x: object, name: str) -> Tensor:
     return x
 
 
+def floating(x: object, name: str) -> Tensor:
+    """``x``, refused unless it is a floating-point tensor (``TypeError`` naming ``name``)."""
+    x = tensor(x, name)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+    return x
+
+
 def embeddings(x: object, name: str = "embeddings") -> Tensor:
     """Validate a ``(B, D)`` floating-point embedding matrix with ``B >= 1`` and ``D >= 1``."""
     x = tensor(x, name)

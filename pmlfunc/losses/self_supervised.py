@@ -736,11 +736,8 @@ def dino(
 
 def _dino_inputs(teacher_out, student_out, state) -> tuple[Tensor, Tensor, Tensor]:
     """The views in the compute dtype (the teacher detached) and the centre, checked."""
-    _checks.tensor(teacher_out, "teacher_out")
-    _checks.tensor(student_out, "student_out")
     for x, name in ((teacher_out, "teacher_out"), (student_out, "student_out")):
-        if x.dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        _checks.floating(x, name)
         if x.ndim != 3:
             raise ValueError(f"{name} must be (N, views, K), got shape {tuple(x.shape)}")
     if teacher_out.shape[0] == 0 and not _global.active():
@@ -856,9 +853,7 @@ def _sinkhorn(scores: Tensor, eps: float | Tensor, iterations: int) -> Tensor:
 def _swav_queue(queue: object, high: Tensor) -> Tensor:
     """The queue's scores, checked against the high-resolution crops ``(N, V_h, K)``, detached
     in their compute dtype."""
-    queue = _checks.tensor(queue, "queue_outputs")
-    if queue.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"queue_outputs must be floating-point, got {queue.dtype}")
+    queue = _checks.floating(queue, "queue_outputs")
     if queue.ndim != 3 or queue.shape[1:] != high.shape[1:]:
         raise ValueError(
             f"queue_outputs must be (Q, {high.shape[1]}, {high.shape[2]}) (the high-resolution "
@@ -878,8 +873,7 @@ def _swav_inputs(high, low) -> tuple[Tensor, Tensor | None]:
         _checks.tensor(low, "low_resolution_outputs")
         views.append((low, "low_resolution_outputs"))
     for x, name in views:
-        if x.dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        _checks.floating(x, name)
         if x.ndim != 3:
             raise ValueError(f"{name} must be (N, crops, K), got shape {tuple(x.shape)}")
     n, v_h, k = high.shape
@@ -1071,9 +1065,7 @@ def _msn_inputs(anchors, targets, prototypes) -> tuple[Tensor, Tensor, Tensor]:
     """The anchors as ``(N, V, D)``, the targets (detached) and the prototypes in the compute
     dtype, checked."""
     for x, name in ((anchors, "anchors"), (targets, "targets"), (prototypes, "prototypes")):
-        _checks.tensor(x, name)
-        if x.dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        _checks.floating(x, name)
     if targets.ndim != 2:
         raise ValueError(f"targets must be (N, D), got shape {tuple(targets.shape)}")
     n, d = targets.shape
@@ -1332,11 +1324,8 @@ def _mmcr_views(embeddings: object, momentum: object) -> Tensor:
     views = [(embeddings, "embeddings")]
     if momentum is not None:
         views.append((momentum, "momentum"))
-    for x, name in views:
-        _checks.tensor(x, name)
-        assert isinstance(x, Tensor)
-        if x.dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+    for value, name in views:
+        x = _checks.floating(value, name)
         if x.ndim != 3 or x.shape[1] == 0 or x.shape[2] == 0:
             raise ValueError(
                 f"{name} must be (N, views, D) with at least one view and dimension, got shape "
@@ -1435,9 +1424,7 @@ def sigreg(
     Without the Heuristics", 2025 (arXiv:2511.08544); Epps, Pulley, "A test for normality based
     on the empirical characteristic function", Biometrika 1983.
     """
-    _checks.tensor(embeddings, "embeddings")
-    if embeddings.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"embeddings must be floating-point, got {embeddings.dtype}")
+    embeddings = _checks.floating(embeddings, "embeddings")
     if embeddings.ndim not in (2, 3) or embeddings.shape[-1] == 0:
         raise ValueError(
             f"embeddings must be (N, D) or (N, views, D) with D >= 1, got shape "
@@ -1591,10 +1578,9 @@ def _ibot_inputs(teacher_out, student_out, mask, state) -> tuple[Tensor, Tensor,
     in that dtype, and the centre, checked."""
     _checks.tensor(teacher_out, "teacher_out")
     _checks.tensor(student_out, "student_out")
-    _checks.tensor(mask, "mask")
+    mask = _checks.tensor(mask, "mask")
     for x, name in ((teacher_out, "teacher_out"), (student_out, "student_out")):
-        if x.dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{name} must be floating-point, got {x.dtype}")
+        _checks.floating(x, name)
         if x.ndim not in (2, 3) or x.shape[-1] == 0:
             raise ValueError(
                 f"{name} must be (B, P, K) (every patch) or (M, K) (the masked patches), got "
@@ -1733,10 +1719,7 @@ def _whitened(x: Tensor, eps: float | Tensor) -> Tensor:
 
 def _wmse_views(embeddings: object) -> Tensor:
     """The views ``(N, V, D)`` in the compute dtype, checked."""
-    _checks.tensor(embeddings, "embeddings")
-    assert isinstance(embeddings, Tensor)
-    if embeddings.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"embeddings must be floating-point, got {embeddings.dtype}")
+    embeddings = _checks.floating(embeddings, "embeddings")
     if embeddings.ndim != 3 or embeddings.shape[1] < 2 or embeddings.shape[2] == 0:
         raise ValueError(
             f"embeddings must be (N, views, D) with at least 2 views and one dimension, got "
