@@ -17,6 +17,11 @@ A block has ``columns_per_row`` columns for each of its rank's rows (one; the re
 ``1 + k``, plus the queries when a direction reads them: a row's query, positive and hard
 negatives travel together).
 
+A document queue (the retrieval kind's ``memory``, :mod:`pmlfunc.queues`) does not travel: every
+rank holds the same global queue, so each rank reads its own copy once, after the ring's steps,
+as one more block that no row owns (:class:`_Queue`), in the forward and in the backward (no
+gradient for it).
+
 NT-Xent's terms need their row's final log-sum-exp, so its forward walks the ring twice.
 Between the forward and the loss, one all-reduce sums the reducers' counts; another sums the
 ranks' shares into the loss ``L`` (the same on every rank); the backward all-reduces the scale's
@@ -31,7 +36,9 @@ single-process gradient. The backward assumes every rank back-propagates the sam
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +60,7 @@ from .losses._tiled import (
     reduce,
 )
 
-__all__ = ["Ring", "ring_loss"]
+__all__ = ["Ring", "ring_loss", "split_queue"]
 
 
 class Ring:
@@ -113,17 +120,65 @@ class Ring:
         return {k: flat[i].to(values[k].dtype) for i, k in enumerate(names)}
 
 
+class _Queue(NamedTuple):
+    """A call's document queue, read by each rank from its own copy: the retrieval kind's
+    options for a block of queue columns alone (``memory`` of them), the queue's column
+    segments and their metadata."""
+
+    kind: Retrieval
+    y: tuple[Tensor, ...]
+    cols: tuple[Tensor, ...]
+
+    def forward(self, x, rows, scale, bias, chunk, lse, unit, self_mode) -> dict[str, Tensor]:
+        """The queue's partial row statistics (no row owns a queue column: ``diag=False``)."""
+        st = block_forward(
+            self.kind, x, columns(self.y, unit), rows, self.cols, scale, bias, chunk,
+            diag=False, exclude=self_mode, lse=lse, final=False,
+        )  # fmt: skip
+        return {k: v for k, v in st.items() if k not in column_stats(self.kind)}
+
+    def backward(self, x, rows, scale, bias, chunk, row, needs, unit, self_mode):
+        """The rows' gradient sums from the queue's columns (none for the queue itself)."""
+        m = sum(seg.shape[-2] for seg in self.y)
+        col = tuple(x.new_zeros(m) for _ in column_stats(self.kind))  # no positive column
+        need_x, _, need_scale, need_bias = needs
+        part_x, _, x_dot, sum_ds = block_backward(
+            self.kind, x, columns(self.y, unit), rows, self.cols, scale, bias, chunk, row, col,
+            (need_x, False, need_scale, need_bias), diag=False, exclude=self_mode,
+        )  # fmt: skip
+        return part_x, x_dot, sum_ds
+
+
+def split_queue(call: EngineCall) -> tuple[EngineCall, _Queue | None]:
+    """``call`` without its queue's columns (they end its segments and its column metadata:
+    :func:`pmlfunc.losses.retrieval._retrieval_call`), and the queue; ``None`` without one."""
+    kind = call.kind
+    if not isinstance(kind, Retrieval) or not kind.memory:
+        return call, None
+    assert isinstance(call.y, tuple) and isinstance(call.cols, tuple)  # the retrieval layout
+    segments, rows_left, at = call.y, kind.memory, len(call.y)
+    while rows_left > 0:
+        at -= 1
+        rows_left -= segments[at].shape[-2]
+    meta = call.cols[0]
+    batch = dataclasses.replace(
+        call, kind=kind._replace(memory=0), y=segments[:at], cols=(meta[: -kind.memory],)
+    )
+    return batch, _Queue(kind, segments[at:], (meta[-kind.memory :],))
+
+
 class _RingLoss(torch.autograd.Function):
     """``L`` of an :class:`EngineCall` over the ranks' rows. Inputs ``(x, y, scale, bias, call,
-    ring)`` (``y=None``: self mode); the labels travel in ``call``."""
+    ring, queue)`` (``y=None``: self mode; ``queue``: :class:`_Queue` or ``None``); the labels
+    travel in ``call``."""
 
     @staticmethod
-    def forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
+    def forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring, queue: _Queue | None):
         with ring.session.guard("the ring's forward"):
-            return _RingLoss._forward(ctx, x, y, scale, bias, call, ring)
+            return _RingLoss._forward(ctx, x, y, scale, bias, call, ring, queue)
 
     @staticmethod
-    def _forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring):
+    def _forward(ctx, x, y, scale, bias, call: EngineCall, ring: Ring, queue: _Queue | None):
         kind, rows, unit = call.kind, call.rows, call.unit
         self_mode = y is None
         chunk = call.chunk or max(x.shape[-2], 1)
@@ -149,6 +204,8 @@ class _RingLoss(torch.autograd.Function):
 
             home = ring.circulate(block, visit, "the forward" if lse is None else "the terms")
             assert acc is not None  # circulate visits every rank's block, this one's included
+            if queue is not None:
+                acc = merge(acc, queue.forward(x, rows, scale, bias, chunk, lse, unit, self_mode))
             if home is not None:
                 acc.update(zip(col_keys, home[0].unbind(-1), strict=True))
             return acc
@@ -161,7 +218,7 @@ class _RingLoss(torch.autograd.Function):
         loss = ring.all_sum({"loss": share}, "summing the ranks' shares of the loss")["loss"]
         # not the call itself: it holds x and y, which belong in save_for_backward
         ctx.kind, ctx.chunk, ctx.rows, ctx.ring = kind, chunk, rows, ring
-        ctx.meta, ctx.unit = meta, unit
+        ctx.meta, ctx.unit, ctx.queue = meta, unit, queue
         ctx.scale_float = None if isinstance(scale, Tensor) else scale
         ctx.save_for_backward(x, y, scale if isinstance(scale, Tensor) else None, bias, *stats)
         return loss
@@ -208,6 +265,15 @@ class _RingLoss(torch.autograd.Function):
             return [part_y if travel is None else travel[0] + part_y]
 
         home = ring.circulate(block, visit, "the backward")
+        if ctx.queue is not None:
+            part_x, x_dot, sum_ds = ctx.queue.backward(
+                x, rows, scale, bias, ctx.chunk, row, needs, ctx.unit, self_mode
+            )
+            if part_x is not None:
+                gx = part_x if gx is None else gx + part_x
+            for name, v in (("scale", x_dot), ("bias", sum_ds)):
+                if v is not None:
+                    sums[name] = v if name not in sums else sums[name] + v
         w = ring.world
         grad_x = grad_y = None
         if need_x:
@@ -222,7 +288,7 @@ class _RingLoss(torch.autograd.Function):
             if sums
             else {}
         )
-        return grad_x, grad_y, totals.get("scale"), totals.get("bias"), None, None
+        return grad_x, grad_y, totals.get("scale"), totals.get("bias"), None, None, None
 
 
 def _merge_cols(keys: tuple[str, ...], a: Tensor, b: Tensor) -> Tensor:
@@ -250,13 +316,14 @@ def _cols(kind, meta: list[Tensor]):
     return meta[0] if meta else None
 
 
-def ring_loss(call: EngineCall, session: Session, sizes: list[int]) -> Tensor:
-    """The loss of ``call`` (this rank's rows) over every rank's rows (``sizes``, agreed by
-    ``session``), by the ring."""
+def ring_loss(call: EngineCall, queue: _Queue | None, session: Session, sizes: list[int]) -> Tensor:
+    """The loss of ``call`` (this rank's rows, without its queue: :func:`split_queue`) and its
+    document ``queue`` (or ``None``) over every rank's rows (``sizes``, agreed by ``session``), by
+    the ring."""
     ring = Ring(session, [n * call.columns_per_row for n in sizes])
     scale = call.scale if isinstance(call.scale, Tensor) else float(call.scale)
     # a block travels as one tensor: the segments of the columns concatenated (autograd splits
     # the gradient back); the engine normalises each block as it arrives (call.unit)
     y = call.y if call.y is None or isinstance(call.y, Tensor) else torch.cat(call.y)
-    loss = apply(_RingLoss, call.x, y, scale, call.bias, call, ring)
+    loss = apply(_RingLoss, call.x, y, scale, call.bias, call, ring, queue)
     return loss if call.finish is None else call.finish(loss)

@@ -467,18 +467,13 @@ def _ring_objective(loss_fn, group, timeout):
         calls: list[Any] = []
 
         def checks() -> None:
-            call = _engine_call(loss_fn, args, kwargs, what, batch)
-            if call.kind in ("ntxent", "supcon") and call.y is not None:
+            call = _engine_call(loss_fn, args, kwargs, what, batch)  # (call, its queue)
+            if call[0].kind in ("ntxent", "supcon") and call[0].y is not None:
                 raise ValueError(
                     f"{what} circulates the batch itself: ref_emb is not supported "
                     "(use exchange='gather', which passes it through)"
                 )
-            if getattr(call.kind, "memory", 0):
-                raise ValueError(
-                    f"{what} does not read a queue (memory=): each rank's blocks would read it "
-                    "once each; use exchange='gather', which passes it through"
-                )
-            if call.finish is not None:
+            if call[0].finish is not None:
                 raise ValueError(
                     f"{what} does not support embedding_regularizer (a term of the "
                     "whole batch): use exchange='gather'"
@@ -492,7 +487,8 @@ def _ring_objective(loss_fn, group, timeout):
         device = first.device if first is not None else None
         sizes = session.agree(arguments, batch=batch, error=error, device=device)
         _refuse_empty(sizes[batch[0]], what, batch[0])
-        return ring_loss(calls[0], session, sizes[batch[0]])
+        call, queue = calls[0]
+        return ring_loss(call, queue, session, sizes[batch[0]])
 
     return _eager_when_active(
         loss_fn,
@@ -777,14 +773,16 @@ def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequen
     loss checks and prepares the call, dropped from the prepared tensors after: the checks
     refuse an empty batch, and the rows are prepared one by one (cast, normalised), so the call
     of 0 rows is exact and its rows still reach the embeddings (its backward joins the
-    ring's)."""
+    ring's). Returned with its document queue apart (:func:`pmlfunc._ring.split_queue`: the
+    queue does not travel, nor lose its rows here)."""
+    from ._ring import split_queue
     from .losses._tiled import engine_call
 
     fn, a, kw = unpartial(loss_fn, args, kwargs)
     bound = inspect.signature(fn).bind(*a, **kw)
     first = bound.arguments.get(batch[0])
     if not isinstance(first, Tensor) or first.ndim == 0 or first.shape[0] > 0:
-        return engine_call(loss_fn, args, kwargs, what)
+        return split_queue(engine_call(loss_fn, args, kwargs, what))
 
     def borrow(v):
         if isinstance(v, Tensor) and v.ndim:
@@ -796,9 +794,10 @@ def _engine_call(loss_fn, args: tuple, kwargs: Mapping, what: str, batch: Sequen
             bound.arguments[name] = borrow(bound.arguments[name])
     if isinstance(bound.arguments.get("guide"), (tuple, list)):
         bound.arguments["guide"] = tuple(borrow(g) for g in bound.arguments["guide"])
-    call = engine_call(fn, bound.args, bound.kwargs, what)
+    call, queue = split_queue(engine_call(fn, bound.args, bound.kwargs, what))
     parts = {k: getattr(call, k) for k in ("x", "y", "rows", "cols")}
-    return dataclasses.replace(call, **{k: _no_rows(v) for k, v in parts.items() if v is not None})
+    empty = {k: _no_rows(v) for k, v in parts.items() if v is not None}
+    return dataclasses.replace(call, **empty), queue
 
 
 def _no_rows(v):
@@ -809,13 +808,13 @@ def _no_rows(v):
     return v[:0] if v.ndim else v
 
 
-_PAIR_BATCH = ("emb_a", "emb_b", "labels")
+_PAIR_BATCH = ("emb_a", "emb_b", "labels", "anchor_ids", "positive_ids")
 
 
 def _aligned_rows(loss_fn) -> tuple[str, ...] | None:
     """The row-aligned arguments of a loss of aligned sets, gathered together (row ``i`` of
     each still belongs with row ``i`` of the others); ``None`` for any other loss. CLIP and
-    SigLIP take ``(emb_a, emb_b, labels)``; ``multiple_negatives_ranking`` its queries,
+    SigLIP take ``(emb_a, emb_b, labels)`` (SigLIP also its ids); ``multiple_negatives_ranking`` its queries,
     positives, hard negatives, ids and the guide's rows (``guide[i]``)."""
     try:
         params = list(inspect.signature(unpartial(loss_fn)[0]).parameters)

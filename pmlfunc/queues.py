@@ -3,8 +3,9 @@ r"""Two-tower negative memory: a queue of earlier steps' documents (and queries)
 In-batch negatives give a query ``N − 1`` negatives; gradient accumulation does not add any.
 A document queue (MoCo's, for two towers) keeps the last ``S`` documents the document tower
 embedded, detached, and the retrieval losses read them as extra negatives of every query
-(:func:`pmlfunc.losses.multiple_negatives_ranking` and :func:`pmlfunc.losses.clip`, argument
-``memory=``). With ``queries=True`` it keeps the queries too, read by the directions that read
+(:func:`pmlfunc.losses.multiple_negatives_ranking`, :func:`pmlfunc.losses.clip` and
+:func:`pmlfunc.losses.siglip`, argument ``memory=``; SigLIP's queued documents are negative
+pairs of every row). With ``queries=True`` it keeps the queries too, read by the directions that read
 queries (``doc_to_query``, ``query_to_query``). The queue is a plain dict of tensors that the
 step takes and returns:
 
@@ -37,10 +38,10 @@ Rules:
   if any, is the caller's).
 - **DDP**: every rank must hold the same queue. Push the global batch: gather the documents
   (and ids) with :func:`pmlfunc.distributed.all_gather` and push them on every rank, and
-  compute the loss with ``global_objective(loss)`` (``exchange="gather"``, which passes the
-  queue through as it passes ``ref_emb``). Then every rank's queue holds the same global entries
-  and the loss is the single-process loss of the global batch against it. The ring exchange
-  refuses a queue (it would read it once per block).
+  compute the loss with ``global_objective(loss)``: the gather passes the queue through as it
+  passes ``ref_emb``; the ring (``exchange="ring"``) does not send it, each rank reads its own
+  copy once after the ring's steps. Then every rank's queue holds the
+  same global entries and the loss is the single-process loss of the global batch against it.
 
 Every shape is static and nothing is read on the host, so a step with a push compiles with
 ``fullgraph=True`` and can be captured in a CUDA graph (copy the returned tensors into the

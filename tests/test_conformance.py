@@ -496,12 +496,17 @@ def paired(fn: Callable, init: Callable, memory: bool = False, **hp: Any) -> dic
     """A loss of two aligned sets ``fn(emb_a, emb_b, params, **hp)``: dense, tiled
     (``name[tiled]``, ``chunk_size=3``) and with labels on the tiled path
     (``name[tiled,labels]``); both sets and the params leaves differentiated. ``memory``: also
-    tiled against a queue of earlier rows (``name[tiled,memory]``, :func:`_queue`)."""
+    tiled against a queue of earlier rows (``name[tiled,memory]``, :func:`_queue`; SigLIP also
+    with the rows' ids, which mask two of the queue's entries, and its bias)."""
+    sigmoid = fn is L.siglip
 
     def make(d: Draw, chunk: int | None, labelled: bool, queued: bool = False) -> Call:
-        params = d.params(init, logit_bias=None if queued else 0.5)
+        params = d.params(init, logit_bias=None if queued and not sigmoid else 0.5)
         y = d.labels() if labelled else None
         kw = {**hp, "memory": _queue(d)} if queued else hp
+        if queued and sigmoid:
+            rows = list(range(B))
+            kw = {**kw, "anchor_ids": d.labels(rows), "positive_ids": d.labels(rows)}
         wrt = {
             "embeddings": d.randn(B, D),
             "ref_emb": d.randn(B, D),
@@ -740,7 +745,7 @@ LOSSES: dict[str, Entry] = {
     **batch(L.multi_supcon, labels=_multi_hot, temperature=0.5, threshold=0.2),
     # cross_modal: two aligned sets, dense and on the tiled engine
     **paired(L.clip, L.clip_init, memory=True),
-    **paired(L.siglip, L.siglip_init),
+    **paired(L.siglip, L.siglip_init, memory=True),
     # retrieval: queries, positives and hard negatives on the tiled engine
     **retrieval(L.multiple_negatives_ranking),
     # graded: given scores (a teacher's margins or scores, gold similarities), never differentiated

@@ -1,9 +1,10 @@
 """Two-tower negative memory (``pmlfunc.queues``): the queue's ring buffer, the retrieval loss and
 CLIP against a queue equal to the float64 reference (tests/reference/retrieval.py, ``memory=``),
-ids masking duplicates across steps, a step that pushes compiled and under ``torch.func``, the
-queue under DDP (gather) and its errors. Gradcheck, compile, meta and NaN of the losses with a
-queue are in the conformance suite (``multiple_negatives_ranking[tiled,memory]``,
-``clip[tiled,memory]``)."""
+SigLIP against a queue and with ids (tests/reference/cross_modal.py, ``siglip_pairs``), ids masking
+duplicates across steps, a step that pushes compiled and under ``torch.func``, the queue under DDP
+(gather) and its errors. Gradcheck, compile, meta and NaN of the losses with a queue are in the
+conformance suite (``multiple_negatives_ranking[tiled,memory]``, ``clip[tiled,memory]``,
+``siglip[tiled,memory]``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 
 import pytest
 import torch
+from reference import cross_modal as ref_pairs
 from reference import retrieval as ref
 
 import pmlfunc as pf
@@ -130,6 +132,85 @@ def test_clip_against_a_queue_is_symmetric_infonce_over_the_batch_and_the_queue(
         _close(x, y)
 
 
+SIGLIP_IDS = {
+    "no-ids": {},
+    "positive-ids": {"positive_ids": POSITIVE_IDS},
+    "both-ids": {"anchor_ids": ANCHOR_IDS, "positive_ids": POSITIVE_IDS},
+}
+
+
+def _siglip_params(bias: bool = True):
+    params = {"logit_scale": torch.tensor(math.log(6.0), dtype=F64, requires_grad=True)}
+    if bias:
+        params["logit_bias"] = torch.tensor(-2.0, dtype=F64, requires_grad=True)
+    return params
+
+
+@pytest.mark.parametrize("reducer", ["batch", "mean", "sum"])
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize(
+    ("queue_kind", "ids"),
+    [
+        (q, i)
+        for q in ("none", "partial", "wrapped")
+        for i in SIGLIP_IDS
+        if (q, i) != ("none", "no-ids")
+    ],
+)  # without either: plain siglip (tests/test_cross_modal.py)
+def test_siglip_against_a_queue_and_ids_sums_the_reference_pairs(queue_kind, ids, chunk, reducer):
+    """Each filled queue entry a negative pair of every row, pairs related by an id left out (in
+    the batch and against the queue), the reducer over the pairs summed; values and the
+    gradients of both sets, the scale and the bias."""
+    a, b, _ = _batch()
+    queue = {"none": None, "partial": _queue(7), "wrapped": _queue(13)}[queue_kind]
+    params = _siglip_params()
+    red = None if reducer == "batch" else getattr(pf.reducers, reducer)()
+    got = pf.losses.siglip(
+        a, b, params, chunk_size=chunk, reducer=red, memory=queue, **SIGLIP_IDS[ids]
+    )
+    want = ref_pairs.siglip_pairs(
+        a, b, params["logit_scale"], params["logit_bias"], memory=queue, reducer=reducer,
+        **SIGLIP_IDS[ids],
+    )  # fmt: skip
+    _close(got, want)
+    wrt = (a, b, params["logit_scale"], params["logit_bias"])
+    for x, y in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(want, wrt), strict=True):
+        _close(x, y)
+
+
+def test_siglip_with_distinct_ids_and_an_empty_queue_is_plain_siglip():
+    a, b, _ = _batch()
+    params = _siglip_params()
+    plain = pf.losses.siglip(a, b, params)
+    got = pf.losses.siglip(
+        a, b, params, memory=init(S, D, dtype=F64), positive_ids=torch.arange(N) + 7
+    )
+    _close(got, plain)
+    wrt = (a, b, *params.values())
+    for x, y in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(plain, wrt), strict=True):
+        _close(x, y)
+
+
+def test_a_queued_copy_of_a_rows_document_with_its_id_is_not_a_siglip_negative_of_that_row():
+    """A queued copy of row 0's document pushed with its id: a negative pair of every other row
+    (as any queued document), none of row 0's; pushed without the id, a negative of row 0 too."""
+    a, b, _ = _batch()
+    params = _siglip_params(bias=False)
+    ids = torch.arange(N)
+    total = pf.reducers.sum()
+    without = pf.losses.siglip(a, b, params, reducer=total, positive_ids=ids).detach()
+    unit = torch.nn.functional.normalize
+    pairs = torch.nn.functional.softplus(
+        6.0 * unit(a.detach(), dim=-1) @ unit(b[0].detach(), dim=0)
+    )
+    copy = push(init(S, D, dtype=F64), b[:1].detach(), positive_ids=ids[:1])
+    masked = pf.losses.siglip(a, b, params, reducer=total, memory=copy, positive_ids=ids)
+    _close(masked.detach(), without + pairs[1:].sum())
+    anonymous = push(init(S, D, dtype=F64), b[:1].detach())
+    unmasked = pf.losses.siglip(a, b, params, reducer=total, memory=anonymous, positive_ids=ids)
+    _close(unmasked.detach(), without + pairs.sum())
+
+
 @pytest.mark.parametrize("name", ["plain", "symmetric", "every-direction", "ids"])
 def test_an_empty_queue_gives_the_loss_without_memory(name):
     q, p, n = _batch()
@@ -225,6 +306,11 @@ def test_a_queue_runs_on_the_meta_device():
     q, p = torch.empty(N, D, device="meta"), torch.empty(N, D, device="meta")
     assert mnrl(q, p, directions=ALL, memory=queue).shape == ()
     assert pf.losses.clip(q, p, pf.losses.clip_init(device="meta"), memory=queue).shape == ()
+    ids = torch.arange(N, device="meta")
+    siglip = pf.losses.siglip(
+        q, p, pf.losses.siglip_init(device="meta"), memory=queue, positive_ids=ids
+    )
+    assert siglip.shape == () and siglip.device.type == "meta"
 
 
 def test_under_the_gather_a_queue_of_global_entries_gives_the_single_process_loss():
@@ -238,13 +324,55 @@ def test_under_the_gather_a_queue_of_global_entries_gives_the_single_process_los
     assert {"anchors", "positives", "negatives"} <= set(report.grad_diffs)
 
 
-def test_the_ring_refuses_a_queue():
-    """(check_distributed reports a rank's error as a RuntimeError with its traceback.)"""
-    q, p, _ = _batch()
-    with pytest.raises(RuntimeError, match=r"does not read a queue.*use exchange='gather'"):
-        pf.testing.check_distributed(
-            mnrl, q.detach(), p.detach(), world_size=2, exchange="ring", memory=_queue(4)
-        )
+def test_siglip_with_ids_and_a_queue_under_the_gather_gives_the_single_process_loss():
+    a, b, _ = (t.detach() for t in _batch())
+    report = pf.testing.check_distributed(
+        pf.losses.siglip, a, b, {k: v.detach() for k, v in _siglip_params().items()},
+        world_size=2, sizes=(2, 4), exchange="gather", rtol=1e-9, atol=1e-11,
+        anchor_ids=ANCHOR_IDS, positive_ids=POSITIVE_IDS, memory=_queue(13),
+    )  # fmt: skip
+    assert {"emb_a", "emb_b"} <= set(report.grad_diffs)
+
+
+def test_siglip_with_ids_on_the_ring_gives_the_single_process_loss():
+    """Ids without a queue: the ring's blocks carry their rows' ids (an empty rank too)."""
+    a, b, _ = (t.detach() for t in _batch())
+    report = pf.testing.check_distributed(
+        pf.losses.siglip, a, b, {k: v.detach() for k, v in _siglip_params().items()},
+        world_size=3, sizes=(2, 0, 4), exchange="ring", rtol=1e-9, atol=1e-11,
+        anchor_ids=ANCHOR_IDS, positive_ids=POSITIVE_IDS, chunk_size=2,
+    )  # fmt: skip
+    assert {"emb_a", "emb_b"} <= set(report.grad_diffs)
+
+
+RING_QUEUE = {
+    "plain": (mnrl, {}, 7),
+    "symmetric-doc-columns": (mnrl, {"directions": SYM, "positive_ids": POSITIVE_IDS}, 7),
+    "every-direction-ids": (
+        mnrl,
+        {"directions": ALL, "anchor_ids": ANCHOR_IDS, "positive_ids": POSITIVE_IDS},
+        13,
+    ),
+    "clip": (pf.losses.clip, {}, 13),
+    "siglip-ids": (pf.losses.siglip, {"positive_ids": POSITIVE_IDS}, 13),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_QUEUE))
+def test_on_the_ring_each_rank_reads_its_copy_of_the_queue_once(name):
+    """Every rank holds the same queue and reads it after the ring's steps (it does not travel):
+    ranks of unequal sizes and an empty one give the single-process loss and gradients."""
+    fn, kw, fill = RING_QUEUE[name]
+    q, p, _ = (t.detach() for t in _batch())
+    params = ()
+    if fn is not mnrl:
+        made = _siglip_params(bias=fn is pf.losses.siglip)
+        params = ({k: v.detach() for k, v in made.items()},)
+    report = pf.testing.check_distributed(
+        fn, q, p, *params, world_size=3, sizes=(2, 0, 4), exchange="ring", rtol=1e-9,
+        atol=1e-11, memory=_queue(fill, queries=fn is not pf.losses.siglip), chunk_size=2, **kw,
+    )  # fmt: skip
+    assert len(report.grad_diffs) >= 2
 
 
 def _errors():
@@ -284,6 +412,36 @@ def _errors():
             lambda: pf.losses.clip(q, p, pf.losses.clip_init(0.0, 1.0, dtype=F64), memory=queue),
             ValueError,
             "logit_bias",
+        ),
+        "siglip-labels": (
+            lambda: pf.losses.siglip(
+                q, p, pf.losses.siglip_init(dtype=F64), labels=torch.arange(N), memory=queue
+            ),
+            ValueError,
+            "siglip with memory= does not take labels",
+        ),
+        "siglip-ids-and-labels": (
+            lambda: pf.losses.siglip(
+                q,
+                p,
+                pf.losses.siglip_init(dtype=F64),
+                labels=torch.arange(N),
+                positive_ids=torch.arange(N),
+            ),
+            ValueError,
+            "anchor_ids/positive_ids does not take labels",
+        ),
+        "siglip-ids-length": (
+            lambda: pf.losses.siglip(
+                q, p, pf.losses.siglip_init(dtype=F64), anchor_ids=torch.arange(N + 1)
+            ),
+            ValueError,
+            "anchor_ids",
+        ),
+        "siglip-params": (
+            lambda: pf.losses.siglip(q, p, {"scale": torch.tensor(1.0)}, memory=queue),
+            TypeError,
+            "siglip_init",
         ),
         "push-too-many": (
             lambda: push(no_queries, _rows(S + 1, 0)),

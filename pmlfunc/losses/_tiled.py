@@ -50,7 +50,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +147,11 @@ class Retrieval(NamedTuple):
     (:mod:`pmlfunc.queues`): typed as documents or queries, masked by the ids as another row's
     would be, :data:`COL_EMPTY` where the slot is empty.
 
+    ``sigmoid``: SigLIP's terms instead of the log-sum-exp (:func:`pmlfunc.losses.siglip` with
+    ids or a queue): every candidate entry of a query row is a pair ``softplus(−z S)``, ``z = +1``
+    at the row's positive and ``−1`` elsewhere; no row statistics (the totals and the number of
+    pairs, as the ``"siglip"`` kind, whose reducers it takes: :func:`kind_name`).
+
     A block of columns is one process's (or one rank's) documents: its queries when a direction
     reads them (:attr:`query_columns`), then its positives, then its hard negatives, each owned
     by a row of the block's process. A row's own columns (its query, its positive, its hard
@@ -163,6 +168,7 @@ class Retrieval(NamedTuple):
     doc_columns: bool = False
     negatives: int = 0
     memory: int = 0
+    sigmoid: bool = False
 
     @property
     def query_columns(self) -> bool:
@@ -213,8 +219,16 @@ Kind = str | Retrieval
 
 
 def kind_name(kind) -> str:
-    """The name of a kind (``"retrieval"`` for :class:`Retrieval` options)."""
-    return "retrieval" if isinstance(kind, Retrieval) else kind
+    """The name of a kind (``"retrieval"`` for :class:`Retrieval` options, ``"siglip"`` for
+    their ``sigmoid`` ones: the statistics and reducers they share)."""
+    if isinstance(kind, Retrieval):
+        return "siglip" if kind.sigmoid else "retrieval"
+    return kind
+
+
+def _ranked(kind) -> TypeGuard[Retrieval]:
+    """Whether ``kind`` is the retrieval kind with its log-sum-exps (not ``sigmoid``)."""
+    return isinstance(kind, Retrieval) and not kind.sigmoid
 
 
 def _roles(kind) -> int:
@@ -519,6 +533,31 @@ def _siglip_fold_(s: Tensor, pos, eye: int | None, grad: bool):
     return total, ds
 
 
+def _sigmoid_fold_(s: Tensor, keep: Tensor | None, at: int | None, grad: bool):
+    """One tile of the ``sigmoid`` retrieval kind (:class:`Retrieval`), destroying ``s``
+    ``(r, M)``: ``(Σ softplus(−z S) over the kept entries, their number, ∂L/∂S or None)``, with
+    ``z = +1`` on the rows' positives (the diagonal from column ``at``, :func:`_positive_at`;
+    none where ``at`` is ``None``) and ``−1`` elsewhere; ``keep`` (``None``: all) as
+    :func:`_retrieval_masks` gives it (roles 1)."""
+    r, m = s.shape[-2], s.shape[-1]
+    flip = None if at is None else s[:, at : at + r].diagonal(dim1=-2, dim2=-1)
+    if flip is not None:  # −z S
+        flip.neg_()
+    terms = F.softplus(s)
+    if keep is not None:
+        keep = keep.reshape(r, m)
+        terms = terms.masked_fill_(keep.logical_not(), 0.0)
+    cells = r * m if keep is None else count_true(keep)
+    if not grad:
+        return terms.sum(), cells, None
+    ds = s.sigmoid_()  # ∂softplus(−zS)/∂S = −z σ(−zS)
+    if flip is not None:
+        flip.neg_()
+    if keep is not None:
+        ds = ds.masked_fill_(keep.logical_not(), 0.0)
+    return terms.sum(), cells, ds
+
+
 def block_forward(
     kind, x, y, rows, cols, scale, bias, chunk, *, diag, exclude, lse=None, final=True, grads=None
 ) -> dict[str, Tensor]:
@@ -541,6 +580,12 @@ def block_forward(
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
+            if kind.sigmoid:
+                total, cells, ds = _sigmoid_fold_(s, keep, pos_at, grads is not None)
+                acc.total, acc.count = acc.total + total, acc.count + cells
+                if grads is not None:
+                    grads.add(ds, r0, r1)
+                continue
             if kind.doc_columns and grads is not None:  # one tile (_fused): columns complete
                 held = _retrieval_whole_(kind, s, keep, pen, col_keep, rows[1], scale, pos_at, acc)
                 grads.held = (held, pos_at)
@@ -614,7 +659,7 @@ class _Partials:
 
     def result(self, given_lse: bool, final: bool) -> dict[str, Tensor]:
         kind, x = self.kind, self.x
-        if kind == "siglip":
+        if kind_name(kind) == "siglip":
             keys: tuple[str, ...] = ()
         elif isinstance(kind, Retrieval):
             keys = ("row_lse", "row_pos_sum")
@@ -625,7 +670,7 @@ class _Partials:
         # every key, also without a tile (an empty rank's rows, on the ring)
         parts = self.parts
         out = {k: torch.cat(parts[k]) if parts[k] else x.new_zeros(0) for k in keys}
-        if isinstance(kind, Retrieval) and not parts["row_lse"]:  # (0, one lse or one a role)
+        if _ranked(kind) and not parts["row_lse"]:  # (0, one lse or one a role)
             out["row_lse"] = x.new_zeros((0, 1 if kind.joint else kind.roles))
         if isinstance(kind, Retrieval) and kind.doc_columns:  # over the block's M columns
             c0, c1 = kind.positive_span(self.m)
@@ -935,9 +980,9 @@ def counts(kind: Kind, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     """The numbers ``kind``'s reducers divide by, over these ``n`` rows (and, for CLIP, these
     columns): across ranks, their sums over the ranks are the global ones."""
     zero = next(iter(st.values())).new_zeros(())
-    if isinstance(kind, Retrieval):  # n counts x's rows, ``roles`` a loss row
+    if _ranked(kind):  # n counts x's rows, ``roles`` a loss row
         return {"n": zero + st["row_lse"].shape[0]}
-    if kind == "siglip":
+    if kind_name(kind) == "siglip":
         return {"n": zero + n, "count": st["count"]}
     if kind == "ntxent":
         return {"count": st["count"]}
@@ -965,9 +1010,9 @@ def _batch_weight(kind: Kind, reducer: str, total: Mapping[str, Tensor]) -> Tens
     """The second factor of :func:`_row_weight`: a scalar from the whole batch's
     :func:`counts` (``total``)."""
     one = next(iter(total.values())).new_ones(())
-    if isinstance(kind, Retrieval):
+    if _ranked(kind):
         return ratio(one, total["n"]) if reducer == "mean" else one
-    if kind == "siglip":  # (each weight computed only for its reducer: a few ops a call)
+    if kind_name(kind) == "siglip":  # (each weight computed only for its reducer: a few ops a call)
         if reducer == "batch":
             return one / total["n"]
         return ratio(one, total["count"]) if reducer == "mean" else one
@@ -986,7 +1031,7 @@ def reduce(
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The loss of these rows (and columns) and the statistics its backward reads (per-row ones
     first, :data:`ROW_STATS`), given the :func:`counts` of the whole batch (``total``)."""
-    if isinstance(kind, Retrieval):  # Σ_i w · (mean_roles lse_i − S(q_i, p_i))
+    if _ranked(kind):  # Σ_i w · (mean_roles lse_i − S(q_i, p_i))
         coef = _batch_weight(kind, reducer, total)
         row_lse = st["row_lse"]
         if not kind.doc_columns:
@@ -1003,7 +1048,7 @@ def reduce(
             lse = (row_lse[:, 0] + col) / 2
             row_ref, col_ref = row_lse, full
         return (lse - st["row_pos_sum"]).sum() * coef, (row_ref, coef, col_ref)
-    if kind == "siglip":
+    if kind_name(kind) == "siglip":
         coef = _batch_weight(kind, reducer, total)
         return st["total"] * coef, (coef,)
     if kind == "ntxent":
@@ -1176,6 +1221,11 @@ def block_backward(
         if isinstance(kind, Retrieval):
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, x.shape[-2], r0, diag)
+            if kind.sigmoid:
+                ds = _sigmoid_fold_(s, keep, pos_at, True)[2]
+                assert ds is not None  # asked for
+                sums.add(ds.mul_(row[0]), r0, r1)
+                continue
             lse, coef = row[0][r0:r1], row[1]
             down = (col_keep, col[0]) if kind.doc_columns else None
             sums.add(
@@ -1332,7 +1382,7 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
         p_r, p_c, pos, eye = sums.held
         sums.held = None
         sums.add(_clip_whole_ds_(p_r, p_c, pos, eye, stats[:3], stats[3:]), 0, x.shape[-2])
-    elif isinstance(kind, Retrieval):  # reduce's batch weight, the second statistic
+    elif _ranked(kind):  # reduce's batch weight, the second statistic
         glob = stats[1]
     elif kind != "clip":
         glob = _batch_weight(kind, reducer, total)

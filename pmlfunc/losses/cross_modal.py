@@ -120,6 +120,9 @@ def siglip(
     max_logit_scale: float | None = None,
     chunk_size: int | None = None,
     reducer: Reducer | None = None,
+    memory: dict[str, Tensor] | None = None,
+    anchor_ids: Tensor | None = None,
+    positive_ids: Tensor | None = None,
 ) -> Tensor:
     r"""SigLIP's pairwise sigmoid loss: every pair a binary classification.
 
@@ -143,8 +146,24 @@ def siglip(
         max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp``.
         chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
             ``None``: tiles of ``2²²`` entries.
-        reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ / N²``) or
-            ``sum()``.
+        reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ`` over the number
+            of pairs summed, ``N²`` without ids or a queue) or ``sum()``.
+        memory: ``None`` or a queue of earlier steps' ``emb_b`` rows
+            (:func:`pmlfunc.queues.document_queue_init`): each filled entry ``k`` adds the
+            negative pairs ``(i, k)`` of every row ``i``, ``softplus(S_ik)``; empty slots add
+            nothing. A queue's queries (``queries=True``) are not read (SigLIP's pairs start
+            from ``emb_a``'s rows). Refused with ``labels``.
+        anchor_ids, positive_ids: ``(N,)`` integer ids of the pairs' ``emb_a`` and ``emb_b``
+            rows (dataset ids, stable across steps), or ``None``. A pair ``(i, j)``, ``j ≠ i``,
+            whose anchor ids or positive ids are equal (the same query or the same document) is
+            left out instead of being a negative, within the batch and against the queue's
+            entries (pushed with their ids, :func:`pmlfunc.queues.document_queue_push`).
+            Refused with ``labels``.
+
+    With ``memory`` or ids the pairs are those of
+    :func:`~pmlfunc.losses.multiple_negatives_ranking`'s candidates (its ``query_to_doc``
+    direction with the same ``memory`` and ids), each a sigmoid term: one engine, the same
+    masks. Under DDP every rank holds the same queue (:mod:`pmlfunc.queues`).
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -152,15 +171,20 @@ def siglip(
     Example:
         >>> a, b = torch.randn(8, 16), torch.randn(8, 16)
         >>> loss = pf.losses.siglip(a, b, pf.losses.siglip_init())
+        >>> queue = pf.queues.document_queue_init(64, 16)
+        >>> ids = torch.arange(8)
+        >>> loss = pf.losses.siglip(a, b, pf.losses.siglip_init(), memory=queue, positive_ids=ids)
+        >>> queue = pf.queues.document_queue_push(queue, b, positive_ids=ids)
 
     Reference: Zhai, Mustafa, Kolesnikov, Beyer, "Sigmoid Loss for Language Image Pre-Training"
     (SigLIP), ICCV 2023.
     """
     return run_local(
         _pair_call(
-            "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer
+            "siglip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
+            memory=memory, ids=(anchor_ids, positive_ids),
         )
-    )
+    )  # fmt: skip
 
 
 def clip_init(
@@ -214,15 +238,16 @@ def _init(logit_scale, logit_bias, dtype, device) -> dict[str, Tensor]:
 
 def _pair_call(
     name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
-    what=None, memory=None,
+    what=None, memory=None, ids=(None, None),
 ) -> EngineCall:  # fmt: skip
     """The validated call as the tiled engine runs it: ``â``, ``b̂`` in the compute dtype, the
-    scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors. CLIP
-    with a ``memory`` queue is the retrieval kind's call (:func:`_clip_memory_call`)."""
-    if memory is not None:
-        return _clip_memory_call(
-            emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
-            what or name, memory,
+    scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors. With a
+    ``memory`` queue (or, SigLIP, ``ids``) it is the retrieval kind's call
+    (:func:`_retrieval_pair_call`)."""
+    if memory is not None or any(i is not None for i in ids):
+        return _retrieval_pair_call(
+            name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
+            what or name, memory, ids,
         )  # fmt: skip
     _checks.paired_rows(emb_a, emb_b, ("emb_a", "emb_b"), name)
     if labels is not None:
@@ -250,30 +275,42 @@ def _pair_call(
     return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
 
 
-def _clip_memory_call(
-    emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what, memory
-) -> EngineCall:
-    """CLIP against a queue: symmetric InfoNCE with per-direction log-sum-exps is the
-    retrieval kind's ``query_to_doc`` + ``doc_to_query`` (``emb_a`` the queries), which reads
-    a queue's documents and queries (:func:`~pmlfunc.losses.multiple_negatives_ranking`)."""
+def _retrieval_pair_call(
+    name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what,
+    memory, ids,
+) -> EngineCall:  # fmt: skip
+    """CLIP or SigLIP against a queue (SigLIP also with ids) as the retrieval kind's call
+    (``emb_a`` the queries; :func:`~pmlfunc.losses.multiple_negatives_ranking`): CLIP's
+    symmetric InfoNCE with per-direction log-sum-exps is ``query_to_doc`` + ``doc_to_query``,
+    which reads a queue's documents and queries; SigLIP is ``query_to_doc``'s candidates, each
+    a sigmoid pair (``Retrieval.sigmoid``), which reads its documents."""
     from .retrieval import _retrieval_call
 
+    given = "memory=" if memory is not None else "anchor_ids/positive_ids"
     if labels is not None:
         raise ValueError(
-            f"{what} with memory= does not take labels: a queued row has no label; mask "
-            "duplicates with pf.losses.multiple_negatives_ranking's anchor_ids/positive_ids"
+            f"{what} with {given} does not take labels: a queued row has no label; mask "
+            "duplicates by anchor_ids/positive_ids"
+            + ("" if name == "siglip" else " (pf.losses.multiple_negatives_ranking's)")
         )
-    if isinstance(params, dict) and "logit_bias" in params:
-        raise ValueError(f"{what} with memory= has no logit_bias (params holds one)")
     if not isinstance(params, dict) or "logit_scale" not in params:
         raise TypeError(
-            "params must be a dict with a 'logit_scale' entry (from pf.losses.clip_init()), got "
-            f"{params if not isinstance(params, dict) else sorted(params)!r}"
+            f"params must be a dict with a 'logit_scale' entry (from pf.losses.{name}_init()), "
+            f"got {params if not isinstance(params, dict) else sorted(params)!r}"
         )
+    distance = cosine() if normalize else dot()
+    if name == "siglip":
+        return _retrieval_call(
+            emb_a, emb_b, None, params, 1.0, distance, ("query_to_doc",), "joint", None, 0.0,
+            ids[0], ids[1], None, "absolute", 0.0, max_logit_scale, chunk_size, reducer, memory,
+            what=what, sigmoid=True,
+        )  # fmt: skip
+    if "logit_bias" in params:
+        raise ValueError(f"{what} with memory= has no logit_bias (params holds one)")
     return _retrieval_call(
-        emb_a, emb_b, None, params, 1.0, cosine() if normalize else dot(),
-        ("query_to_doc", "doc_to_query"), "per_direction", None, 0.0, None, None, None,
-        "absolute", 0.0, max_logit_scale, chunk_size, reducer, memory, what=what,
+        emb_a, emb_b, None, params, 1.0, distance, ("query_to_doc", "doc_to_query"),
+        "per_direction", None, 0.0, None, None, None, "absolute", 0.0, max_logit_scale,
+        chunk_size, reducer, memory, what=what,
     )  # fmt: skip
 
 
@@ -282,6 +319,7 @@ def _engine_call(kind: str, a, what: str | None) -> EngineCall:
     return _pair_call(
         kind, a["emb_a"], a["emb_b"], a["params"], a["labels"], a["normalize"],
         a["max_logit_scale"], a["chunk_size"], a["reducer"], what, a.get("memory"),
+        (a.get("anchor_ids"), a.get("positive_ids")),
     )  # fmt: skip
 
 

@@ -363,10 +363,12 @@ def _queue(memory, q: Tensor, guide, chosen: frozenset[str], cd: torch.dtype) ->
 def _retrieval_call(
     anchors, positives, negatives, params, scale, distance, directions, partition_mode,
     hardness_mode, hardness_strength, anchor_ids, positive_ids, guide, margin_strategy, margin,
-    max_logit_scale, chunk_size, reducer, memory=None, *, what=None,
+    max_logit_scale, chunk_size, reducer, memory=None, *, what=None, sigmoid=False,
 ) -> EngineCall:  # fmt: skip
     """The validated call as the engine runs it (:class:`~pmlfunc.losses._tiled.Retrieval`):
-    ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata."""
+    ``x`` the rows (``N × roles``: query, then positive), ``y`` the columns, their metadata.
+    ``sigmoid``: SigLIP's pair terms on the same candidates (:func:`pmlfunc.losses.siglip`
+    with ids or a queue), its reducers and its ``params`` (a ``logit_bias`` read)."""
     what = what or "multiple_negatives_ranking"
     _checks.paired_rows(anchors, positives, ("anchors", "positives"), what)
     n = anchors.shape[0]
@@ -375,7 +377,7 @@ def _retrieval_call(
     dist = resolve(distance, cosine())
     if not isinstance(dist, _Dot):
         raise ValueError(f"{what} needs distance=cosine() or dot(), got distance={dist!r}")
-    red = tiled_reducer("retrieval", reducer, what)
+    red = tiled_reducer("siglip" if sigmoid else "retrieval", reducer, what)
     chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
     strength = _checks.hyper(hardness_strength, "hardness_strength", nonnegative=True)
     cd = _checks.compute_dtype(anchors.dtype)
@@ -387,7 +389,7 @@ def _retrieval_call(
                 "pf.losses.multiple_negatives_ranking_init()), got "
                 f"{params if not isinstance(params, Mapping) else sorted(params)!r}"
             )
-        _params.known_keys(params, ("logit_scale",))
+        _params.known_keys(params, ("logit_scale", "logit_bias") if sigmoid else ("logit_scale",))
         log_t = _params.check(params, "logit_scale", anchors, ndim=0).to(cd)
         if max_logit_scale is not None:
             log_t = log_t.clamp(max=_checks.number(max_logit_scale, "max_logit_scale"))
@@ -425,6 +427,7 @@ def _retrieval_call(
         doc_columns=d2q and not doc_rows,
         negatives=k,
         memory=0 if queue is None else queue.width,
+        sigmoid=sigmoid,
     )
     x = torch.stack([q_hat, p_hat], 1).reshape(2 * n, -1) if doc_rows else q_hat
     y = _segments(q, p, negs, with_queries)
@@ -445,8 +448,11 @@ def _retrieval_call(
     per_row = opt.per_row  # the columns a row owns: the ring's block sizes
     if chunk is not None:  # at most the dense call's tile: M is (1 + k) N and more
         chunk = min(chunk, dense_rows(opt, x.shape[0], n * per_row + opt.memory))
+    bias = None
+    if sigmoid and params is not None and "logit_bias" in params:
+        bias = _params.check(params, "logit_bias", anchors, ndim=0).to(cd)
     return EngineCall(
-        opt, x, y, rows, cols, t, None, chunk, red, columns_per_row=per_row,
+        opt, x, y, rows, cols, t, bias, chunk, red, columns_per_row=per_row,
         unit=dist.normalize,
     )  # fmt: skip
 
