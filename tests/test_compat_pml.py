@@ -3,7 +3,8 @@ PML's class and the compat class are built with the same arguments, run on the s
 (float64 and float32) and compared on the value and the gradients of the embeddings and of
 every parameter; the learnable losses' state dicts load into each other both ways (PML's names
 and layouts) and a seeded construction draws PML's initial weights. Reference sets, mined
-tuples from the compat miners (PML's tuples), every reducer, distance and regularizer."""
+tuples from the compat miners (PML's tuples), every reducer, distance and regularizer. Every
+compat loss, distance and reducer also runs on the meta device (built there, too)."""
 
 from __future__ import annotations
 
@@ -437,3 +438,82 @@ def test_manifold_draws_from_the_global_rng_repeatably():
     assert values[0] == values[1] and values[0].isfinite()
     with pytest.raises(ValueError, match="labels"):
         loss(emb, torch.zeros(B, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# the meta device: static shapes, no host sync, modules built there without storage. Miners are
+# left out: they return index tuples whose length depends on the data, which meta cannot know.
+# ---------------------------------------------------------------------------------------------
+META = torch.device("meta")
+# the compat losses outside BATCH and LEARNABLE: (constructor, what a call takes)
+META_OTHERS = {
+    "CrossBatchMemory": (lambda: losses.CrossBatchMemory(losses.NTXentLoss(), D, 16), "labels"),
+    "DynamicSoftMarginLoss": (lambda: losses.DynamicSoftMarginLoss(num_bins=8), "labels"),
+    "ManifoldLoss": (lambda: losses.ManifoldLoss(D, K=5), "embeddings"),
+    "MultipleLosses": (
+        lambda: losses.MultipleLosses([losses.NTXentLoss(), losses.ContrastiveLoss()]),
+        "labels",
+    ),
+    "SelfSupervisedLoss": (lambda: losses.SelfSupervisedLoss(losses.NTXentLoss()), "ref_emb"),
+    "SmoothAPLoss": (lambda: losses.SmoothAPLoss(temperature=0.05), "labels"),
+    "VICRegLoss": (lambda: losses.VICRegLoss(), "ref_emb"),
+}
+
+
+def test_the_meta_table_holds_every_compat_loss():
+    assert {*BATCH, *LEARNABLE, *META_OTHERS} == set(losses.__all__)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(losses.__all__))
+def test_every_compat_loss_runs_on_the_meta_device(name, dtype):
+    """Built inside ``with torch.device("meta")`` (its parameters and buffers on meta), called on
+    meta embeddings and labels: a 0-d meta loss (float32 for bfloat16 inputs), and a backward
+    that gives the embeddings (and every parameter) a meta gradient."""
+    with META:
+        loss = (_built(name) if name not in META_OTHERS else META_OTHERS[name][0]()).to(dtype)
+        rows = C * C if name == "SmoothAPLoss" else B  # SmoothAP: C rows a class, in order
+        emb = torch.randn(rows, D, dtype=dtype, requires_grad=True)
+        labels = torch.arange(rows) // C if name == "SmoothAPLoss" else torch.arange(B) % C
+        other = torch.randn(rows, D, dtype=dtype)
+    assert all(t.device == META for t in [*loss.parameters(), *loss.buffers()])
+    takes = META_OTHERS[name][1] if name in META_OTHERS else "labels"
+    if takes == "labels":
+        value = loss(emb, labels)
+    elif takes == "ref_emb":
+        value = loss(emb, ref_emb=other)
+    else:
+        value = loss(emb)
+    assert value.device == META and value.shape == ()
+    assert value.dtype == (F32 if dtype == torch.bfloat16 else dtype)
+    value.backward()
+    assert emb.grad is not None and emb.grad.device == META and emb.grad.shape == emb.shape
+    for p in loss.parameters():
+        assert not p.requires_grad or p.grad is None or p.grad.device == META
+
+
+@pytest.mark.parametrize(("name", "kwargs"), DISTANCES)
+def test_compat_distances_run_on_the_meta_device(name, kwargs):
+    dist = getattr(distances, name)(**kwargs)
+    emb, ref = torch.randn(B, D, device=META), torch.randn(M, D, device=META)
+    assert dist(emb).shape == (B, B) and dist(emb).device == META
+    assert dist(emb, ref).shape == (B, M) and dist(emb, ref).device == META
+
+
+@pytest.mark.parametrize("loss_name", ["ContrastiveLoss", "TripletMarginLoss", "ArcFaceLoss"])
+@pytest.mark.parametrize(("name", "args"), REDUCERS)
+def test_compat_reducers_run_on_the_meta_device(name, args, loss_name):
+    if name == "DivisorReducer":
+        pytest.skip(
+            "only MarginLoss supplies divisors (its default reducer: the meta test of every "
+            "loss runs it); these losses raise ValueError on every device alike"
+        )
+    args = tuple(a.to(META) if isinstance(a, torch.Tensor) else a for a in args)
+    with META:
+        sizes = (C, D) if loss_name == "ArcFaceLoss" else ()
+        loss = getattr(losses, loss_name)(*sizes, reducer=getattr(reducers, name)(*args))
+        emb = torch.randn(B, D, requires_grad=True)
+        value = loss(emb, torch.arange(B) % C)
+    assert value.device == META and value.shape == ()
+    value.backward()
+    assert emb.grad is not None and emb.grad.device == META

@@ -1,4 +1,4 @@
-"""Tests for pmlfunc.evaluation: knn and retrieval_metrics.
+"""Tests for pmlfunc.evaluation: knn, retrieval_metrics and pml_per_query.
 
 Proof by three independent routes: PML 2.9.0's ``AccuracyCalculator`` (with its torch
 ``CustomKNN``, since faiss is not installed), a naive float64 loop reference (argsort of the full
@@ -21,7 +21,7 @@ from pytorch_metric_learning.utils.inference import CustomKNN
 
 import pmlfunc as pf
 import pmlfunc.distances as pfd
-from pmlfunc.evaluation import knn, retrieval_metrics
+from pmlfunc.evaluation import knn, neighbor_relevance, pml_per_query, retrieval_metrics
 
 PML_METRICS = ("precision_at_1", "r_precision", "mean_average_precision_at_r")
 
@@ -448,6 +448,130 @@ RY = torch.tensor([0, 1, 1, 2, 2])
     ],
 )
 def test_errors_name_the_argument(call, error, name):
+    with pytest.raises(error, match=name):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# pml_per_query: PML's metrics per query, from the relevance of given neighbours
+# ----------------------------------------------------------------------------------------------
+PER_QUERY_KEYS = (
+    "precision_at_1",
+    "r_precision",
+    "mean_average_precision_at_r",
+    "mean_average_precision",
+    "mean_reciprocal_rank",
+)
+
+
+def loop_per_query(retrieved, num_relevant, k):
+    """PML 2.9.0's per-query definitions, one query at a time in Python float64: ``R = n_i``
+    relevant items in all, ``rel`` the first ``k`` neighbours' relevance (grade > 0)."""
+    out = {name: [] for name in PER_QUERY_KEYS}
+    for row, big_r in zip(retrieved.tolist(), num_relevant.tolist(), strict=True):
+        rel = [float(g > 0) for g in row[:k]]
+        top = min(big_r, k)  # PML's relevance mask: the first min(R, k) neighbours
+        hits, ap, ap_at_r, rr = 0, 0.0, 0.0, 0.0
+        for j, r in enumerate(rel, start=1):
+            if r:
+                hits += 1
+                ap += hits / j
+                ap_at_r += hits / j if j <= top else 0.0
+                rr = max(rr, 1.0 / j)
+        out["precision_at_1"].append(rel[0])
+        out["r_precision"].append(sum(rel[:top]) / top if top else math.nan)
+        out["mean_average_precision_at_r"].append(ap_at_r / big_r if big_r else math.nan)
+        out["mean_average_precision"].append(ap / big_r if big_r else math.nan)
+        out["mean_reciprocal_rank"].append(rr)
+    return {name: torch.tensor(v, dtype=torch.float64) for name, v in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [None, 1, 4])
+def test_pml_per_query_matches_a_float64_loop(seed, k):
+    """Random grades (int, some 0) with ``n_i`` from 0 (NaN where PML divides by it) to more
+    than the 7 retrieved (truncated R-precision and MAP@R), at most ``n_i`` relevant retrieved."""
+    g = torch.Generator().manual_seed(seed)
+    width = 7
+    n_rel = torch.randint(0, 12, (40,), generator=g)
+    grades = torch.randint(1, 4, (40, width), generator=g) * (
+        torch.rand(40, width, generator=g) < 0.5
+    )
+    grades = torch.where((grades > 0).cumsum(1) <= n_rel.unsqueeze(1), grades, 0)
+    got = pml_per_query(grades, n_rel, k=k)
+    assert list(got) == list(PER_QUERY_KEYS)
+    expected = loop_per_query(grades, n_rel, width if k is None else k)
+    for name in PER_QUERY_KEYS:
+        assert got[name].dtype == torch.float64 and got[name].shape == (40,)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-12, atol=0, equal_nan=True)
+    assert got["r_precision"][n_rel == 0].isnan().all()  # the test data has such queries
+    # relevance as bool or float grades: the same values
+    for other in (grades > 0, grades.double() / 3):
+        again = pml_per_query(other, n_rel.double(), k=k)
+        assert all(torch.equal(again[n].nan_to_num(-1), got[n].nan_to_num(-1)) for n in got)
+
+
+@pytest.mark.parametrize("distance", ["cosine", "lp"])
+def test_pml_per_query_averaged_per_class_is_pmls_avg_of_avgs(same_set, distance):
+    """Averaged over the non-lone queries, or per class first, the per-query values of the
+    neighbours of :func:`knn` are PML's ``AccuracyCalculator`` means (lone queries included in
+    the data)."""
+    emb, labels = same_set
+    idx, _ = knn(emb, k=emb.shape[0] - 1, distance=pf_distance(distance))
+    rel = neighbor_relevance(idx, query_labels=labels)
+    per_query = pml_per_query(rel.retrieved, rel.num_relevant)
+    counted = rel.num_relevant > 0
+    assert not counted.all()  # the fixture has lone queries
+    classes = labels[counted].unique()
+    pml_dist = (
+        pml_distances.CosineSimilarity() if distance == "cosine" else pml_distances.LpDistance()
+    )
+    for avg_of_avgs in (False, True):
+        calc = AccuracyCalculator(
+            include=PER_QUERY_KEYS,
+            avg_of_avgs=avg_of_avgs,
+            knn_func=CustomKNN(pml_dist),
+            device=torch.device("cpu"),
+        )
+        theirs = calc.get_accuracy(emb, labels)
+        for name in PER_QUERY_KEYS:
+            value = per_query[name]
+            if avg_of_avgs:
+                ours = torch.stack([value[counted & (labels == c)].mean() for c in classes]).mean()
+            else:
+                ours = value[counted].mean()
+            assert ours.item() == pytest.approx(theirs[name], rel=1e-6), (name, avg_of_avgs)
+    # and the plain means are retrieval_metrics'
+    means = retrieval_metrics(emb, labels, distance=pf_distance(distance))
+    for name in PML_METRICS:
+        torch.testing.assert_close(per_query[name][counted].mean(), means[name], rtol=1e-12, atol=0)
+
+
+def test_pml_per_query_runs_on_meta_with_static_shapes():
+    meta = torch.device("meta")
+    out = pml_per_query(
+        torch.zeros(5, 3, device=meta), torch.zeros(5, dtype=torch.long, device=meta)
+    )
+    assert all(
+        v.device == meta and v.shape == (5,) and v.dtype == torch.float64 for v in out.values()
+    )
+    out = pml_per_query(torch.ones(2, 4, device=meta), torch.ones(2, device=meta), k=2)
+    assert all(v.shape == (2,) for v in out.values())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "name"),
+    [
+        (lambda: pml_per_query(torch.ones(3), torch.ones(3)), ValueError, "retrieved"),
+        (lambda: pml_per_query(torch.ones(3, 0), torch.ones(3)), ValueError, "retrieved"),
+        (lambda: pml_per_query([[1, 0]], torch.ones(1)), TypeError, "retrieved"),  # type: ignore[arg-type]
+        (lambda: pml_per_query(torch.ones(3, 2), torch.ones(2)), ValueError, "num_relevant"),
+        (lambda: pml_per_query(torch.ones(3, 2), [1, 1, 1]), TypeError, "num_relevant"),  # type: ignore[arg-type]
+        (lambda: pml_per_query(torch.ones(3, 2), torch.ones(3), k=3), ValueError, "k=3"),
+        (lambda: pml_per_query(torch.ones(3, 2), torch.ones(3), k=0), ValueError, "k"),
+    ],
+)
+def test_pml_per_query_errors_name_the_argument(call, error, name):
     with pytest.raises(error, match=name):
         call()
 

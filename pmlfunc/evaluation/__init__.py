@@ -16,7 +16,9 @@ are public: :func:`neighbor_relevance` gathers the relevance of given neighbours
 shapes, no ``Q × R`` matrix for labels or id lists), :func:`neighbor_scores` averages the
 metrics of given neighbours, and :func:`ndcg`, :func:`mrr`, :func:`map_at_k`,
 :func:`recall_at_k`, :func:`precision_at_k` and :func:`hit_rate_at_k` are the per-query
-arithmetic. :func:`merge_neighbors` merges per-shard top-k lists into the global top-k, and
+arithmetic; :func:`pml_per_query` is that of PML's metrics (what :func:`retrieval_metrics`
+averages, plus PML's MAP@k and MRR), to average per class or any other way.
+:func:`merge_neighbors` merges per-shard top-k lists into the global top-k, and
 :func:`select_threshold` picks the distance threshold that best separates matching pairs.
 
 :func:`clustering_scores` computes PML's clustering metrics ``"NMI"`` and ``"AMI"``: it runs
@@ -75,7 +77,15 @@ from ._clustering import (
     normalized_mutual_info,
 )
 from ._knn import knn, merge_neighbors
-from ._metrics import hit_rate_at_k, map_at_k, mrr, ndcg, precision_at_k, recall_at_k
+from ._metrics import (
+    hit_rate_at_k,
+    map_at_k,
+    mrr,
+    ndcg,
+    pml_per_query,
+    precision_at_k,
+    recall_at_k,
+)
 from ._relevance import Relevance, neighbor_relevance
 from ._retrieval import cross_modal_scores, neighbor_scores, retrieval_metrics, retrieval_scores
 from ._threshold import ThresholdResult, select_threshold
@@ -97,6 +107,7 @@ __all__ = [
     "neighbor_relevance",
     "neighbor_scores",
     "normalized_mutual_info",
+    "pml_per_query",
     "precision_at_k",
     "recall_at_k",
     "retrieval_metrics",

@@ -1,6 +1,6 @@
 """The per-query IR metrics (:func:`ndcg`, :func:`mrr`, :func:`map_at_k`, :func:`recall_at_k`,
-:func:`precision_at_k`, :func:`hit_rate_at_k`), the ``"name@k"`` specs that name them and their
-reduction over queries."""
+:func:`precision_at_k`, :func:`hit_rate_at_k`), PML's per-query metrics (:func:`pml_per_query`),
+the ``"name@k"`` specs that name them and their reduction over queries."""
 
 from __future__ import annotations
 
@@ -200,6 +200,67 @@ def ndcg(retrieved: Tensor, ideal: Tensor, *, k: int | None = None) -> Tensor:
         )
     discount = 1.0 / torch.log2(_ranks(k, top.device) + 1.0)
     return (top * discount).sum(1) / (best * discount).sum(1)
+
+
+def pml_per_query(
+    retrieved: Tensor, num_relevant: Tensor, *, k: int | None = None
+) -> dict[str, Tensor]:
+    """Per-query values of PML 2.9.0's ``AccuracyCalculator`` k-NN metrics, from the relevance
+    of each query's ranked neighbours.
+
+    With ``rel_i(j) = 1[g_i(j) > 0]`` for query ``i``'s ``j``-th neighbour, ``n_i`` its number
+    of relevant reference items (PML's ``R``) and ``P_i(j) = (1/j) Σ_{m≤j} rel_i(m)``::
+
+        precision_at_1_i              = rel_i(1)
+        r_precision_i                 = (1 / min(n_i, k)) Σ_{j ≤ min(n_i, k)} rel_i(j)
+        mean_average_precision_at_r_i = (1 / n_i) Σ_{j ≤ min(n_i, k)} rel_i(j) · P_i(j)
+        mean_average_precision_i      = (1 / n_i) Σ_{j ≤ k} rel_i(j) · P_i(j)
+        mean_reciprocal_rank_i        = max_{j ≤ k} rel_i(j) / j
+
+    PML averages these over the queries with ``n_i > 0`` (:func:`retrieval_metrics` does, for
+    the first three); being per query, they can also be averaged per class (PML's
+    ``avg_of_avgs``) or over any other grouping. The three divided by ``n_i`` are NaN (0/0) for
+    a query with ``n_i = 0``; ``precision_at_1`` and ``mean_reciprocal_rank`` are 0 there.
+    ``mean_average_precision`` is trec_eval's ``map_cut_k`` (:func:`map_at_k` divides by
+    ``min(n_i, k)`` instead), and ``mean_reciprocal_rank`` is :func:`mrr`. With ``k >= n_i``
+    ``r_precision`` and ``mean_average_precision_at_r`` are exact; a smaller ``k`` truncates
+    them as PML does.
+
+    Args:
+        retrieved: ``(Q, K)`` relevance grades of each query's ranked neighbours (relevant:
+            ``> 0``), e.g. :attr:`Relevance.retrieved`.
+        num_relevant: ``(Q,)`` number of relevant reference items of each query (all of them,
+            not only those retrieved), e.g. :attr:`Relevance.num_relevant`.
+        k: cut-off, ``1 <= k <= K``; default ``K`` (PML's ``k``: the neighbours retrieved).
+
+    Returns:
+        ``{"precision_at_1", "r_precision", "mean_average_precision_at_r",
+        "mean_average_precision", "mean_reciprocal_rank"}``, each ``(Q,)`` float64.
+
+    Example:
+        >>> s = pml_per_query(torch.tensor([[1, 0, 1], [0, 1, 0]]), torch.tensor([2, 3]))
+        >>> {name: [round(v, 4) for v in value.tolist()] for name, value in s.items()}
+        {'precision_at_1': [1.0, 0.0], 'r_precision': [0.5, 0.3333],
+         'mean_average_precision_at_r': [0.5, 0.1667], 'mean_average_precision': [0.8333, 0.1667],
+         'mean_reciprocal_rank': [1.0, 0.5]}
+
+    Reference:
+        Musgrave, Belongie and Lim, "A Metric Learning Reality Check", ECCV 2020 (R-precision,
+        MAP@R).
+    """
+    top, k = _ranked(retrieved, k)
+    n = _per_query(num_relevant, top.shape[0], "num_relevant")
+    rel = (top > 0).to(torch.float64)
+    ranks = _ranks(k, top.device)
+    within_r = (ranks.unsqueeze(0) <= n.unsqueeze(1)).to(torch.float64)  # j <= min(n_i, k)
+    precision = rel.cumsum(1) / ranks
+    return {
+        "precision_at_1": rel[:, 0],
+        "r_precision": (rel * within_r).sum(1) / n.clamp(max=k),
+        "mean_average_precision_at_r": (precision * rel * within_r).sum(1) / n,
+        "mean_average_precision": (precision * rel).sum(1) / n,
+        "mean_reciprocal_rank": (rel / ranks).amax(1),
+    }
 
 
 _METRIC_NAMES = ("ndcg", "mrr", "map", "recall", "precision", "hit_rate")

@@ -12,7 +12,14 @@ from torch import Tensor
 from .. import _checks
 from ..distances import Distance, cosine, resolve
 from ._knn import _nan_rows, _resolve_sets, knn
-from ._metrics import _over_queries, _parse_metrics, _reduction, _scores
+from ._metrics import (
+    _over_queries,
+    _parse_metrics,
+    _reduction,
+    _scores,
+    hit_rate_at_k,
+    pml_per_query,
+)
 from ._relevance import (
     _check_indices,
     _gather_relevance,
@@ -43,23 +50,7 @@ def _label_pair(
     )
 
 
-def _pml_per_query(rel: Tensor, r: Tensor, k: int, recall_ks: tuple[int, ...]) -> dict[str, Tensor]:
-    """Each query's PML metrics from ``rel`` ``(Q, k)`` (neighbour has the query's label) and ``R_i``."""
-    ranks = torch.arange(1, k + 1, device=rel.device)
-    relevant = ranks.unsqueeze(0) <= r.unsqueeze(1)  # first min(R_i, k) positions
-    hits = rel & relevant
-    n_hits = hits.sum(1).double()
-    r64 = r.double()
-    cum = hits.cumsum(1).double()
-    ap = (cum * hits / ranks.double()).sum(1) / r64.clamp_min(1)
-    per_query = {
-        "precision_at_1": rel[:, 0].double(),
-        "r_precision": n_hits / r64.clamp(min=1, max=k),
-        "mean_average_precision_at_r": ap,
-    }
-    for kk in recall_ks:
-        per_query[f"recall_at_{kk}"] = rel[:, :kk].any(1).double()
-    return per_query
+_PML_KEYS = ("precision_at_1", "r_precision", "mean_average_precision_at_r")
 
 
 def retrieval_metrics(
@@ -89,7 +80,8 @@ def retrieval_metrics(
     no other reference row ("lone" queries) are left out of every average, and a metric is NaN
     when every query is lone. With ``k >= max_i R_i`` (the default) R-precision and MAP@R are
     exact; a smaller ``k`` truncates them exactly as PML does (it warns; this does not).
-    ``recall_at_1`` equals ``precision_at_1``.
+    ``recall_at_1`` equals ``precision_at_1``. :func:`pml_per_query` gives the per-query values
+    (of neighbours found anywhere), e.g. to average them per class.
 
     Non-finite embeddings: a query whose embedding has a NaN or ±inf entry has NaN metrics, and
     so does every query when any reference row has one (a non-finite reference can land anywhere
@@ -153,7 +145,10 @@ def retrieval_metrics(
             query, reference, k=k, distance=dist, chunk_size=chunk_size, exclude_self=exclude
         )
         rel = reference_labels[idx] == query_labels.unsqueeze(1)  # (Q, k)
-        per_query = _pml_per_query(rel, r, k, recall_ks)
+        every = pml_per_query(rel, r)
+        per_query = {name: every[name] for name in _PML_KEYS}
+        for kk in recall_ks:
+            per_query[f"recall_at_{kk}"] = hit_rate_at_k(rel, k=kk)
         unranked = _nan_rows(val)
         # Lone queries (R_i = 0) are left out; every query lone: 0 / 0 = NaN, as in PML.
         return {name: _over_queries(v, r > 0, unranked, "mean") for name, v in per_query.items()}

@@ -631,6 +631,9 @@ def subcenter_arcface_outliers(
         ... )
         >>> outliers.shape, dominant[2].item()
         (torch.Size([6]), -1)
+
+    Reference: Deng et al., "Sub-center ArcFace: Boosting Face Recognition by Large-scale Noisy
+    Web Faces", ECCV 2020.
     """
     threshold = _checks.hyper(threshold, "threshold")
     with torch.no_grad():

@@ -9,7 +9,9 @@ and PML degrees (``ArcFaceLoss``, ``SubCenterArcFaceLoss``) the value is convert
 The learnable losses hold their parameters as ``nn.Parameter`` under PML's names and in PML's
 layouts (``W`` of shape ``(D, C)`` or ``(D, C·K)``, ``fc``, ``weight``, ``proxies``, ``beta``),
 drawn by the function's ``*_init`` from the global RNG (the same values as PML's for the same
-seed), so a PML state dict loads; the function receives views of them in its own layout.
+seed), so a PML state dict loads; the function receives views of them in its own layout. They
+are created on the default device, so ``with torch.device("meta"):`` builds a module without
+storage (PML 2.9.0 leaves most of its class tables on the CPU there).
 ``get_logits(embeddings)`` is :func:`pmlfunc.losses.class_logits`; ``SubCenterArcFaceLoss``
 has ``get_outliers``. ``DynamicSoftMarginLoss`` keeps its histogram as the buffer ``hist_``
 and updates it in place at each call, as PML does.
@@ -243,6 +245,13 @@ class DynamicSoftMarginLoss(Loss):
 # ---------------------------------------------------------------------------------------------
 # learnable losses: PML's parameter names and layouts
 # ---------------------------------------------------------------------------------------------
+def _on_default_device(value: Tensor) -> Tensor:
+    """A parameter drawn on the CPU (PML's values for a seed), on the default device: the one
+    of a ``with torch.device(...)`` block (``"meta"``: no storage) or of
+    ``torch.set_default_device``."""
+    return value.to(torch.get_default_device())
+
+
 class _Learnable(Loss):
     """A loss with a class table: ``table`` is ``(PML's attribute, its layout)``: ``"columns"``
     for PML's ``(D, C)`` (``(D, C·K)`` with ``per_class``: ``weight[c, k]`` is column
@@ -270,7 +279,7 @@ class _Learnable(Loss):
         attr, layout = self.table
         if layout == "columns":
             value = value.reshape(-1, self.shape[2]).t()
-        setattr(self, attr, nn.Parameter(value.contiguous()))
+        setattr(self, attr, nn.Parameter(_on_default_device(value.contiguous())))
 
     def params(self) -> dict[str, Tensor]:
         attr, layout = self.table
@@ -432,7 +441,7 @@ class ManifoldLoss(Loss):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         size, count = int(self.argument("l")), int(self.argument("K"))
-        self.proxies = nn.Parameter(_l.manifold_init(size, count)["proxies"])
+        self.proxies = nn.Parameter(_on_default_device(_l.manifold_init(size, count)["proxies"]))
 
     def params(self) -> dict[str, Tensor]:
         return {"proxies": self.proxies}

@@ -10,9 +10,7 @@ of floats per class with ``return_per_class``):
 | key | computed by |
 |---|---|
 | ``"AMI"``, ``"NMI"`` | :func:`~pmlfunc.evaluation.clustering_scores` (or ``kmeans_func``'s clusters scored by :func:`~pmlfunc.evaluation.adjusted_mutual_info` / :func:`~pmlfunc.evaluation.normalized_mutual_info`) |
-| ``"mean_average_precision"`` | :func:`~pmlfunc.evaluation.map_at_k` over the ``k`` neighbours, divided by every relevant item (PML's) rather than ``min(R_i, k)`` |
-| ``"mean_average_precision_at_r"``, ``"precision_at_1"``, ``"r_precision"`` | :func:`~pmlfunc.evaluation.retrieval_metrics`' per-query values |
-| ``"mean_reciprocal_rank"`` | :func:`~pmlfunc.evaluation.mrr` |
+| ``"mean_average_precision"``, ``"mean_average_precision_at_r"``, ``"mean_reciprocal_rank"``, ``"precision_at_1"``, ``"r_precision"`` | :func:`~pmlfunc.evaluation.pml_per_query`'s per-query values of the same name |
 
 The neighbours come from one :func:`~pmlfunc.evaluation.knn` search of PML's ``k`` (``None``:
 every reference row; ``"max_bin_count"``: the largest number of relevant rows; an int), their
@@ -66,13 +64,10 @@ from ....evaluation import (
     adjusted_mutual_info,
     clustering_scores,
     knn,
-    map_at_k,
-    mrr,
     neighbor_relevance,
     normalized_mutual_info,
+    pml_per_query,
 )
-from ....evaluation._metrics import _over_queries
-from ....evaluation._retrieval import _pml_per_query
 from .._base import Compat
 
 __all__ = ["AccuracyCalculator"]
@@ -278,12 +273,8 @@ class AccuracyCalculator:
         k = self._determine_k(int(counts.max()), len(reference), exclude)
         idx, unranked = self._neighbours(query, reference, max(k, 1), exclude)
         rel = neighbor_relevance(idx, **source, exclude_self=exclude)
-        n, width = rel.num_relevant, idx.shape[1]
-        per_query = _pml_per_query(rel.retrieved > 0, n, width, ())
-        per_query["mean_reciprocal_rank"] = mrr(rel.retrieved)
-        full_ap = map_at_k(rel.retrieved, n) * n.clamp(max=width) / n  # PML divides by R_i
-        per_query["mean_average_precision"] = full_ap
-        counted = n > 0
+        per_query = pml_per_query(rel.retrieved, rel.num_relevant)
+        counted = rel.num_relevant > 0
         return {
             name: self._average(value, counted, unranked, query_ids)
             for name, value in per_query.items()
@@ -293,13 +284,15 @@ class AccuracyCalculator:
     def _average(self, value: Tensor, counted: Tensor, unranked: Tensor, ids: Tensor) -> Any:
         """PML's reduction: the mean over the queries with a relevant row, or (``avg_of_avgs``,
         ``return_per_class``) the mean of each class's mean."""
+        value = value.masked_fill(unranked, float("nan"))  # a broken ranking: NaN, counted
         if not (self.avg_of_avgs or self.return_per_class):
-            return float(_over_queries(value, counted, unranked, "mean"))
+            included = counted | unranked  # lone queries left out (all lone: 0 / 0 = NaN)
+            return float(torch.where(included, value, 0.0).sum() / included.sum())
         if not bool(counted.any()):
             nan = [float("nan")] * len(torch.unique(ids))
             return nan if self.return_per_class else float("nan")
         classes, which = torch.unique(ids[counted], return_inverse=True)
-        values = value.masked_fill(unranked, float("nan"))[counted]
+        values = value[counted]
         sums = torch.zeros(len(classes), dtype=values.dtype, device=values.device)
         sums = sums.index_add(0, which, values)
         per_class = sums / torch.bincount(which, minlength=len(classes))
