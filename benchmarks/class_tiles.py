@@ -2,7 +2,7 @@
 and how many classes each fits.
 
     python -m benchmarks.class_tiles --device cuda --output DIR [--classes 100000,1000000,10000000]
-        [--capacity] [--budget-seconds 240]
+        [--capacity] [--budget-seconds 240] [--cce | --no-cce]
 
 For each class count ``C``, loss (``arcface``, ``cosface``, ``normalized_softmax``) and path
 (``dense``; ``tiled`` with ``class_chunk_size`` 8,192 and 65,536) and the matmul floor (``(x
@@ -13,6 +13,20 @@ the weights and their two gradients (CUDA: ``max_memory_allocated`` less what wa
 before the step and the gradients' bytes; CPU: :func:`pmlfunc.memory.peak_tensor_bytes` less the
 gradients). An out-of-memory step is recorded as ``"oom"``; the dense path is not tried where
 its logits alone would not fit.
+
+``normalized_softmax`` path ``cce`` (a peer; default on CUDA, ``--cce`` on CPU, ``--no-cce``
+off): Apple's Cut Cross-Entropy, ``linear_cross_entropy(F.normalize(x) / T, F.normalize(W),
+labels)`` with the ``normalized_softmax`` temperature, the same loss (``benchmarks/peers.py``).
+On CUDA where the package imports (it needs triton) that is its Triton kernels (``impl="cce"``,
+default ``filter_eps``, which for float32 drops gradient entries below ``2⁻²³ / 32``), else its
+``"torch_compile"`` impl (dense logits under ``torch.compile``). The row records the impl and
+``max_rel_diff``: for the loss and each gradient, the largest difference from pmlfunc's tiled
+``normalized_softmax`` (exact, and it fits at every ``C``) over the largest entry. Not
+installed: the row is ``"skipped: <reason>"``; an error in the peer's code ends only its row
+(``"error: ..."``); the ``"torch_compile"`` impl is skipped where the dense logits would not
+fit. On CPU its added memory is that of the same body
+run eagerly (``torch.compiler.set_stance("force_eager")``; Inductor's buffers are invisible to
+:func:`pmlfunc.memory.peak_tensor_bytes`).
 
 ``--capacity``: the largest ``C`` (doubling from 2²⁰, then bisecting to 5%) whose tiled
 ``arcface`` step runs on the device, with a note of the weights' share (CUDA: an allocation that
@@ -36,9 +50,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import pmlfunc as pf
 from pmlfunc.memory import peak_tensor_bytes
+
+from . import peers
 
 B, D = 512, 128
 CHUNKS = (8192, 65536)
@@ -54,6 +71,15 @@ def member(name: str, path: str, labels: torch.Tensor, chunk: int | None):
     if name == "floor":
         return lambda x, w: (x @ w.t()).sum()
     fn, hp = LOSSES[name]
+    if path == "cce":  # Cut Cross-Entropy on normalized_softmax's logits (a peer)
+        cce, impl, t = (
+            peers.cut_cross_entropy(),
+            peers.cce_impl(labels.device.type),
+            hp["temperature"],
+        )
+        return lambda x, w: cce.linear_cross_entropy(
+            F.normalize(x) / t, F.normalize(w), labels, impl
+        )
     kw = {} if path == "dense" else {"class_chunk_size": chunk}
     return lambda x, w: fn(x, labels, {"weight": w}, **hp, **kw)
 
@@ -92,8 +118,9 @@ def measure(fn, x0: torch.Tensor, w0: torch.Tensor, steps: int) -> dict[str, Any
         _sync(device)
         added = torch.cuda.max_memory_allocated(device) - before - grads_bytes
         del out
-    else:
-        added = peak_tensor_bytes(step)[1] - grads_bytes
+    else:  # a compiled body (CCE's torch_compile impl) counted eagerly: see the module docstring
+        with torch.compiler.set_stance("force_eager"):
+            added = peak_tensor_bytes(step)[1] - grads_bytes
     return {
         "median_ms": round(statistics.median(times) * 1e3, 2),
         "min_ms": round(min(times) * 1e3, 2),
@@ -111,7 +138,24 @@ def _fits_dense(c: int, device: torch.device) -> bool:
     return B * c * 4 * 6 < free
 
 
-def run_case(c: int, device: torch.device, steps: int, chunks) -> list[dict[str, Any]]:
+def cce_diff(labels: torch.Tensor, x0: torch.Tensor, w0: torch.Tensor, chunk: int) -> dict:
+    """The CCE member's largest difference from pmlfunc's tiled ``normalized_softmax`` (loss and
+    both gradients), each over the largest entry of pmlfunc's."""
+    out = {}
+    for key in ("cce", "tiled"):
+        x, w = x0.detach().requires_grad_(), w0.detach().requires_grad_()
+        loss = member("normalized_softmax", key, labels, chunk)(x, w)
+        out[key] = (loss.detach(), *torch.autograd.grad(loss, (x, w)))
+        del x, w, loss
+    return {
+        name: float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        for name, a, b in zip(("loss", "grad_x", "grad_w"), out["cce"], out["tiled"], strict=True)
+    }
+
+
+def run_case(
+    c: int, device: torch.device, steps: int, chunks, cce: bool = False
+) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(B, D, generator=g).to(device)
     labels = torch.randint(0, c, (B,), generator=g).to(device)
@@ -121,16 +165,31 @@ def run_case(c: int, device: torch.device, steps: int, chunks) -> list[dict[str,
     for name in LOSSES:
         plan.append((name, "dense", None))
         plan += [(name, "tiled", k) for k in chunks]
+    if cce:
+        plan.append(("normalized_softmax", "cce", None))
     for name, path, chunk in plan:
         row: dict[str, Any] = {"classes": c, "loss": name, "path": path, "class_chunk_size": chunk}
-        if path == "dense" and not _fits_dense(c, device):
+        reason = peers.unavailable("cut_cross_entropy") if path == "cce" else None
+        if path == "cce" and reason is None:
+            row["cce_impl"] = peers.cce_impl(device.type)
+            row["cce_version"] = peers.version("cut_cross_entropy")
+        dense = path == "dense" or row.get("cce_impl") == "torch_compile"  # dense logits
+        if reason is not None:
+            row["outcome"] = f"skipped: {reason}"
+        elif dense and not _fits_dense(c, device):
             row["outcome"] = "skipped: the dense logits would not fit"
         else:
             try:
+                if path == "cce":
+                    row["max_rel_diff"] = cce_diff(labels, x0, w0, chunks[-1])
                 row.update(measure(member(name, path, labels, chunk), x0, w0, steps))
                 row["outcome"] = "ok"
             except torch.OutOfMemoryError:
                 row["outcome"] = "oom"
+            except Exception as err:  # a peer's failure (a Triton compile, say) ends only its row
+                if path != "cce":
+                    raise
+                row["outcome"] = f"error: {type(err).__name__}: {err}"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -226,7 +285,8 @@ def markdown(result: dict[str, Any]) -> str:
         else:
             t, mem = r["outcome"], "—"
         chunk = r["class_chunk_size"] or "—"
-        lines.append(f"| {r['classes']:,} | {r['loss']} | {r['path']} | {chunk} | {t} | {mem} |")
+        path = f"cce (`{r['cce_impl']}`)" if r.get("cce_impl") else r["path"]
+        lines.append(f"| {r['classes']:,} | {r['loss']} | {path} | {chunk} | {t} | {mem} |")
     cap = result.get("capacity")
     if cap:
         lines += [
@@ -251,6 +311,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--capacity", action="store_true")
     ap.add_argument("--budget-seconds", type=float, default=240.0)
     ap.add_argument("--probe", type=int, default=None)
+    ap.add_argument(
+        "--cce",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time Cut Cross-Entropy (a peer) on normalized_softmax's logits (default: on CUDA)",
+    )
     args = ap.parse_args(argv)
     if args.probe is not None:
         return probe(args.probe, torch.device(args.device), args.output)
@@ -260,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result: dict[str, Any] = {"device_name": name, "steps": args.steps, "rows": []}
     chunks = CHUNKS if device.type == "cuda" else (256,)
+    cce = device.type == "cuda" if args.cce is None else args.cce
 
     def save() -> None:
         (args.output / "class_tiles.json").write_text(json.dumps(result, indent=1))
@@ -269,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if time.monotonic() - start > args.budget_seconds:
             result["cut_off"] = True
             break
-        result["rows"] += run_case(c, device, args.steps, chunks)
+        result["rows"] += run_case(c, device, args.steps, chunks, cce)
         save()
     if args.capacity:
         result["capacity"] = capacity(device, start + args.budget_seconds)

@@ -1,7 +1,7 @@
 """The peer libraries' loss code for the benchmark suite (``benchmarks/cases/bench_peers.py``).
 
 The peers are optional: ``pip install -e '.[bench-peers]'`` installs open-clip-torch,
-sentence-transformers, lightly, optax and jax. Nothing in the default test install
+sentence-transformers, lightly, optax, jax and cut-cross-entropy. Nothing in the default test install
 (``.[test,docs]``) needs them; every loader here raises :class:`PeerUnavailable` with the reason
 (the package missing, or failing to import) and the suite skips the member with that reason
 (``pytest.skip`` in the pytest suite; ``status: skipped`` in ``benchmarks.run``).
@@ -30,6 +30,17 @@ What each loader gives, and how:
   first imported, ``XLA_FLAGS`` gets ``--xla_cpu_multi_thread_eigen=false
   intra_op_parallelism_threads=1`` when one thread is asked for, so that XLA's CPU kernels run
   on one thread as torch's do (``torch.set_num_threads`` does not reach XLA).
+- :func:`cut_cross_entropy`: Apple's Cut Cross-Entropy (``linear_cross_entropy(e, c, targets)``,
+  the mean cross entropy of the logits ``e cᵀ``; used by ``benchmarks/cases/bench_class_tiles.py``
+  and ``benchmarks/class_tiles.py``). Where the package imports (its ``linear_cross_entropy.py``
+  imports ``cce.py``, hence triton, on Linux) it is used as is, with both impls: ``"cce"``, the
+  memory-efficient Triton kernels (CUDA tensors only), and ``"torch_compile"``. Without triton
+  (this CPU machine, CI) the package's init fails, so ``torch_compile.py`` (the
+  ``torch.compile(fullgraph=True, dynamic=True)`` of the dense logits and ``F.cross_entropy``,
+  CCE's own baseline and CPU path) is executed from its file with the three files it imports
+  (``constants.py``, ``doc.py``, ``utils.py``: torch only), the ``cut_cross_entropy.*`` names
+  aliased as for lightly; only ``"torch_compile"`` is then offered. A failed package import
+  leaves no ``cut_cross_entropy`` module behind.
 
 Nothing of the peers' code is copied here: the files are the installed packages' own. Every
 outcome (the module, or the reason it is unavailable) is cached per process; :func:`forget`
@@ -72,6 +83,7 @@ PEERS: dict[str, Peer] = {
     "lightly": Peer("lightly", "lightly"),
     "optax": Peer("optax", "optax"),
     "jax": Peer("jax", "jax"),
+    "cut_cross_entropy": Peer("cut_cross_entropy", "cut-cross-entropy"),
 }
 
 
@@ -280,11 +292,77 @@ def optax_ntxent(threads: int = 1) -> types.SimpleNamespace:
     return _cached("optax", lambda: _load_optax(threads))
 
 
+CCE_FILES = ("constants", "doc", "utils")  # what torch_compile.py imports from its package
+
+
+def _cce_files() -> types.SimpleNamespace:
+    """CCE's ``torch_compile.py`` and the three files it imports, without the package's init."""
+    root = package_dir("cut_cross_entropy")
+    deps = {name: load_file(f"cce_{name}", root / f"{name}.py") for name in CCE_FILES}
+    package = _package("cut_cross_entropy", **deps)
+    aliases = {"cut_cross_entropy": package}
+    aliases.update({f"cut_cross_entropy.{name}": module for name, module in deps.items()})
+    compiled = load_file("cce_torch_compile", root / "torch_compile.py", aliases)
+
+    def linear_cross_entropy(e, c, targets, impl: str = "torch_compile"):
+        if impl != "torch_compile":
+            raise PeerUnavailable(
+                f"cut_cross_entropy impl {impl!r} needs the package (triton); loaded here: "
+                "torch_compile.py only"
+            )
+        return compiled.torch_compile_linear_cross_entropy(e, c, targets)
+
+    return types.SimpleNamespace(
+        linear_cross_entropy=linear_cross_entropy,
+        impls=("torch_compile",),
+        source="torch_compile.py (no triton)",
+    )
+
+
+def _load_cut_cross_entropy() -> types.SimpleNamespace:
+    package_dir("cut_cross_entropy")  # not installed: the plain reason
+    if importlib.util.find_spec("triton") is None:
+        return _cce_files()
+    before = set(sys.modules)
+    try:
+        package = importlib.import_module("cut_cross_entropy")
+    except Exception:  # a broken triton: fall back to the files, leaving no partial package
+        for name in set(sys.modules) - before:
+            if name == "cut_cross_entropy" or name.startswith("cut_cross_entropy."):
+                del sys.modules[name]
+        return _cce_files()
+
+    def linear_cross_entropy(e, c, targets, impl: str = "cce"):
+        return package.linear_cross_entropy(e, c, targets, impl=impl)
+
+    return types.SimpleNamespace(
+        linear_cross_entropy=linear_cross_entropy,
+        impls=("cce", "torch_compile"),
+        source="package",
+    )
+
+
+def cut_cross_entropy() -> types.SimpleNamespace:
+    """Apple's Cut Cross-Entropy: ``linear_cross_entropy(e, c, targets, impl)`` (mean reduction),
+    ``impls`` (what ``impl`` may be here: ``"cce"``, CUDA only, where the package imports) and
+    ``source`` (``"package"`` or ``"torch_compile.py (no triton)"``)."""
+    return _cached("cut_cross_entropy", _load_cut_cross_entropy)
+
+
+def cce_impl(device_type: str) -> str:
+    """The CCE impl to time on a device of type ``device_type`` (``"cuda"``, ``"cpu"``): its
+    Triton kernels (``"cce"``) on CUDA where the package imports, else ``"torch_compile"``."""
+    return (
+        "cce" if device_type == "cuda" and "cce" in cut_cross_entropy().impls else "torch_compile"
+    )
+
+
 LOADERS: dict[str, Callable[[], Any]] = {
     "open_clip": open_clip_loss,
     "sentence_transformers": sentence_transformers_losses,
     "lightly": lightly_ntxent,
     "optax": optax_ntxent,
+    "cut_cross_entropy": cut_cross_entropy,
 }
 
 

@@ -12,7 +12,18 @@ embeddings and the weights (``torch.autograd.grad``: the step returns both gradi
 - ``floor``: ``(x Wᵀ).sum()`` and its backward, the three ``B × D × C`` products any of them
   costs;
 - ``arcface-pml``: PML 2.9.0's ``ArcFaceLoss`` (dense), up to ``C = 100,000``
-  (``PMLFUNC_BENCH_CLASSES_PML_MAX``).
+  (``PMLFUNC_BENCH_CLASSES_PML_MAX``);
+- ``normalized_softmax-cce``: Apple's Cut Cross-Entropy (a peer, ``benchmarks/peers.py``;
+  skipped with the reason when ``cut-cross-entropy`` is not installed),
+  ``linear_cross_entropy(F.normalize(x) / T, F.normalize(W), labels)`` with the ``normalized_softmax``
+  members' temperature ``T``: the same loss. Here (CPU) that is CCE's ``"torch_compile"`` impl, a
+  ``torch.compile(fullgraph=True, dynamic=True)`` of the dense logits and ``F.cross_entropy``
+  (CCE's own memory-efficient ``"cce"`` impl is Triton, CUDA only: ``benchmarks/class_tiles.py``
+  times it on a GPU). Every run first checks its value and both gradients against pmlfunc's dense
+  ``normalized_softmax`` (which also compiles it, outside the timing). Its ``peak_tensor_mib`` is
+  that of the same body run eagerly (``torch.compiler.set_stance("force_eager")``: Inductor's
+  buffers are invisible to the count, and the count's dispatch mode cannot run under
+  ``fullgraph=True``), ``extra_info["peak_counted"]`` says so.
 
 ``extra_info``: ``peak_tensor_mib``, one step's live-tensor peak
 (:func:`pmlfunc.memory.peak_tensor_bytes`), and ``beyond_grads_mib``, that peak less the two
@@ -29,22 +40,25 @@ Timed run::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pmlfunc as pf
-from pmlfunc.memory import peak_tensor_bytes
 
 from .. import common as C
+from .. import peers
 
 BATCH = C.env_int("PMLFUNC_BENCH_CLASSES_BATCH", 512)
 DIM = C.env_int("PMLFUNC_BENCH_CLASSES_DIM", 128)
 CHUNK = C.env_int("PMLFUNC_BENCH_CLASS_CHUNK", 8192)
 PML_MAX = C.env_int("PMLFUNC_BENCH_CLASSES_PML_MAX", 100_000)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+THREADS = C.bench_threads()
 SMOKE_CLASSES, SMOKE_CHUNK = 2_000, 256
 LOSSES = {
     "arcface": (pf.losses.arcface, pf.losses.arcface_init, {"margin": 0.5, "scale": 64.0}),
@@ -59,7 +73,13 @@ LOSSES = {
     "p2s_grad": (pf.losses.p2s_grad, pf.losses.p2s_grad_init, {}),
 }
 KEYS = {"proxy_anchor": "proxies"}  # the table's key in params (default "weight")
-MEMBERS = ("floor", *(f"{n}-{p}" for n in LOSSES for p in ("dense", "tiled")), "arcface-pml")
+CCE = "normalized_softmax-cce"  # Cut Cross-Entropy on the normalized_softmax logits
+MEMBERS = (
+    "floor",
+    *(f"{n}-{p}" for n in LOSSES for p in ("dense", "tiled")),
+    CCE,
+    "arcface-pml",
+)
 MIB = 2**20
 
 
@@ -97,12 +117,21 @@ def member(impl: str, labels: torch.Tensor, chunk: int, w0: torch.Tensor):
         )
         head.W.data = w0.t().clone()
         return (lambda x, w: head(x, labels)), head.W
+    if path == "cce":  # CE of normalize(x) normalize(W)ᵀ / T: normalized_softmax's logits
+        cce, cce_impl, t = peers.cut_cross_entropy(), peers.cce_impl("cpu"), hp["temperature"]
+        return (
+            lambda x, w: cce.linear_cross_entropy(
+                F.normalize(x) / t, F.normalize(w), labels, cce_impl
+            )
+        ), w0
     kw = {"class_chunk_size": chunk} if path == "tiled" else {}
     key = KEYS.get(name, "weight")
     return (lambda x, w: fn(x, labels, {key: w}, **hp, **kw)), w0
 
 
 def bench_class_tiles(benchmark, request, classes: int, impl: str) -> None:
+    if impl == CCE and (reason := peers.unavailable("cut_cross_entropy")) is not None:
+        pytest.skip(reason)
     smoke = classes == SMOKE_CLASSES and C.timing_disabled(request.config)
     chunk = SMOKE_CHUNK if smoke else CHUNK
     g = torch.Generator().manual_seed(C.SEED)
@@ -118,14 +147,20 @@ def bench_class_tiles(benchmark, request, classes: int, impl: str) -> None:
         loss = fn(x, w)
         return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
 
-    with C.set_threads(THREADS):
-        out = C.measure(benchmark, request, step, costs=False)
-        _, peak = peak_tensor_bytes(step)
+    if impl == CCE:  # the same loss as pmlfunc's (this call also compiles it, untimed)
+        with C.set_threads(THREADS):
+            benchmark.extra_info.update(_check_cce(step, x0, labels, weight))
+    # CCE's peak: its body run eagerly (the count cannot see Inductor's buffers)
+    eager = functools.partial(torch.compiler.set_stance, "force_eager")
+    out, peak = C.measure_tensor_peak(
+        benchmark, request, step, THREADS,
+        peak_context=eager if impl == CCE else contextlib.nullcontext,
+    )  # fmt: skip
     grads = (x0.numel() + weight.numel()) * x0.element_size()
     benchmark.extra_info.update(
         impl=impl, case="classes", batch=BATCH, dim=DIM, classes=classes, threads=THREADS,
         class_chunk_size=chunk if impl.endswith("tiled") else None, loss_value=float(out[0]),
-        peak_tensor_mib=round(peak / MIB, 1), beyond_grads_mib=round((peak - grads) / MIB, 1),
+        beyond_grads_mib=round((peak - grads) / MIB, 1),
     )  # fmt: skip
     assert all(torch.isfinite(t).all() for t in out)
     if smoke and impl.endswith("tiled"):  # the tiled member gives its dense twin's numbers
@@ -134,3 +169,22 @@ def bench_class_tiles(benchmark, request, classes: int, impl: str) -> None:
         want = (dense.detach(), *torch.autograd.grad(dense, (x, w)))
         for a, b in zip(out, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _check_cce(step, x0: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> dict:
+    """Check the CCE member's value and both gradients (``step()``) against pmlfunc's dense
+    ``normalized_softmax`` on the same inputs (float32 rounding: each gradient to 1e-4 of its
+    largest entry, which at ``C = 10⁵`` is far below the plain 1e-5); its ``extra_info``."""
+    t = LOSSES["normalized_softmax"][2]["temperature"]
+    x, w = x0.detach().requires_grad_(), weight.detach().requires_grad_()
+    dense = pf.losses.normalized_softmax(x, labels, {"weight": w}, temperature=t)
+    want = (dense.detach(), *torch.autograd.grad(dense, (x, w)))
+    for a, b in zip(step(), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    cce = peers.cut_cross_entropy()
+    return {
+        "cce_impl": peers.cce_impl("cpu"),
+        "cce_source": cce.source,
+        "cce_version": peers.version("cut_cross_entropy"),
+        "peak_counted": "eager: the compiled body run without Inductor (force_eager)",
+    }
