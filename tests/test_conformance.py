@@ -496,15 +496,15 @@ def paired(fn: Callable, init: Callable, memory: bool = False, **hp: Any) -> dic
     """A loss of two aligned sets ``fn(emb_a, emb_b, params, **hp)``: dense, tiled
     (``name[tiled]``, ``chunk_size=3``) and with labels on the tiled path
     (``name[tiled,labels]``); both sets and the params leaves differentiated. ``memory``: also
-    tiled against a queue of earlier rows (``name[tiled,memory]``, :func:`_queue`; SigLIP also
-    with the rows' ids, which mask two of the queue's entries, and its bias)."""
+    tiled against a queue of earlier rows with the rows' ids, which mask two of the queue's
+    entries (``name[tiled,memory]``, :func:`_queue`; SigLIP with its bias)."""
     sigmoid = fn is L.siglip
 
     def make(d: Draw, chunk: int | None, labelled: bool, queued: bool = False) -> Call:
         params = d.params(init, logit_bias=None if queued and not sigmoid else 0.5)
         y = d.labels() if labelled else None
         kw = {**hp, "memory": _queue(d)} if queued else hp
-        if queued and sigmoid:
+        if queued:  # the rows' ids: two of the queue's entries are masked
             rows = list(range(B))
             kw = {**kw, "anchor_ids": d.labels(rows), "positive_ids": d.labels(rows)}
         wrt = {

@@ -52,6 +52,8 @@ def clip(
     chunk_size: int | None = None,
     reducer: Reducer | None = None,
     memory: dict[str, Tensor] | None = None,
+    anchor_ids: Tensor | None = None,
+    positive_ids: Tensor | None = None,
 ) -> Tensor:
     r"""CLIP's symmetric contrastive loss (InfoNCE in both directions), multi-positive with labels.
 
@@ -86,8 +88,14 @@ def clip(
             the queued ``b`` rows, ``ℓ^{b→a}_j``'s sum over ``i`` the queued ``a`` rows. Then
             ``clip`` is :func:`~pmlfunc.losses.multiple_negatives_ranking` with
             ``directions=("query_to_doc", "doc_to_query")``,
-            ``partition_mode="per_direction"`` and this ``memory``. Refused with ``labels``
-            (use the retrieval loss's ids) and with a ``logit_bias``.
+            ``partition_mode="per_direction"`` and this ``memory`` (and ids). Refused with
+            ``labels`` and with a ``logit_bias``.
+        anchor_ids, positive_ids: ``(N,)`` integer ids of the pairs' ``emb_a`` and ``emb_b``
+            rows (dataset ids, stable across steps), or ``None``: a candidate of another pair
+            (in the batch or in the queue) whose anchor id or positive id equals the row's is
+            left out of its log-sum-exps, as
+            :func:`~pmlfunc.losses.multiple_negatives_ranking`'s ids do. Refused with
+            ``labels``.
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
@@ -105,7 +113,7 @@ def clip(
     return run_local(
         _pair_call(
             "clip", emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
-            memory=memory,
+            memory=memory, ids=(anchor_ids, positive_ids),
         )
     )  # fmt: skip
 
@@ -242,8 +250,7 @@ def _pair_call(
 ) -> EngineCall:  # fmt: skip
     """The validated call as the tiled engine runs it: ``â``, ``b̂`` in the compute dtype, the
     scale ``t = exp(logit_scale)`` and bias ``b``; ``what`` names the caller in errors. With a
-    ``memory`` queue (or, SigLIP, ``ids``) it is the retrieval kind's call
-    (:func:`_retrieval_pair_call`)."""
+    ``memory`` queue or ``ids`` it is the retrieval kind's call (:func:`_retrieval_pair_call`)."""
     if memory is not None or any(i is not None for i in ids):
         return _retrieval_pair_call(
             name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer,
@@ -279,7 +286,7 @@ def _retrieval_pair_call(
     name, emb_a, emb_b, params, labels, normalize, max_logit_scale, chunk_size, reducer, what,
     memory, ids,
 ) -> EngineCall:  # fmt: skip
-    """CLIP or SigLIP against a queue (SigLIP also with ids) as the retrieval kind's call
+    """CLIP or SigLIP against a queue or with ids as the retrieval kind's call
     (``emb_a`` the queries; :func:`~pmlfunc.losses.multiple_negatives_ranking`): CLIP's
     symmetric InfoNCE with per-direction log-sum-exps is ``query_to_doc`` + ``doc_to_query``,
     which reads a queue's documents and queries; SigLIP is ``query_to_doc``'s candidates, each
@@ -291,7 +298,6 @@ def _retrieval_pair_call(
         raise ValueError(
             f"{what} with {given} does not take labels: a queued row has no label; mask "
             "duplicates by anchor_ids/positive_ids"
-            + ("" if name == "siglip" else " (pf.losses.multiple_negatives_ranking's)")
         )
     if not isinstance(params, dict) or "logit_scale" not in params:
         raise TypeError(
@@ -306,10 +312,10 @@ def _retrieval_pair_call(
             what=what, sigmoid=True,
         )  # fmt: skip
     if "logit_bias" in params:
-        raise ValueError(f"{what} with memory= has no logit_bias (params holds one)")
+        raise ValueError(f"{what} with {given} has no logit_bias (params holds one)")
     return _retrieval_call(
         emb_a, emb_b, None, params, 1.0, distance, ("query_to_doc", "doc_to_query"),
-        "per_direction", None, 0.0, None, None, None, "absolute", 0.0, max_logit_scale,
+        "per_direction", None, 0.0, ids[0], ids[1], None, "absolute", 0.0, max_logit_scale,
         chunk_size, reducer, memory, what=what,
     )  # fmt: skip
 
