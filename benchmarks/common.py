@@ -78,7 +78,7 @@ def env_settings() -> tuple[int, int, int, int, torch.dtype, torch.device]:
         bench_batch(),
         env_int("PMLFUNC_BENCH_DIM", DEFAULT_DIM),
         env_int("PMLFUNC_BENCH_SAMPLES_PER_CLASS", DEFAULT_SAMPLES_PER_CLASS),
-        env_int("PMLFUNC_BENCH_THREADS", DEFAULT_THREADS),
+        bench_threads(),
         dtype,
         torch.device(os.environ.get("PMLFUNC_BENCH_DEVICE", "") or "cpu"),
     )
@@ -92,6 +92,11 @@ def parity_rtol(dtype: torch.dtype) -> float:
 def bench_batch() -> int:
     """Batch size for timed runs: ``PMLFUNC_BENCH_BATCH`` (default 512)."""
     return env_int("PMLFUNC_BENCH_BATCH", DEFAULT_BATCH)
+
+
+def bench_threads() -> int:
+    """Threads for a benchmark body: ``PMLFUNC_BENCH_THREADS`` (default 1)."""
+    return env_int("PMLFUNC_BENCH_THREADS", DEFAULT_THREADS)
 
 
 def make_labels(batch: int, samples_per_class: int = DEFAULT_SAMPLES_PER_CLASS) -> torch.Tensor:
@@ -372,3 +377,26 @@ def measure(
     benchmark.extra_info["flops"] = step_flops(cost_step)
     benchmark.extra_info["peak_added_mib"] = round(step_peak_mib(cost_step, device), 3)
     return out
+
+
+def measure_tensor_peak(
+    benchmark,
+    request,
+    step: Callable[[], Any],
+    threads: int,
+    *,
+    peak_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> tuple[Any, int]:
+    """``(result, peak)``: :func:`measure` ``step`` (``costs=False``), then one more call's
+    live-tensor peak in bytes (:func:`pmlfunc.memory.peak_tensor_bytes`), both with ``threads``
+    threads; the peak, in MiB, recorded as ``extra_info["peak_tensor_mib"]``. ``peak_context``
+    makes the context the counted call alone runs in (e.g. a compiler stance: built only then,
+    since ``torch.compiler.set_stance(...)`` takes effect when called)."""
+    from pmlfunc.memory import peak_tensor_bytes
+
+    with set_threads(threads):
+        out = measure(benchmark, request, step, costs=False)
+        with peak_context():
+            _, peak = peak_tensor_bytes(step)
+    benchmark.extra_info["peak_tensor_mib"] = round(peak / 2**20, 1)
+    return out, peak

@@ -8,6 +8,8 @@ from unittest import mock
 
 import torch
 
+import pmlfunc as pf
+
 F64, F32 = torch.float64, torch.float32
 UNEVEN = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4]  # uneven classes; 2 and 4 are singletons
 REF_LABELS = [0, 1, 1, 5, 3, 3, 0, 2]  # a reference set: shares some classes, has an unseen one
@@ -143,3 +145,24 @@ def sentence_transformers_losses():
     import pytest
 
     return pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+
+
+def retrieval_calls(option: dict, guide=None) -> tuple[dict, dict]:
+    """A ``multiple_negatives_ranking`` test option as ``(pmlfunc kwargs, reference kwargs)``
+    (the float64 reference, tests/reference/retrieval.py): ``"k"`` (the batch's hard negatives a
+    row) dropped; ``"guide": True`` becomes ``guide`` (the guide's embeddings, without the
+    negatives' for pmlfunc when ``k`` is 0); ``"distance": "dot"`` pmlfunc's dot product and the
+    reference's ``normalize=False``; a ``"reducer"`` pmlfunc's sum reducer (the reference takes
+    its name)."""
+    opt = {key: v for key, v in option.items() if key != "k"}
+    ours, theirs = dict(opt), dict(opt)
+    if opt.get("guide"):
+        ours["guide"] = theirs["guide"] = guide
+        if option.get("k") == 0:
+            ours["guide"] = guide[:2]
+    if opt.get("distance") == "dot":
+        ours["distance"], theirs["normalize"] = pf.distances.dot(), False
+        theirs.pop("distance")
+    if "reducer" in opt:
+        ours["reducer"] = pf.reducers.sum()
+    return ours, theirs

@@ -56,16 +56,24 @@ def _draw(name, b, c, d, dtype=torch.float32, seed=0):
     return x, labels, params
 
 
-@pytest.mark.parametrize("name", list(TILED))
-def test_no_tensor_of_the_batch_times_the_classes_in_either_pass(name):
-    """Forward and backward create nothing larger than the weights (their gradient) or a tile of
-    ``B × chunk·K``; the dense loss creates its ``B × C·K`` logits (the check has teeth)."""
-    b, c, d, chunk = 48, 300, 4, 16
+def _draw_leaves(name, b, c, d):
+    """``(x, labels, params, key, K)``: :func:`_draw`'s float32 embeddings and class table as
+    leaves that want gradients, the table's key in ``params`` and its sub-centres a class ``K``
+    (1 for a ``(C, D)`` table)."""
     x, labels, params = _draw(name, b, c, d)
     key = TILED[name][2]
     x.requires_grad_(True)
     params[key].requires_grad_(True)
     k = params[key].shape[1] if params[key].ndim == 3 else 1
+    return x, labels, params, key, k
+
+
+@pytest.mark.parametrize("name", list(TILED))
+def test_no_tensor_of_the_batch_times_the_classes_in_either_pass(name):
+    """Forward and backward create nothing larger than the weights (their gradient) or a tile of
+    ``B × chunk·K``; the dense loss creates its ``B × C·K`` logits (the check has teeth)."""
+    b, c, d, chunk = 48, 300, 4, 16
+    x, labels, params, key, k = _draw_leaves(name, b, c, d)
     bound = max(params[key].numel(), b * chunk * k, b * d)
     assert b * c > bound
     with LargestTensor() as rec:
@@ -85,11 +93,7 @@ def test_beyond_the_two_gradients_only_a_few_tiles_are_ever_alive(name):
     eight times that budget here, so a second weight-sized tensor (a copy of the gradient)
     fails this."""
     b, c, d, chunk = 8, 2000, 64, 16
-    x, labels, params = _draw(name, b, c, d)
-    key = TILED[name][2]
-    x.requires_grad_(True)
-    params[key].requires_grad_(True)
-    k = params[key].shape[1] if params[key].ndim == 3 else 1
+    x, labels, params, key, k = _draw_leaves(name, b, c, d)
     _, peak = peak_tensor_bytes(
         lambda: _call(name, x, labels, params, class_chunk_size=chunk).backward()
     )

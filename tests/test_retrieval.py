@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import GivenEmbeddings, sentence_transformers_losses
+from helpers import GivenEmbeddings, retrieval_calls, sentence_transformers_losses
 from reference import retrieval as ref
 
 import pmlfunc as pf
@@ -93,29 +93,13 @@ OPTIONS = {
 }
 
 
-def _calls(option: dict, k: int):
-    """The option as ``(pmlfunc kwargs, reference kwargs)``."""
-    opt = {key: v for key, v in option.items() if key != "k"}
-    ours, theirs = dict(opt), dict(opt)
-    if opt.get("guide"):
-        ours["guide"] = theirs["guide"] = _guide(k)
-        if k == 0:
-            ours["guide"] = ours["guide"][:2]
-    if opt.get("distance") == "dot":
-        ours["distance"], theirs["normalize"] = pf.distances.dot(), False
-        theirs.pop("distance")
-    if "reducer" in opt:
-        ours["reducer"] = pf.reducers.sum()
-    return ours, theirs
-
-
 @pytest.mark.parametrize("chunk", [None, 1, 3])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_equals_the_float64_reference_on_values_and_every_gradient(name, chunk):
     option = OPTIONS[name]
     k = option.get("k", K)
     q, p, n = _batch(k)
-    ours, theirs = _calls(option, k)
+    ours, theirs = retrieval_calls(option, _guide(k))
     negatives = n if k else None
     got = mnrl(q, p, negatives, chunk_size=chunk, **ours)
     want = ref.multiple_negatives_ranking(q, p, negatives, **theirs)
@@ -130,7 +114,7 @@ def test_equals_the_float64_reference_on_values_and_every_gradient(name, chunk):
 @pytest.mark.parametrize("name", ["plain", "gte", "symmetric"])
 def test_a_learnable_scale_gets_the_gradient_of_the_reference(name):
     q, p, n = _batch()
-    ours, theirs = _calls(OPTIONS[name], K)
+    ours, theirs = retrieval_calls(OPTIONS[name])
     params = {"logit_scale": torch.tensor(math.log(12.0), dtype=F64, requires_grad=True)}
     got = mnrl(q, p, n, params, chunk_size=2, **ours)
     log_t = params["logit_scale"].detach().clone().requires_grad_()
@@ -485,7 +469,7 @@ def test_the_gather_and_the_ring_are_the_single_process_loss_with_unequal_ranks(
     option, sizes = DISTRIBUTED[name]
     k = option.get("k", K)
     q, p, n = (t.detach() for t in _batch(k))
-    ours, _ = _calls({key: v for key, v in option.items() if key != "params"}, k)
+    ours, _ = retrieval_calls({key: v for key, v in option.items() if key != "params"}, _guide(k))
     params = option.get("params")
     args = (q, p, n if k else None) + (() if params is None else (params,))
     report = pf.testing.check_distributed(

@@ -38,7 +38,6 @@ from collections.abc import Callable
 import torch
 
 import pmlfunc as pf
-from pmlfunc.memory import peak_tensor_bytes
 
 from .. import common as C
 
@@ -47,10 +46,9 @@ HIDDEN = C.env_int("PMLFUNC_BENCH_GRADCACHE_HIDDEN", 1024)
 MINI = C.env_int("PMLFUNC_BENCH_GRADCACHE_MINI", 256)
 CHUNK = C.env_int("PMLFUNC_BENCH_GRADCACHE_CHUNK", 64)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_GRADCACHE_BATCH", 512)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+THREADS = C.bench_threads()
 DIM = 128
 MEMBERS = ("full-dense", "full-tiled", "gradcache")
-MIB = 2**20
 
 
 def encoder(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -91,9 +89,7 @@ def bench_gradcache(benchmark, request, batch: int, impl: str) -> None:
     enc = encoder()
     x, labels = inputs(batch)
     run = step(impl, enc, x, labels)
-    with C.set_threads(THREADS):
-        loss = C.measure(benchmark, request, run, costs=False)  # its memory: below
-        _, peak = peak_tensor_bytes(run)
+    loss, _ = C.measure_tensor_peak(benchmark, request, run, THREADS)
     benchmark.extra_info.update(
         impl=impl,
         case="gradcache",
@@ -104,7 +100,6 @@ def bench_gradcache(benchmark, request, batch: int, impl: str) -> None:
         chunk_size=None if impl == "full-dense" else CHUNK,
         threads=THREADS,
         loss_value=float(loss),
-        peak_tensor_mib=round(peak / MIB, 1),
     )
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in enc.parameters())

@@ -30,17 +30,15 @@ from __future__ import annotations
 import torch
 
 import pmlfunc as pf
-from pmlfunc.memory import peak_tensor_bytes
 
 from .. import common as C
 
 BATCH = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_BATCH", 4096)
 DIM = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_DIM", 768)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_MATRYOSHKA_BATCH", 256)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+THREADS = C.bench_threads()
 CHUNK = 256
 MEMBERS = ("single", "matryoshka", "matryoshka-dense")
-MIB = 2**20
 
 
 def widths(dim: int) -> tuple[int, ...]:
@@ -69,13 +67,11 @@ def bench_matryoshka(benchmark, request, batch: int, impl: str) -> None:
         loss.backward()
         return loss.detach()
 
-    with C.set_threads(THREADS):
-        loss = C.measure(benchmark, request, step, costs=False)
-        _, peak = peak_tensor_bytes(step)
+    loss, _ = C.measure_tensor_peak(benchmark, request, step, THREADS)
     benchmark.extra_info.update(
         impl=impl, case="matryoshka", batch=batch, dim=DIM, widths=list(widths(DIM)),
         chunk_size=None if impl == "matryoshka-dense" else CHUNK, threads=THREADS,
-        loss_value=float(loss), peak_tensor_mib=round(peak / MIB, 1),
+        loss_value=float(loss),
     )  # fmt: skip
     assert loss.ndim == 0 and torch.isfinite(loss)
     if impl != "single":

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 import pmlfunc as pf
-from pmlfunc.memory import peak_tensor_bytes
 
 from .. import common as C
 
@@ -38,11 +37,10 @@ DIM = C.env_int("PMLFUNC_BENCH_QUEUE_DIM", 256)
 SIZE = C.env_int("PMLFUNC_BENCH_QUEUE_SIZE", 16384)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_QUEUE_BATCH", 64)
 SMOKE_SIZE = 256
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+THREADS = C.bench_threads()
 CHUNK = 256
 SCALE = 20.0
 MEMBERS = ("batch", "queue", "torch-dense")
-MIB = 2**20
 
 
 def pytest_generate_tests(metafunc) -> None:
@@ -82,12 +80,10 @@ def bench_queue(benchmark, request, batch: int, impl: str) -> None:
         loss.backward()
         return loss.detach()
 
-    with C.set_threads(THREADS):
-        loss = C.measure(benchmark, request, step, costs=False)
-        _, peak = peak_tensor_bytes(step)
+    loss, _ = C.measure_tensor_peak(benchmark, request, step, THREADS)
     benchmark.extra_info.update(
         impl=impl, case="queue", batch=batch, dim=DIM, queue=size, chunk_size=CHUNK,
-        threads=THREADS, loss_value=float(loss), peak_tensor_mib=round(peak / MIB, 1),
+        threads=THREADS, loss_value=float(loss),
     )  # fmt: skip
     assert loss.ndim == 0 and torch.isfinite(loss)
     if impl == "queue":

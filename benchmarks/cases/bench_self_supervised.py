@@ -70,7 +70,6 @@ import pytest
 import torch
 
 import pmlfunc as pf
-from pmlfunc.memory import peak_tensor_bytes
 
 from .. import common as C
 from .. import peers as P
@@ -92,7 +91,7 @@ def _env_ints(name: str, default: int) -> tuple[int, ...]:
 BATCHES = _env_ints(SSL_BATCH_VAR, 512)
 DIMS = _env_ints(SSL_DIM_VAR, 128)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_SSL_BATCH", 32)
-THREADS = C.env_int("PMLFUNC_BENCH_THREADS", C.DEFAULT_THREADS)
+THREADS = C.bench_threads()
 LOSSES = (
     "barlow_twins", "vicreg", "dino", "swav", "koleo", "mmcr", "sigreg", "tico",
     "hypersphere", "negative_cosine_similarity",
@@ -102,7 +101,6 @@ VIEWS = {"dino": (2, 6), "swav": (2, 4), "mmcr": (2,)}
 SINGLE = ("koleo", "sigreg", "mmcr")  # one input tensor
 SIGREG_SEED = torch.tensor(C.SEED)
 PARITY_RTOL = 1e-4
-MIB = 2**20
 
 
 def pytest_generate_tests(metafunc) -> None:
@@ -267,12 +265,10 @@ def bench_self_supervised(benchmark, request, batch: int, dim: int, loss: str, i
         value.backward()
         return value.detach()
 
-    with C.set_threads(THREADS):
-        value = C.measure(benchmark, request, step, costs=False)
-        _, peak = peak_tensor_bytes(step)
+    value, _ = C.measure_tensor_peak(benchmark, request, step, THREADS)
     benchmark.extra_info.update(
         impl=impl, case=f"ssl-{loss}", loss=loss, batch=batch, dim=dim, threads=THREADS,
         lightly_version=P.version("lightly") if impl == "lightly" else None,
-        loss_value=float(value), peak_tensor_mib=round(peak / MIB, 1),
+        loss_value=float(value),
     )  # fmt: skip
     assert value.ndim == 0 and torch.isfinite(value)

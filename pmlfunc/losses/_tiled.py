@@ -1268,14 +1268,44 @@ def _slots(needs) -> list[bool]:
     return [need_x, *need_y, need_scale, need_bias]
 
 
-class _TiledGrads(torch.autograd.Function):
-    """The one-block backward as a Function of its own: its forward walks the tiles,
-    recomputes each and accumulates the requested gradients ``[∂x][∂segment …][∂scale][∂bias]``
-    (``needs``); its backward raises. As a Function, the first-order backward records no graph
-    under ``create_graph=True`` or ``torch.func.grad``, so memory stays bounded, and a second
+def _twice(what: str, instead: str):
+    """The backward of a :class:`_FirstOrder` Function: raises that ``what`` is not
+    differentiable (a second time), and says what to do ``instead``."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{what} is not differentiable (double backward, torch.func.hessian); {instead}"
+        )
+
+    return backward
+
+
+class _FirstOrder(torch.autograd.Function):
+    """A first-order backward as a Function of its own: its forward forms the gradients (no
+    context to set up), its backward raises (a subclass sets ``backward`` to a
+    :func:`_twice`). As a Function, the first-order backward records no graph under
+    ``create_graph=True`` or ``torch.func.grad``, so memory stays bounded, and a second
     differentiation fails loudly instead of silently missing terms."""
 
     generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+
+_tiled_not_twice = _twice(
+    "the tiled engine's gradient (clip, siglip, multiple_negatives_ranking, and ntxent/supcon "
+    "given labels, dense or chunk_size=...)",
+    "for ntxent/supcon, pass the similarity matrix as mat= (the general batch path, "
+    "differentiable twice)",
+)
+
+
+class _TiledGrads(_FirstOrder):
+    """The one-block backward (:class:`_FirstOrder`): its forward walks the tiles, recomputes
+    each and accumulates the requested gradients ``[∂x][∂segment …][∂scale][∂bias]``
+    (``needs``); its backward raises."""
 
     @staticmethod
     def forward(x, y0, y1, y2, y3, y4, rows, cols, scale, bias, s0, s1, s2, s3, s4, s5, g, chunk,
@@ -1301,28 +1331,15 @@ class _TiledGrads(torch.autograd.Function):
         gy = () if self_mode else tuple(t if n else None for t, n in zip(gy, need_y, strict=True))
         return _times_cotangent(gx, gy, x_dot, sum_ds, scale, g)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "the tiled engine's gradient (clip, siglip, multiple_negatives_ranking, and "
-            "ntxent/supcon given labels, dense or chunk_size=...) is not differentiable (double "
-            "backward, torch.func.hessian); for ntxent/supcon, pass the similarity matrix as "
-            "mat= (the general batch path, differentiable twice)"
-        )
+    backward = staticmethod(_tiled_not_twice)
 
 
-class _Scaled(torch.autograd.Function):
+class _Scaled(_FirstOrder):
     """The gradients the forward walk formed (:func:`fused_loss`; ``formed``, in
     :func:`_slots` order) times the cotangent ``g`` (the rows' and columns' also times the logit
     scale): the backward of the row-complete kinds, a Function of the loss's inputs ``x``, the
     columns, ``scale`` and ``bias`` (which it does not read) so that, as :class:`_TiledGrads`,
-    it records no graph and a second differentiation raises."""
-
-    generate_vmap_rule = True
+    it records no graph and a second differentiation raises (:class:`_FirstOrder`)."""
 
     @staticmethod
     def forward(x, y0, y1, y2, y3, y4, scale, bias, g, needs, f0, f1, f2, f3, f4, f5, f6, f7):
@@ -1331,13 +1348,7 @@ class _Scaled(torch.autograd.Function):
         gx, *gy, g_scale, g_bias = (next(formed) if n else None for n in _slots(needs))
         return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _TiledGrads.backward(ctx, *grads)
+    backward = staticmethod(_tiled_not_twice)
 
 
 def column_stats(kind: Kind) -> tuple[str, ...]:
@@ -1818,27 +1829,19 @@ def class_backward(kind: Classes, u, x, weight, labels, aux, stat, gs, gt, gn, n
     return tuple(out)
 
 
-def _not_twice(ctx, *grads):
-    raise RuntimeError(
-        "the class-tiled losses' gradient (class_chunk_size=...) is not differentiable "
-        "(double backward, torch.func.hessian); leave class_chunk_size=None for the dense "
-        "loss, differentiable twice"
-    )
+_not_twice = _twice(
+    "the class-tiled losses' gradient (class_chunk_size=...)",
+    "leave class_chunk_size=None for the dense loss, differentiable twice",
+)
 
 
-class _ClassGrads(torch.autograd.Function):
-    """:func:`class_backward` as a Function whose backward raises (as :class:`_TiledGrads`):
-    the first-order backward records no graph, a second differentiation fails loudly."""
-
-    generate_vmap_rule = True
+class _ClassGrads(_FirstOrder):
+    """:func:`class_backward` as a Function whose backward raises (:class:`_FirstOrder`): the
+    first-order backward records no graph, a second differentiation fails loudly."""
 
     @staticmethod
     def forward(u, x, weight, labels, aux, stat, gs, gt, gn, kind, needs):
         return class_backward(kind, u, x, weight, labels, aux, stat, gs, gt, gn, needs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
     backward = staticmethod(_not_twice)
 
