@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import retrieval_calls
 from reference import cross_modal as ref_pairs
 from reference import retrieval as ref
 
@@ -79,16 +80,6 @@ OPTIONS = {
 }
 
 
-def _calls(option: dict):
-    ours, theirs = dict(option), dict(option)
-    if option.get("distance") == "dot":
-        ours["distance"], theirs["normalize"] = pf.distances.dot(), False
-        theirs.pop("distance")
-    if "reducer" in option:
-        ours["reducer"] = pf.reducers.sum()
-    return ours, theirs
-
-
 def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
@@ -103,7 +94,7 @@ def test_a_queue_adds_its_entries_as_candidates_as_the_reference_says(name, chun
         "wrapped": lambda: _queue(13),
         "documents-only": lambda: _queue(7, queries=False),
     }[queue_kind]()
-    ours, theirs = _calls(OPTIONS[name])
+    ours, theirs = retrieval_calls(OPTIONS[name])
     got = mnrl(q, p, n, chunk_size=chunk, memory=queue, **ours)
     want = ref.multiple_negatives_ranking(q, p, n, memory=queue, **theirs)
     _close(got, want)
@@ -114,17 +105,33 @@ def test_a_queue_adds_its_entries_as_candidates_as_the_reference_says(name, chun
 
 
 @pytest.mark.parametrize("chunk", [None, 2])
-@pytest.mark.parametrize("queries", [True, False])
-def test_clip_against_a_queue_is_symmetric_infonce_over_the_batch_and_the_queue(queries, chunk):
+@pytest.mark.parametrize(
+    ("queue_kind", "ids"),
+    [
+        (q, i)
+        for q in ("queries", "documents-only", "none")
+        for i in ("no-ids", "both-ids")
+        if (q, i) != ("none", "no-ids")
+    ],
+)  # without either: plain clip (tests/test_cross_modal.py)
+def test_clip_against_a_queue_is_symmetric_infonce_over_the_batch_and_the_queue(
+    queue_kind, ids, chunk
+):
     """``ℓ^{a→b}_i``'s log-sum-exp over the batch's and the queue's ``b`` rows, ``ℓ^{b→a}_j``'s
-    over the batch's and (when queued) the queue's ``a`` rows; the learnable scale's gradient."""
+    over the batch's and (when queued) the queue's ``a`` rows, candidates related by an id left
+    out (without a queue too); the learnable scale's gradient."""
     a, b, _ = _batch()
-    queue = _queue(7, queries=queries)
+    queue = {
+        "queries": lambda: _queue(7),
+        "documents-only": lambda: _queue(7, queries=False),
+        "none": lambda: None,
+    }[queue_kind]()
+    given = {"anchor_ids": ANCHOR_IDS, "positive_ids": POSITIVE_IDS} if ids == "both-ids" else {}
     params = {"logit_scale": torch.tensor(math.log(12.0), dtype=F64, requires_grad=True)}
-    got = pf.losses.clip(a, b, params, chunk_size=chunk, memory=queue)
+    got = pf.losses.clip(a, b, params, chunk_size=chunk, memory=queue, **given)
     want = ref.multiple_negatives_ranking(
         a, b, scale=params["logit_scale"].exp(), directions=SYM, partition_mode="per_direction",
-        memory=queue,
+        memory=queue, **given,
     )  # fmt: skip
     _close(got, want)
     wrt = (a, b, params["logit_scale"])
@@ -214,7 +221,7 @@ def test_a_queued_copy_of_a_rows_document_with_its_id_is_not_a_siglip_negative_o
 @pytest.mark.parametrize("name", ["plain", "symmetric", "every-direction", "ids"])
 def test_an_empty_queue_gives_the_loss_without_memory(name):
     q, p, n = _batch()
-    ours, _ = _calls(OPTIONS[name])
+    ours, _ = retrieval_calls(OPTIONS[name])
     empty = init(S, D, queries=True, dtype=F64)
     got, want = mnrl(q, p, n, memory=empty, **ours), mnrl(q, p, n, **ours)
     _close(got, want)
@@ -407,6 +414,17 @@ def _errors():
             ),
             ValueError,
             "labels",
+        ),
+        "clip-ids-and-labels": (
+            lambda: pf.losses.clip(
+                q,
+                p,
+                pf.losses.clip_init(dtype=F64),
+                labels=torch.arange(N),
+                anchor_ids=torch.arange(N),
+            ),
+            ValueError,
+            "clip with anchor_ids/positive_ids does not take labels",
         ),
         "clip-bias": (
             lambda: pf.losses.clip(q, p, pf.losses.clip_init(0.0, 1.0, dtype=F64), memory=queue),
