@@ -87,13 +87,18 @@ def reduces_statistics(*batch: str) -> Callable[[F], F]:
 @dataclass(frozen=True)
 class ClassShard:
     """This rank's part of a class table sharded across the ranks: classes ``[offset, offset +
-    rows)`` of ``num_classes``, and the in-place sum and maximum over the ranks (bounded
-    collectives, no autograd) that combine the ranks' partial statistics."""
+    rows)`` of ``num_classes``, the in-place sum and maximum over the ranks (bounded
+    collectives, no autograd) that combine the ranks' partial statistics, and ``guard(where)``,
+    the context that reports a failure inside it to the waiting ranks (the session's, around
+    the backward, which runs outside the call's own guard)."""
 
     offset: int
     num_classes: int
     sum_: Callable[[Tensor, str], Tensor]
     max_: Callable[[Tensor, str], Tensor]
+    guard: Callable[[str], contextlib.AbstractContextManager[None]] = lambda where: (
+        contextlib.nullcontext()
+    )
 
 
 _SHARD: list[ClassShard | None] = [None]

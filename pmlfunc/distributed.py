@@ -651,6 +651,7 @@ def sharded_classes(
                 num_classes=num_classes,
                 sum_=session.all_reduce,
                 max_=functools.partial(_all_max, session),
+                guard=session.guard,
             )
             with _global.sharding(shard):
                 return loss_fn(all_emb, all_labels, params, **kwargs)

@@ -342,6 +342,149 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout():
     assert 1.0 <= seconds < 5.0
 
 
+# ---------------------------------------------------------------------------------------------
+# classes sharded across ranks (distributed.sharded_classes): rank 0 holds classes 0..3, rank 1
+# classes 4..6 (class_range); each rank 6 rows with global labels in both shards
+# ---------------------------------------------------------------------------------------------
+C = 7
+ARCFACE = pf.losses.arcface
+SHARDED_TIMEOUT = 5.0  # each wait's bound in the failure scenarios: a posted failure is read
+# within POLL (0.25 s); short, so that a failure that is not posted shows as a 5 s wait
+
+
+def _table(dtype=torch.float64) -> torch.Tensor:
+    """The whole ``(C, D)`` table (every rank draws it alike and keeps its rows)."""
+    g = torch.Generator().manual_seed(3)
+    return pf.losses.arcface_init(C, D, generator=g, dtype=dtype)["weight"]
+
+
+def _sharded_inputs(rank: int, *, dtype=torch.float64, table_dtype=torch.float64):
+    """Rank ``rank``'s rows, their global labels and its shard of the table (a leaf)."""
+    emb, _ = _batch(6, dtype=dtype, seed=10 + rank)
+    start, stop = (0, 4) if rank == 0 else (4, C)  # class_range(C) on two ranks
+    shard = _table(table_dtype)[start:stop].clone().requires_grad_()
+    return emb, (2 * torch.arange(6) + rank) % C, shard
+
+
+def _sharded_disagreements() -> dict[str, tuple[str, str]]:
+    """Rank 0 and rank 1 call ``sharded_classes(arcface)`` with something that differs."""
+    rank = dist.get_rank()
+    first = rank == 0
+    loss_fn = distributed.sharded_classes(ARCFACE)
+    emb, labels, shard = _sharded_inputs(rank)
+    dtype = torch.float32 if first else torch.float64  # rank 0 in single precision
+
+    def call(e=emb, y=labels, w=shard, **kw):
+        return loss_fn(e, y, {"weight": w}, **kw)
+
+    cases = {
+        "embeddings dtype": lambda: call(e=_sharded_inputs(rank, dtype=dtype)[0]),
+        "shard dtype": lambda: call(w=_sharded_inputs(rank, table_dtype=dtype)[2]),
+        # a rank in lower precision throughout: the first argument that differs is named
+        "embeddings and shard dtype": lambda: call(*_sharded_inputs(rank, dtype=dtype, table_dtype=dtype)),
+        "labels dtype": lambda: call(y=labels.to(torch.int64 if first else torch.int32)),
+        "labels of the wrong length on rank 1": lambda: call(y=labels if first else labels[:4]),
+        "params not a dict on rank 1": lambda: loss_fn(emb, labels, {"weight": shard} if first else shard),
+    }  # fmt: skip
+    out = {name: _outcome(case) for name, case in cases.items()}
+    # none of these broke the process group: a correct call still gives the whole table's loss
+    out["afterwards"] = _outcome(lambda: call(class_chunk_size=2))
+    return out
+
+
+# case -> what each rank's message must name besides both ranks (the argument, both values)
+SHARDED_DISAGREEMENTS = {
+    "embeddings dtype": ("sharded_classes(arcface)", "embeddings", "float32", "float64"),
+    "shard dtype": ("sharded_classes(arcface)", "params differs", "float32", "float64"),
+    "embeddings and shard dtype": ("sharded_classes(arcface)", "embeddings", "float32", "float64"),
+    "labels dtype": ("sharded_classes(arcface)", "labels", "int64", "int32"),
+}
+
+
+def test_sharded_classes_ranks_that_disagree_on_dtype_raise_the_same_error_on_every_rank():
+    """Embeddings, the shard of the table or the labels in another dtype on one rank: the same
+    ``ValueError`` on both ranks, naming the argument, the ranks and both dtypes; a rank's own
+    refused input (labels of the wrong length, params not a dict) raised there as it is and
+    reported by the other rank with the same type; and the group is still usable afterwards
+    (the one-process loss over both ranks' rows and the whole table)."""
+    start = time.monotonic()
+    results = spawn_ranks(_sharded_disagreements, world_size=2, timeout=SPAWN_TIMEOUT)
+    for case, names in SHARDED_DISAGREEMENTS.items():
+        (kind0, text0), (kind1, text1) = results[0][case], results[1][case]
+        assert kind0 == kind1 == "ValueError", (case, results[0][case], results[1][case])
+        assert text0 == text1, case  # the same message on every rank
+        assert "the ranks disagree" in text0 and "rank 0" in text0 and "rank 1" in text0, text0
+        for name in names:
+            assert name in text0, (case, name, text0)
+    kind0, text0 = results[0]["labels of the wrong length on rank 1"]
+    kind1, text1 = results[1]["labels of the wrong length on rank 1"]
+    assert kind0 == kind1 == "ValueError"
+    assert text1.startswith("labels must have one row per row of embeddings")
+    assert "sharded_classes(arcface) refused on rank 1" in text0 and text1 in text0
+    kind0, text0 = results[0]["params not a dict on rank 1"]
+    kind1, text1 = results[1]["params not a dict on rank 1"]
+    assert kind0 == kind1 == "TypeError", (text0, text1)
+    assert "refused on rank 1" in text0 and text1 in text0
+    # afterwards: arcface over the 12 rows and the whole table, on both ranks
+    rows = [_sharded_inputs(rank) for rank in (0, 1)]
+    whole = ARCFACE(
+        torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), {"weight": _table()}
+    )
+    for res in results:
+        assert res["afterwards"][0] == "ok", res["afterwards"]
+        assert float(res["afterwards"][1]) == pytest.approx(float(whole.detach()), rel=1e-12)
+    assert time.monotonic() - start < SPAWN_TIMEOUT
+
+
+def _sharded_fault(phase: str) -> dict[str, object]:
+    """Rank 1 raises inside ``sharded_classes`` (its classes' statistics in the forward, or
+    their gradients in the backward), catches it and calls again; rank 0 is in the same call,
+    waiting in the all-reduce that combines the ranks' statistics (the injection of
+    ``_ring_fault``: the engine's function replaced on rank 1 only)."""
+    import pmlfunc.losses._tiled as tiled_module
+
+    rank = dist.get_rank()
+    if rank == 1:
+        name = "class_forward" if phase == "forward" else "class_backward"
+
+        def failing(*args, **kwargs):
+            raise RuntimeError(f"injected fault in rank 1's {phase}")
+
+        setattr(tiled_module, name, failing)
+    emb, labels, shard = _sharded_inputs(rank)
+    loss_fn = distributed.sharded_classes(ARCFACE, timeout=SHARDED_TIMEOUT)
+    out: dict[str, object] = {}
+    for step in range(2):
+        start = time.monotonic()
+        try:
+            loss_fn(emb, labels, {"weight": shard}, class_chunk_size=2).backward()
+            out[f"step {step}"] = ("ok", "", None)
+        except Exception as err:
+            ranks = err.ranks if isinstance(err, RankError) else None
+            out[f"step {step}"] = (type(err).__name__, str(err), ranks)
+        out[f"step {step} seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_rank_that_fails_inside_sharded_classes_is_named_by_the_waiting_ranks(phase):
+    """Rank 1's own exception on rank 1; on rank 0, well within its timeout, a
+    ``RankError`` naming rank 1, where it failed and its exception; then the group is broken
+    and every later call on both ranks says so at once."""
+    results = spawn_ranks(_sharded_fault, phase, world_size=2, timeout=SPAWN_TIMEOUT)
+    kind, text, ranks = results[0]["step 0"]
+    assert kind == "RankError" and ranks == (1,), text
+    assert "sharded_classes(arcface): rank 1 failed (in its pmlfunc call #0, while" in text
+    assert phase == "backward" or "while computing the loss)" in text
+    assert f"RuntimeError: injected fault in rank 1's {phase}" in text
+    assert results[0]["step 0 seconds"] < SHARDED_TIMEOUT / 2  # the posted failure, not the timeout
+    assert results[1]["step 0"][:2] == ("RuntimeError", f"injected fault in rank 1's {phase}")
+    for rank in (0, 1):  # the group is broken: every later call says so at once
+        kind, text, _ = results[rank]["step 1"]
+        assert kind == "RankError" and "cannot be used by pmlfunc any more" in text, text
+        assert results[rank]["step 1 seconds"] < 1.0
+
+
 def _compiled_ring() -> dict[str, object]:
     a, _ = _batch(6)
     b, _ = _batch(6, seed=1)

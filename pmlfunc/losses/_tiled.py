@@ -1933,13 +1933,14 @@ class _ShardedClassStats(torch.autograd.Function):
         u, x, weight, labels, aux, stat = ctx.saved_tensors
         needs = _class_needs(ctx)
         shard = ctx.shard
-        local = labels - shard.offset
-        args = (ctx.kind, u, x, weight, local, aux, stat, gs, gt, gn, needs)
-        gu, gx, gw, _, gaux = _class_grads(needs, class_backward(*args))
         where = "the backward of the classes' statistics"
-        gu = None if gu is None else shard.sum_(gu.contiguous(), f"{where} (rows)")
-        gx = None if gx is None else shard.sum_(gx.contiguous(), f"{where} (targets)")
-        gaux = None if gaux is None else shard.sum_(gaux.contiguous(), f"{where} (row inputs)")
+        with shard.guard(where):  # a failure here reaches the ranks waiting in the sums
+            local = labels - shard.offset
+            args = (ctx.kind, u, x, weight, local, aux, stat, gs, gt, gn, needs)
+            gu, gx, gw, _, gaux = _class_grads(needs, class_backward(*args))
+            gu = None if gu is None else shard.sum_(gu.contiguous(), f"{where} (rows)")
+            gx = None if gx is None else shard.sum_(gx.contiguous(), f"{where} (targets)")
+            gaux = None if gaux is None else shard.sum_(gaux.contiguous(), f"{where} (row inputs)")
         return gu, gx, gw, None, gaux, None, None
 
 
@@ -1989,7 +1990,9 @@ class _RankShared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.shard.sum_(grad.contiguous(), "the gradient of a shared input"), None
+        where = "the gradient of a shared input"
+        with ctx.shard.guard(where):
+            return ctx.shard.sum_(grad.contiguous(), where), None
 
 
 def rank_sum(value: Tensor) -> Tensor:
