@@ -76,6 +76,10 @@ def _disagreements() -> dict[str, tuple[str, str]]:
         "hard negatives a row (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2 if first else 3)),
         "anchor ids on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, _negatives(2), **({"anchor_ids": labels} if first else {})),
         "guide on one rank (ring)": lambda: ring(MNRL)(emb, pair_b, **({"guide": (emb.detach(), pair_b.detach())} if first else {})),
+        "queue size (ring)": lambda: ring(MNRL)(emb, pair_b, memory=pf.queues.document_queue_init(8 + 4 * rank, D, dtype=torch.float64)),
+        "queue on one rank (ring)": lambda: ring(pf.losses.siglip)(
+            emb, pair_b, params, **({"memory": pf.queues.document_queue_init(8, D, dtype=torch.float64)} if first else {})
+        ),
         "statistics width": lambda: gather(pf.losses.barlow_twins)(_batch(6, d=D + rank)[0], _batch(6, d=D + rank)[0]),
         "statistics momentum": lambda: gather(pf.losses.dino)(
             emb.view(6, 2, 3), emb.view(6, 2, 3), pf.losses.dino_init(3, dtype=torch.float64), center_momentum=0.9 if first else 0.8
@@ -104,6 +108,8 @@ DISAGREEMENTS = {
     "hard negatives a row (ring)": ("negatives", "(*, 2, 6)", "(*, 3, 6)"),
     "anchor ids on one rank (ring)": ("anchor_ids", "None", "given on some ranks only"),
     "guide on one rank (ring)": ("guide[0]", "(not given)", "given on some ranks only"),
+    "queue size (ring)": ("memory", "(8, 6)", "(12, 6)"),
+    "queue on one rank (ring)": ("memory", "given on some ranks only"),
     "statistics width": ("emb_a", "(*, 6)", "(*, 7)"),
     "statistics momentum": ("center_momentum", "0.9", "0.8"),
     "statistics optional on one rank": ("momentum", "None", "given on some ranks only"),
