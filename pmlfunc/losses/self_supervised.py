@@ -1239,8 +1239,8 @@ def koleo(embeddings: Tensor, *, p: float = 2, eps: float | Tensor = 1e-8) -> Te
     unit = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(e)
     with torch.no_grad():  # the neighbour: the largest cosine but itself (NaN wins: propagated)
         cos = matmul(unit, unit.transpose(0, 1))
-        own = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
-        nearest = cos.masked_fill(own, -torch.inf).argmax(-1)
+        cos.diagonal().fill_(-torch.inf)  # a row is not its own neighbour (this product's buffer)
+        nearest = cos.argmax(-1)
     dist = torch.linalg.vector_norm(unit - unit[nearest] + e, ord=p_, dim=-1)
     return -torch.log(dist + e).mean()
 
