@@ -222,6 +222,23 @@ def retrieval_queued(**kw: Any) -> Callable[..., Any]:
     return call
 
 
+def pair_queued(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+    """``clip``/``siglip`` on the batch's halves against :func:`document_queue`, the rows' ids
+    from the labels (equal labels are duplicates, and the queue's first ids meet them), the
+    step pushing its second half: ``(loss, the new queue)``."""
+    h = B // 2
+
+    def call(e, y, p):
+        queue = document_queue()
+        loss = fn(e[:h], e[h:], p, memory=queue, anchor_ids=y[:h], positive_ids=y[:h], **kw)
+        pushed = pf.queues.document_queue_push(
+            queue, e[h:].detach(), queries=e[:h].detach(), anchor_ids=y[:h], positive_ids=y[:h]
+        )
+        return loss, pushed
+
+    return call
+
+
 LOSSES: dict[str, Loss] = {
     "pairs.contrastive": Loss(lambda e, y, p: L.contrastive(e, y, neg_margin=1.4)),
     "pairs.threshold_consistent_margin": Loss(lambda e, y, p: L.threshold_consistent_margin(e, y)),
@@ -417,6 +434,10 @@ TILED = {
     "multiple_negatives_ranking[memory]": Loss(
         retrieval_queued(chunk_size=5), lambda: on_device(L.multiple_negatives_ranking_init())
     ),
+    "clip[memory]": Loss(pair_queued(L.clip, chunk_size=24), lambda: on_device(L.clip_init())),
+    "siglip[memory]": Loss(
+        pair_queued(L.siglip, chunk_size=24), lambda: on_device(L.siglip_init())
+    ),
     # tiles of classes (class_chunk_size): the single-centre, sub-centre and magnitude walks
     "arcface[classes]": Loss(
         lambda e, y, p: L.arcface(e, y, p, class_chunk_size=3), lambda: init(L.arcface_init, C, D)
@@ -453,6 +474,8 @@ DENSE = {
     "multiple_negatives_ranking[memory]": Loss(
         retrieval_queued(), lambda: on_device(L.multiple_negatives_ranking_init())
     ),
+    "clip[memory]": Loss(pair_queued(L.clip), lambda: on_device(L.clip_init())),
+    "siglip[memory]": Loss(pair_queued(L.siglip), lambda: on_device(L.siglip_init())),
     "arcface[classes]": Loss(
         lambda e, y, p: L.arcface(e, y, p), lambda: init(L.arcface_init, C, D)
     ),
