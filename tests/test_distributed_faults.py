@@ -212,6 +212,22 @@ def test_an_empty_rank_takes_part_and_contributes_nothing():
         assert got[1][1].shape == (0, D)
 
 
+def _calls_twice(call) -> dict[str, object]:
+    """``call()`` twice on this rank: each outcome ``("ok", "", None)`` or the exception's
+    ``(type, message, ranks)`` (a :class:`RankError`'s ranks), and its seconds."""
+    out: dict[str, object] = {}
+    for step in range(2):
+        start = time.monotonic()
+        try:
+            call()
+            out[f"step {step}"] = ("ok", "", None)
+        except Exception as err:
+            ranks = err.ranks if isinstance(err, RankError) else None
+            out[f"step {step}"] = (type(err).__name__, str(err), ranks)
+        out[f"step {step} seconds"] = time.monotonic() - start
+    return out
+
+
 def _ring_fault(phase: str, loss: str) -> dict[str, object]:
     """Rank 1 raises inside the ring (its second tile walk of the forward, or the backward's
     walk), catches it and calls the ring again; rank 0 is in the same call. ``loss``: CLIP,
@@ -240,17 +256,7 @@ def _ring_fault(phase: str, loss: str) -> dict[str, object]:
     ring = distributed.global_objective(fn, exchange="ring", timeout=60.0)
     params = pf.losses.clip_init(dtype=torch.float64)
     args = (a, b, params) if loss == "clip" else (a, b, _negatives(2, 8), params)
-    out: dict[str, object] = {}
-    for step in range(2):
-        start = time.monotonic()
-        try:
-            ring(*args).backward()
-            out[f"step {step}"] = ("ok", "")
-        except Exception as err:
-            ranks = err.ranks if isinstance(err, RankError) else None
-            out[f"step {step}"] = (type(err).__name__, str(err), ranks)
-        out[f"step {step} seconds"] = time.monotonic() - start
-    return out
+    return _calls_twice(lambda: ring(*args).backward())
 
 
 @pytest.mark.parametrize("loss", ["clip", "retrieval"])
@@ -459,17 +465,9 @@ def _sharded_fault(phase: str) -> dict[str, object]:
         setattr(tiled_module, name, failing)
     emb, labels, shard = _sharded_inputs(rank)
     loss_fn = distributed.sharded_classes(ARCFACE, timeout=SHARDED_TIMEOUT)
-    out: dict[str, object] = {}
-    for step in range(2):
-        start = time.monotonic()
-        try:
-            loss_fn(emb, labels, {"weight": shard}, class_chunk_size=2).backward()
-            out[f"step {step}"] = ("ok", "", None)
-        except Exception as err:
-            ranks = err.ranks if isinstance(err, RankError) else None
-            out[f"step {step}"] = (type(err).__name__, str(err), ranks)
-        out[f"step {step} seconds"] = time.monotonic() - start
-    return out
+    return _calls_twice(
+        lambda: loss_fn(emb, labels, {"weight": shard}, class_chunk_size=2).backward()
+    )
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
