@@ -11,6 +11,7 @@ matrix ``S = scale · x yᵀ + bias`` over the ``N × M`` grid of query rows ``x
 | ``"clip"`` | row ``i`` and column ``j``: ``lse S_i − mean_{P(i)} S_ij``, likewise down columns | row and column ``lse``, ``|P|``, ``Σ_P S`` |
 | ``"siglip"`` | pair ``(i, j)``: ``softplus(−z_ij S_ij)``, ``z = ±1`` for positives/negatives | none |
 | :class:`Retrieval` | loss row ``i`` (``roles`` rows of ``x``: its query, its positive): ``lse`` over its candidates (masks from ids and guide rows, hardness terms, built per tile) ``− S(q_i, p_i)``, the positive read on the row's own block | ``lse`` per row (or per role), ``S(q_i, p_i)``; ``doc_to_query`` alone: each positive column's ``lse`` down the query rows |
+| :class:`Retrieval` with ``sigmoid`` | each candidate ``(i, j)`` of a query row (the same masks): ``softplus(−z_ij S_ij)``, ``z = +1`` at its positive (SigLIP with ids or a queue) | none (as ``"siglip"``) |
 
 The columns come in *blocks*. One process has one block, ``y`` itself; the ring
 (:mod:`pmlfunc._ring`) hands this engine the other ranks' blocks one at a time. Per block:
