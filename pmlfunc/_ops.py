@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "addmm",
     "apply",
     "argsort_rows",
     "bin_floor",
@@ -298,6 +299,16 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return torch.matmul(a, b)
     with torch.autocast(device, enabled=False):
         return torch.matmul(a, b)
+
+
+def addmm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``c + a @ b`` as one product (``torch.addmm``, a new tensor), autocast off (as
+    :func:`matmul`)."""
+    device = _autocast_device(a)
+    if not _autocast_on(device):
+        return torch.addmm(c, a, b)
+    with torch.autocast(device, enabled=False):
+        return torch.addmm(c, a, b)
 
 
 def einsum(equation: str, *operands: Tensor) -> Tensor:

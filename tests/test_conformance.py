@@ -689,6 +689,30 @@ def _matryoshka(d: Draw) -> Call:
     )
 
 
+def _matryoshka_pair(fn: Callable, init: Callable) -> Callable[[Draw], Call]:
+    """``matryoshka(clip or siglip, (4, 2, 1))`` with labels on the tiled engine
+    (``chunk_size=3``; CLIP's backward walks the widths' tiles again), both sets and the params
+    leaves differentiated."""
+
+    def make(d: Draw) -> Call:
+        params = d.params(init, logit_bias=0.5)
+        y = d.labels()
+        nested = pf.transforms.matryoshka(fn, (D, 2, 1), (1.0, 0.5, 0.25))
+        wrt = {
+            "embeddings": d.randn(B, D),
+            "ref_emb": d.randn(B, D),
+            **{f"params.{k}": v for k, v in params.items()},
+        }
+
+        def run(embeddings, ref_emb, **leaves):
+            given = {k.removeprefix("params."): v for k, v in leaves.items()}
+            return nested(embeddings, ref_emb, given, labels=y, chunk_size=3)
+
+        return Call(wrt, run)
+
+    return make
+
+
 def _adaptive_layers(d: Draw) -> Call:
     """``adaptive_layers(supcon)`` over two layers (the first one as ``embeddings``), the KL
     term on."""
@@ -790,6 +814,10 @@ LOSSES: dict[str, Entry] = {
     ),
     # pf.transforms: matryoshka widths (the tiled path inside), adaptive layers (two layers, KL)
     "ntxent[matryoshka]": Entry(L.ntxent, _matryoshka, backend=_SHARED),
+    "clip[matryoshka]": Entry(L.clip, _matryoshka_pair(L.clip, L.clip_init), backend=_SHARED),
+    "siglip[matryoshka]": Entry(
+        L.siglip, _matryoshka_pair(L.siglip, L.siglip_init), backend=_SHARED
+    ),
     "supcon[adaptive_layers]": Entry(
         L.supcon,
         _adaptive_layers,

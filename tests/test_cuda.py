@@ -423,6 +423,8 @@ def test_pml_index_tuple_captured_and_replayed_equals_eager():
 # ----------------------------------------------------------------------------------------------
 # the tiled and the anchor-chunked paths
 # ----------------------------------------------------------------------------------------------
+NESTED_NTXENT = pf.transforms.matryoshka(L.ntxent, (D, D // 2, D // 8))
+NESTED_CLIP = pf.transforms.matryoshka(L.clip, (D, D // 4, D // 8), (1.0, 0.5, 0.5))
 TILED = {
     "ntxent": Loss(lambda e, y, p: L.ntxent(e, y, temperature=0.07, chunk_size=24)),
     "supcon": Loss(lambda e, y, p: L.supcon(e, y, temperature=0.1, chunk_size=24)),
@@ -438,6 +440,11 @@ TILED = {
     "siglip[memory]": Loss(
         pair_queued(L.siglip, chunk_size=24), lambda: on_device(L.siglip_init())
     ),
+    # nested widths from one blocked product: NT-Xent's walk forms its gradient, CLIP's walks twice
+    "ntxent[matryoshka]": Loss(
+        lambda e, y, p: NESTED_NTXENT(e, y, temperature=0.07, chunk_size=24)
+    ),
+    "clip[matryoshka]": Loss(halves(NESTED_CLIP, chunk_size=24), lambda: on_device(L.clip_init())),
     # tiles of classes (class_chunk_size): the single-centre, sub-centre and magnitude walks
     "arcface[classes]": Loss(
         lambda e, y, p: L.arcface(e, y, p, class_chunk_size=3), lambda: init(L.arcface_init, C, D)
@@ -476,6 +483,8 @@ DENSE = {
     ),
     "clip[memory]": Loss(pair_queued(L.clip), lambda: on_device(L.clip_init())),
     "siglip[memory]": Loss(pair_queued(L.siglip), lambda: on_device(L.siglip_init())),
+    "ntxent[matryoshka]": Loss(lambda e, y, p: NESTED_NTXENT(e, y, temperature=0.07)),
+    "clip[matryoshka]": Loss(halves(NESTED_CLIP), lambda: on_device(L.clip_init())),
     "arcface[classes]": Loss(
         lambda e, y, p: L.arcface(e, y, p), lambda: init(L.arcface_init, C, D)
     ),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pmlfunc as pf
+from pmlfunc.losses._tiled import nested_call
 from pmlfunc.testing import check_distributed
 
 T = pf.transforms
@@ -111,6 +112,160 @@ def test_normalize_cuts_then_normalises_each_prefix_like_sentence_transformers()
     torch.testing.assert_close(
         T.matryoshka(L.ntxent, DIMS, normalize=True)(e, LABELS), cos(e, LABELS), **TOL
     )
+
+
+# --- the engine's losses: every width from one blocked product --------------------------------
+
+R_LABELS = torch.tensor([0, 1, 1, 2, 4, 4, 3])
+
+
+def _scaled(**extra):
+    """A learnable logit scale (and bias) for clip/siglip: its gradient is compared too."""
+    out = {"logit_scale": torch.tensor(2.0, dtype=F64, requires_grad=True)}
+    out.update({k: torch.tensor(v, dtype=F64, requires_grad=True) for k, v in extra.items()})
+    return out
+
+
+# name -> (base loss, the call on (embedding tensors, hyper-parameter tensors), shapes,
+# hyper-parameters): kinds, reducers, self mode and a reference set, cosine and dot, a dense call
+# and tiles of 1, 3 and more rows than the batch (chunk sizes in the names)
+ONE_PRODUCT = {
+    "ntxent-dense": (L.ntxent, lambda f, e, p: f(e, LABELS, temperature=0.2), [(N, 12)], {}),
+    "ntxent-1": (L.ntxent, lambda f, e, p: f(e, LABELS, chunk_size=1), [(N, 12)], {}),
+    "ntxent-ref-3": (
+        L.ntxent,
+        lambda f, e, r, p: f(e, LABELS, ref_emb=r, ref_labels=R_LABELS, chunk_size=3),
+        [(N, 12), (7, 12)], {},
+    ),
+    "ntxent-dot-3": (
+        L.ntxent, lambda f, e, p: f(e, LABELS, distance=pf.distances.dot(), chunk_size=3),
+        [(N, 12)], {},
+    ),
+    "supcon-mean-4": (
+        L.supcon, lambda f, e, p: f(e, LABELS, reducer=pf.reducers.mean(), chunk_size=4),
+        [(N, 12)], {},
+    ),
+    "supcon-avg-nonzero-dense": (L.supcon, lambda f, e, p: f(e, LABELS), [(N, 12)], {}),
+    "clip-dense": (L.clip, lambda f, a, b, p: f(a, b, p), [(N, 12), (N, 12)], _scaled()),
+    "clip-labels-3": (
+        L.clip, lambda f, a, b, p: f(a, b, p, labels=LABELS, chunk_size=3),
+        [(N, 12), (N, 12)], _scaled(),
+    ),
+    "siglip-16": (
+        L.siglip, lambda f, a, b, p: f(a, b, p, chunk_size=16), [(N, 12), (N, 12)],
+        _scaled(logit_bias=-1.0),
+    ),
+    "siglip-labels-dense": (
+        L.siglip, lambda f, a, b, p: f(a, b, p, labels=LABELS), [(N, 12), (N, 12)],
+        _scaled(logit_bias=-1.0),
+    ),
+}  # fmt: skip
+
+
+def _one_product_case(name):
+    base, call, shapes, params = ONE_PRODUCT[name]
+    inputs = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
+    params = params or {}
+    return base, call, inputs, params
+
+
+@pytest.mark.parametrize("name", ONE_PRODUCT)
+def test_one_product_equals_the_naive_sum_values_and_every_gradient(name, monkeypatch):
+    base, call, inputs, params = _one_product_case(name)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=F64, requires_grad=True)
+    leaves = [*params.values(), weights]
+    nested = T.matryoshka(base, DIMS, weights)
+    runs = []
+    monkeypatch.setattr(
+        pf.transforms, "run_nested", lambda *a: runs.append(a) or pf.losses._tiled.run_nested(*a)
+    )
+
+    got_in = _leaves(*inputs)
+    got = call(nested, *got_in, params)
+    assert len(runs) == 1  # one walk, not a call a width
+    got_grads = _grads(got, [*got_in, *leaves])
+    want_in = _leaves(*inputs)
+    want = sum(
+        weights[k] * call(base, *[x[..., :d] for x in want_in], params) for k, d in enumerate(DIMS)
+    )
+    _assert_same((got, got_grads), (want, _grads(want, [*want_in, *leaves])))
+
+
+@pytest.mark.parametrize("name", ["ntxent-dense", "ntxent-ref-3", "clip-labels-3", "siglip-16"])
+def test_one_product_costs_the_products_of_one_full_width_call(name):
+    """Forward and backward, the matryoshka call's matmul FLOPs are the full-width call's
+    (the naive sum's are Σ d_k / D = 1.75 times as many for DIMS)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    base, call, inputs, params = _one_product_case(name)
+
+    def addmm_(into, a, b, *_, out_shape=None, **__):  # not in FlopCounterMode's table
+        return 2 * a[0] * a[1] * b[1]
+
+    def flops(fn):
+        xs = _leaves(*inputs)
+        with FlopCounterMode(
+            display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}
+        ) as counter:
+            torch.autograd.grad(call(fn, *xs, params), xs)
+        return counter.get_total_flops()
+
+    single, nested = flops(base), flops(T.matryoshka(base, DIMS))
+    assert nested == single
+    naive = flops(
+        lambda *a, **k: sum(
+            base(*(_cut(v, d) for v in a), **{n: _cut(v, d) for n, v in k.items()}) for d in DIMS
+        )
+    )
+    assert naive == pytest.approx(single * sum(DIMS) / max(DIMS), rel=0.01)
+
+
+def _cut(v, d):
+    return (
+        v[..., :d] if isinstance(v, torch.Tensor) and v.ndim == 2 and v.is_floating_point() else v
+    )
+
+
+def test_one_product_holds_a_tile_a_width_not_the_batch_matrix():
+    """The tiled matryoshka's live peak beyond its inputs and their gradient: a few tiles of
+    ``chunk × M`` a width, far below one ``N × N`` matrix."""
+    from pmlfunc.memory import peak_tensor_bytes
+
+    n, d, chunk = 1024, 32, 32
+    e = _randn(n, d, dtype=torch.float32)
+    y = torch.arange(n) // 4
+    nested = T.matryoshka(L.ntxent, (32, 16, 8, 4))
+    x = e.clone().requires_grad_()
+    _, peak = peak_tensor_bytes(lambda: nested(x, y, chunk_size=chunk).backward())
+    tile = chunk * n * 4
+    assert peak - 2 * e.nbytes < 12 * tile < n * n * 4 / 2
+
+
+def test_one_product_is_first_order_and_evaluates_without_grad():
+    e = _randn(N, 12).requires_grad_()
+    nested = T.matryoshka(L.ntxent, DIMS)
+    (g,) = torch.autograd.grad(nested(e, LABELS, chunk_size=3), e, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        g.sum().backward()
+    with torch.no_grad():
+        evaluated = nested(e, LABELS, chunk_size=3)
+    torch.testing.assert_close(evaluated, sum(L.ntxent(e[:, :d], LABELS) for d in DIMS), **TOL)
+
+
+def test_the_other_losses_and_calls_run_a_width_at_a_time():
+    """Where the engine does not run the call, the transform calls the loss a width at a time:
+    a pair loss, ``mat=``, a retrieval loss, an embedding regularizer, the distributed
+    objective."""
+    e = _randn(N, 12)
+    reg = {"embedding_regularizer": pf.regularizers.lp, "embedding_reg_weight": 0.3}
+    assert nested_call(L.contrastive, (e, LABELS), {}, "t") is None
+    assert nested_call(L.ntxent, (e, LABELS), {"mat": e @ e.T}, "t") is None
+    assert nested_call(L.ntxent, (e, LABELS), reg, "t") is None
+    assert nested_call(L.multiple_negatives_ranking, (e, e), {}, "t") is None
+    assert nested_call(pf.distributed.global_objective(L.ntxent), (e, LABELS), {}, "t") is None
+    assert nested_call(L.ntxent, (e, LABELS), {"chunk_size": 3}, "t") is not None
+    got = T.matryoshka(L.ntxent, DIMS)(e, LABELS, **reg)
+    torch.testing.assert_close(got, sum(L.ntxent(e[:, :d], LABELS, **reg) for d in DIMS), **TOL)
 
 
 def _layer_reference(layers, loss_fn, weighting, indices, w_last, w_prior, kl_w, t):

@@ -1,23 +1,26 @@
-"""``pf.transforms.matryoshka`` beside the base loss at full width: time and memory.
+"""``pf.transforms.matryoshka`` against the naive sum of one call a width: time and memory.
 
-One pytest-benchmark group, ``matryoshka-b{B}``, NT-Xent forward + backward at ``B`` rows and
-``D`` dimensions (``PMLFUNC_BENCH_MATRYOSHKA_BATCH``, 4,096; ``PMLFUNC_BENCH_MATRYOSHKA_DIM``,
-768), four samples per class, float32, one thread:
+Two pytest-benchmark groups, ``matryoshka-ntxent-b{B}`` and ``matryoshka-clip-b{B}``, forward +
+backward at ``B`` rows and ``D`` dimensions (``PMLFUNC_BENCH_MATRYOSHKA_BATCH``, 4,096;
+``PMLFUNC_BENCH_MATRYOSHKA_DIM``, 768), widths ``(D, D/2, D/4, D/8, D/16)``, float32, one thread.
+NT-Xent: four samples per class; CLIP: two aligned sets (the second the first plus noise), a
+learnable ``logit_scale``. Members:
 
-- ``single``: ``pf.losses.ntxent(emb, labels, chunk_size=256)``, the base loss at full width;
-- ``matryoshka``: ``matryoshka(ntxent, (D, D/2, D/4, D/8, D/16))`` with ``chunk_size=256``;
-- ``matryoshka-dense``: the same without ``chunk_size`` (the engine's dense path per width).
+- ``single``: the base loss at full width, ``chunk_size=256``;
+- ``naive``: the sum of the five calls on the prefixes, written out, ``chunk_size=256``;
+- ``matryoshka``: ``matryoshka(loss, widths)`` with ``chunk_size=256``: one walk over the
+  tiles, every width's logits from one blocked product (``pmlfunc.losses._tiled.run_nested``);
+- ``naive-dense``, ``matryoshka-dense``: the same without ``chunk_size`` (the engine's dense path).
 
+Every member but ``single`` is checked equal to the float64 naive sum before it is timed.
 ``extra_info["peak_tensor_mib"]`` is the live-tensor peak of one step
 (:func:`pmlfunc.memory.peak_tensor_bytes`). Issue 32's targets: at B = 4,096, D = 768 the
-matryoshka step at most 0.65× the naive sum of five calls (the transform *is* that sum today, so
-the ratio is 1: its products cost ``Σ d_k / D = 1.94`` full products); at B = 16,384 the tiled
-matryoshka's peak at most 5× the single tiled loss's (the widths run one after another, so the
-peak is one call's plus the ``B × D`` gradient).
+matryoshka step at most 0.65× the naive sum, dense and tiled; at B = 16,384 the tiled
+matryoshka's peak at most 5× the single tiled loss's (it holds a tile a width: ``O(K × chunk ×
+B)``).
 
 The untimed run (the normal ``pytest``) runs each member at batch
-``PMLFUNC_BENCH_SMOKE_MATRYOSHKA_BATCH`` (256) and checks the matryoshka value against the sum
-of the five calls written out.
+``PMLFUNC_BENCH_SMOKE_MATRYOSHKA_BATCH`` (256) with the same equality checks.
 
 Timed run::
 
@@ -27,6 +30,9 @@ Timed run::
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
 import pmlfunc as pf
@@ -38,42 +44,87 @@ DIM = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_DIM", 768)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_MATRYOSHKA_BATCH", 256)
 THREADS = C.bench_threads()
 CHUNK = 256
-MEMBERS = ("single", "matryoshka", "matryoshka-dense")
+LOSSES = ("ntxent", "clip")
+MEMBERS = ("single", "naive", "matryoshka", "naive-dense", "matryoshka-dense")
 
 
 def widths(dim: int) -> tuple[int, ...]:
     return tuple(dim // 2**k for k in range(5))
 
 
-def loss_of(impl: str, dim: int):
-    if impl == "single":
-        return lambda e, y: pf.losses.ntxent(e, y, chunk_size=CHUNK)
-    nested = pf.transforms.matryoshka(pf.losses.ntxent, widths(dim))
-    chunk = CHUNK if impl == "matryoshka" else None
-    return lambda e, y: nested(e, y, chunk_size=chunk)
-
-
 def pytest_generate_tests(metafunc) -> None:
-    C.parametrize_members(metafunc, "matryoshka", MEMBERS, BATCH, SMOKE_BATCH)
+    """Every member at ``BATCH`` (``SMOKE_BATCH`` untimed), a group a loss."""
+    if "impl" not in metafunc.fixturenames:
+        return
+    b = SMOKE_BATCH if C.timing_disabled(metafunc.config) else BATCH
+    params = [
+        pytest.param(
+            loss,
+            b,
+            impl,
+            id=f"{loss}-b{b}-{impl}",
+            marks=pytest.mark.benchmark(group=f"matryoshka-{loss}-b{b}"),
+        )
+        for loss in LOSSES
+        for impl in MEMBERS
+    ]
+    metafunc.parametrize(("loss", "batch", "impl"), params)
 
 
-def bench_matryoshka(benchmark, request, batch: int, impl: str) -> None:
-    emb, labels = C.make_inputs(batch, DIM, dtype=torch.float32, seed=C.SEED)
-    fn = loss_of(impl, DIM)
+def _inputs(loss: str, batch: int, dtype: torch.dtype):
+    """``(leaves, call)``: the tensors a step differentiates and ``call(loss_fn, *leaves)``."""
+    emb, labels = C.make_inputs(batch, DIM, dtype=dtype, seed=C.SEED)
+    if loss == "ntxent":
+        return [emb], lambda fn, e: fn(e, labels)
+    other = emb + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
+    scale = pf.losses.clip_init(dtype=dtype)["logit_scale"]
+    return [emb, other.to(dtype), scale], lambda fn, a, b, t: fn(a, b, {"logit_scale": t})
+
+
+def _member(loss: str, impl: str):
+    base = getattr(pf.losses, loss)
+    chunk = None if impl.endswith("dense") else CHUNK
+    fn = functools.partial(base, chunk_size=chunk)
+    if impl.startswith("matryoshka"):
+        return pf.transforms.matryoshka(fn, widths(DIM))
+    if impl == "single":
+        return fn
+    cut = (0, 1) if loss == "clip" else (0,)  # the embedding arguments' positions
+
+    def naive(*args):
+        total = None
+        for d in widths(DIM):
+            part = fn(*(a[:, :d] if i in cut else a for i, a in enumerate(args)))
+            total = part if total is None else total + part
+        return total
+
+    return naive
+
+
+def bench_matryoshka(benchmark, request, loss: str, batch: int, impl: str) -> None:
+    leaves, call = _inputs(loss, batch, torch.float32)
+    fn = _member(loss, impl)
 
     def step() -> torch.Tensor:
-        x = emb.detach().requires_grad_()
-        loss = fn(x, labels)
-        loss.backward()
-        return loss.detach()
+        xs = [t.detach().requires_grad_() for t in leaves]
+        value = call(fn, *xs)
+        value.backward()
+        return value.detach()
 
-    loss, _ = C.measure_tensor_peak(benchmark, request, step, THREADS)
+    if impl != "single":  # equal to the naive sum in float64, value and gradients
+        leaves64, call64 = _inputs(loss, batch, torch.float64)
+        xs = [t.detach().requires_grad_() for t in leaves64]
+        want = call64(_member(loss, "naive"), *xs)
+        want_grads = torch.autograd.grad(want, xs)
+        xs = [t.detach().requires_grad_() for t in leaves]
+        got = call(fn, *xs)
+        for g, w in zip(torch.autograd.grad(got, xs), want_grads, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    value, _ = C.measure_tensor_peak(benchmark, request, step, THREADS)
     benchmark.extra_info.update(
-        impl=impl, case="matryoshka", batch=batch, dim=DIM, widths=list(widths(DIM)),
-        chunk_size=None if impl == "matryoshka-dense" else CHUNK, threads=THREADS,
-        loss_value=float(loss),
+        impl=impl, case=f"matryoshka-{loss}", batch=batch, dim=DIM, widths=list(widths(DIM)),
+        chunk_size=None if impl.endswith("dense") else CHUNK, threads=THREADS,
+        loss_value=float(value),
     )  # fmt: skip
-    assert loss.ndim == 0 and torch.isfinite(loss)
-    if impl != "single":
-        naive = sum(pf.losses.ntxent(emb[:, :d], labels) for d in widths(DIM))
-        torch.testing.assert_close(loss, naive, rtol=1e-5, atol=1e-5)
+    assert value.ndim == 0 and torch.isfinite(value)

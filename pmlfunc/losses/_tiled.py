@@ -43,6 +43,13 @@ The public losses (:func:`pmlfunc.losses.ntxent`, :func:`pmlfunc.losses.supcon`,
 :class:`EngineCall` (:data:`BUILDERS`), run by :func:`run_local` when given ``chunk_size`` and by
 the ring under ``global_objective(..., exchange="ring")``; their dense paths compute the same
 numbers from the whole matrix.
+
+**Nested widths** (:func:`pmlfunc.transforms.matryoshka`, :func:`run_nested`): the same walks
+with one tile a width in place of one tile. A width's logits come from the cumulative block
+products of its prefix (:class:`_Prefixes`), each width folds into its own statistics with the
+tile's masks built once, and the gradient sums (:class:`_NestedSums`) hold each width's
+``∂S`` until the tile's last width, sum them from the widest down and multiply each feature
+block once: every width's products cost one full-width call's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from .. import _checks, _global
 from .._inputs import validate
 from .._ops import (
     _NORMALIZE_EPS,
+    addmm,
     apply,
     count_true,
     fresh,
@@ -562,6 +570,18 @@ def _sigmoid_fold_(s: Tensor, keep: Tensor | None, at: int | None, grad: bool):
 def block_forward(
     kind, x, y, rows, cols, scale, bias, chunk, *, diag, exclude, lse=None, final=True, grads=None
 ) -> dict[str, Tensor]:
+    """Partial statistics of ``kind`` over one block of columns: :func:`walk_forward`'s, at
+    one width."""
+    return walk_forward(
+        kind, x, y, rows, cols, scale, bias, chunk, diag=diag, exclude=exclude, lse=lse,
+        final=final, grads=grads,
+    )[0]  # fmt: skip
+
+
+def walk_forward(
+    kind, x, y, rows, cols, scale, bias, chunk, *, diag, exclude, lse=None, final=True, grads=None,
+    nested=None,
+) -> list[dict[str, Tensor]]:  # fmt: skip
     """Partial statistics of ``kind`` over one block of columns ``y`` (labels ``cols``), in
     tiles of ``chunk`` rows of ``x``. NT-Xent: ``lse=None, final=False`` gives the negatives'
     log-sum-exp only; ``lse`` (the rows' final one) gives the terms; ``final=True`` (one block)
@@ -570,15 +590,22 @@ def block_forward(
     ``grads`` (a :class:`_GradSums`, one block only): also form each tile's ``∂L/∂S`` while it
     is held and add its products to ``grads`` (:func:`fused_loss`), so that no tile is computed
     twice. The retrieval kind's tiles are ``chunk`` loss rows, each of ``roles`` rows of ``x``
-    (:class:`Retrieval`). ``y``: a tensor or :class:`Columns`."""
+    (:class:`Retrieval`). ``y``: a tensor or :class:`Columns`.
+
+    ``nested`` (a :class:`_Prefixes`, not the retrieval kind): every tile is one tile a width,
+    from one blocked product, each folded into its own statistics (returned as a list, one
+    dict a width) with the tile's masks built once; ``grads`` then is a :class:`_NestedSums`."""
     y = columns(y)
     n, m = x.shape[-2], y.m
-    acc = _Partials(kind, x, m)
+    accs = [_Partials(kind, x, m) for _ in ((0,) if nested is None else nested.bounds)]
+    acc = accs[0]
     factor = _tile_factor(y, scale)
     roles = _roles(kind)
     for r0, r1 in _tiles(n // roles, chunk):
-        s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
-        if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
+        if isinstance(kind, Retrieval):
+            s = _logits(
+                x, y, r0 * roles, r1 * roles, factor, bias
+            )  # rows, cols: the rows' and columns' metadata
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
             if kind.sigmoid:
@@ -605,15 +632,23 @@ def block_forward(
         at = _tile_at(rows, r0, r1, m, diag, exclude)
         pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
         tile_lse = None if lse is None else lse[r0:r1]
-        if grads is None:
-            _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at)
-        elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
-            grads.held = (*_clip_whole_(s, pos, at.eye, acc), pos, at.eye)
+        if nested is None:
+            tiles = ((0, _logits(x, y, r0, r1, factor, bias)),)
         else:
-            local = functools.partial(_row_weight, kind, grads.reducer)
-            ds = _fold_tile_(kind, s, pos, neg, acc, tile_lse, final, at, local)
-            grads.add(ds, r0, r1)
-    return acc.result(lse is not None, final)
+            tiles = nested.tiles(r0, r1)
+        for k, s in tiles:
+            sink = grads if nested is None or grads is None else grads.width(k)
+            if sink is None:
+                _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at)
+            elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
+                sink.held = (*_clip_whole_(s, pos, at.eye, accs[k]), pos, at.eye)
+            else:
+                local = functools.partial(_row_weight, kind, sink.reducer)
+                ds = _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, local)
+                sink.add(ds, r0, r1)
+        if nested is not None and grads is not None:
+            grads.flush(r0, r1)
+    return [a.result(lse is not None, final) for a in accs]
 
 
 class _Partials:
@@ -1126,6 +1161,10 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
     return ds.sub_(w_pos.masked_fill_(pos.logical_not(), 0.0))
 
 
+# a walk's gradient sums: (∂x, (∂segment, ...), ∂scale, ∂bias), None where not asked for
+Sums = tuple[Tensor | None, tuple[Tensor | None, ...], Tensor | None, Tensor | None]
+
+
 class _GradSums:
     """The gradient sums of one block for a unit cotangent, before the scale: ``∂S ŷ`` (the
     rows'), ``∂Sᵀ x`` (each column segment's, made the raw rows' gradient where the engine
@@ -1180,7 +1219,7 @@ class _GradSums:
             elif need_rows:
                 self.rows.append(part)
 
-    def result(self):
+    def result(self) -> Sums:
         """``(∂x or None, (∂segment or None, ...), ∂scale or None, ∂bias or None)``."""
         need_rows, need_cols, need_scale, need_bias = self.needs
         x, y = self.x, self.y
@@ -1203,18 +1242,32 @@ class _GradSums:
 
 
 def block_backward(
-    kind, x, y, rows, cols, scale, bias, chunk, row, col, needs, *, diag, exclude, into=None
-):
+    kind, x, y, rows, cols, scale, bias, chunk, row, col, needs, *, diag, exclude, into=None,
+    nested=None,
+):  # fmt: skip
     """One block's gradient sums for a unit cotangent, before the scale (:class:`_GradSums`),
     from the forward's statistics: every tile recomputed. ``y``: a tensor or :class:`Columns`;
     the columns' gradients are a tuple, one a segment; ``needs[1]`` a bool for all columns or
-    one a segment."""
+    one a segment. ``nested`` (a :class:`_Prefixes`): the statistics ``row``/``col`` hold one
+    entry a width along their first dimension, and the sums are :class:`_NestedSums`."""
     y = columns(y)
     m = y.m
     factor = _tile_factor(y, scale)
     need_x, need_cols, need_scale, need_bias = needs
     if not isinstance(need_cols, tuple):
         need_cols = (bool(need_cols),) * len(y.segments)
+    if nested is not None:  # one tile a width a step, the masks built once
+        widths = _NestedSums(nested, (need_x, need_cols, need_scale, need_bias))
+        for r0, r1 in _tiles(x.shape[-2], chunk):
+            at = _tile_at(rows, r0, r1, m, diag, exclude)
+            pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
+            for k, s in nested.tiles(r0, r1):
+                row_k, col_k = tuple(t[k] for t in row), tuple(t[k] for t in col)
+                widths.width(k).add(
+                    _tile_ds_(kind, s, pos, neg, r0, r1, row_k, col_k, at.eye), r0, r1
+                )
+            widths.flush(r0, r1)
+        return widths.result()
     sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
@@ -1549,6 +1602,333 @@ def tiled_loss(
         needs = wants if any(_slots(wants)) else None
     ys = _padded(segments, MAX_SEGMENTS)
     return apply(_TiledLoss, x, *ys, rows, cols, scale, bias, chunk, kind, reducer, needs, unit)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Nested widths (Matryoshka): every prefix's logits from one blocked product
+# ----------------------------------------------------------------------------------------------
+# The prefix products are cumulative sums of block products, C_k = Σ_{j ≤ k} x_j y_jᵀ over the
+# feature blocks j = [d_{j−1}, d_j), and a normalised prefix's logits are a rank-1 rescale of
+# them, S_k = scale · a_k b_kᵀ ⊙ C_k + bias (a_k, b_k: the prefixes' inverse norms, or 1). A
+# walk's tile is one tile a width (block_forward / block_backward with ``nested``); the gradient
+# of a tile is W_k = w_k ∂S_k ⊙ a_k b_kᵀ a width, summed from the widest down, G_j = Σ_{k ≥ j}
+# W_k, and multiplied by each block once: every width's three products cost one full-width
+# call's. The normalisations' backward is −a_k² (Σ_m W_k ⊙ C_k) a row, on the rows' prefix.
+
+
+class _Prefixes:
+    """The nested widths of one call: rows ``x`` ``(N, D)``, columns ``y`` (``None``: self
+    mode, ``x``), the widths' blocks ``bounds`` (``dims`` ascending), their weights ``(K,)``
+    and, when ``unit``, each prefix's norms and inverse norms (``F.normalize``'s ``1 / max(‖·‖,
+    ε)``), ``(K, N)`` and ``(K, M)``. :meth:`tiles` yields a tile's logits a width; ``c``, the
+    latest width's unscaled product, stays readable until the next."""
+
+    def __init__(self, x, y, dims, unit, scale, bias, weights):
+        self.x, self.self_mode = x, y is None
+        self.y = x if y is None else y
+        self.bounds = list(zip((0, *dims[:-1]), dims, strict=True))
+        self.unit, self.scale, self.bias, self.weights = unit, scale, bias, weights
+        self.c: Tensor | None = None
+        if unit:
+            self.na, self.a = _inverse_norms(self.x, dims)
+            self.nb, self.b = (self.na, self.a) if y is None else _inverse_norms(self.y, dims)
+
+    def tiles(self, r0: int, r1: int):
+        """``(k, S_k)`` for rows ``r0:r1``, a fresh tile each, from one product a block."""
+        c = None
+        for k, (lo, hi) in enumerate(self.bounds):
+            xb, yb = self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
+            c = matmul(xb, yb) if c is None else addmm(c, xb, yb)
+            self.c = c
+            if self.unit:
+                s = c * (self.a[k, r0:r1] * self.scale).unsqueeze(-1)
+                s = s.mul_(self.b[k])
+            else:
+                s = c * self.scale
+            yield k, s if self.bias is None else s.add_(self.bias)
+
+
+def _inverse_norms(x: Tensor, dims) -> tuple[Tensor, Tensor]:
+    norms = torch.stack([torch.linalg.vector_norm(x[:, :d], dim=-1) for d in dims])
+    return norms, 1.0 / norms.clamp_min(_NORMALIZE_EPS)
+
+
+class _NestedSums:
+    """A nested walk's gradient sums for a unit cotangent, before the scale (as
+    :class:`_GradSums`, ``needs = (rows, (columns,) or () in self mode, scale, bias)``). A
+    width's tile ``∂S_k`` (:meth:`width`'s ``add``) is weighed and held as ``W_k``; the tile's
+    :meth:`flush` sums them from the widest down and multiplies each block once; :meth:`result`
+    applies the normalisations' backward to the prefixes."""
+
+    def __init__(self, pre: _Prefixes, needs, reducer=None):
+        self.pre, self.reducer = pre, reducer
+        need_x, need_cols, self.need_scale, self.need_bias = needs
+        need_y = need_x if pre.self_mode else any(need_cols)
+        self.gx = torch.zeros_like(pre.x) if need_x else None
+        self.gy = self.gx if pre.self_mode else torch.zeros_like(pre.y) if need_y else None
+        k = len(pre.bounds)
+        # the normalisations' coefficients: the rows' a tile ((K, r) each), the columns' a width
+        self.row_coef: list[Tensor] = []
+        self.tile_coef: list[Tensor] = []
+        self.col_coef: list[Tensor | None] = [None] * k
+        self.x_dot: Tensor | None = None
+        self.sum_ds: Tensor | None = None
+        self.pending: list[Tensor] = []
+
+    def width(self, k: int) -> _Width:
+        return _Width(self, k)
+
+    def add(self, k: int, ds: Tensor, r0: int, r1: int) -> None:
+        pre, weight = self.pre, self.pre.weights[k]
+        if self.need_bias:
+            part = ds.sum() * weight
+            self.sum_ds = part if self.sum_ds is None else self.sum_ds + part
+        if pre.unit:  # ∂C_k = w_k ∂S_k ⊙ a_k b_kᵀ (the scale applied at the end)
+            w = ds.mul_((pre.a[k, r0:r1] * weight).unsqueeze(-1)).mul_(pre.b[k])
+        else:
+            w = ds.mul_(weight)
+        c = pre.c
+        assert c is not None  # the width's product, from tiles()
+        if self.need_scale or (pre.unit and self.gx is not None):
+            along = torch.linalg.vecdot(w, c)  # Σ_m W ⊙ C: the scale's, and a_k · ∂L/∂a_k
+            if self.need_scale:
+                self.x_dot = along.sum() if self.x_dot is None else self.x_dot + along.sum()
+            if pre.unit and self.gx is not None:
+                self.tile_coef.append(_unit_coef(along, pre.na[k, r0:r1], pre.a[k, r0:r1]))
+        if pre.unit and self.gy is not None:
+            down = _unit_coef(torch.linalg.vecdot(w, c, dim=-2), pre.nb[k], pre.b[k])
+            held = self.col_coef[k]
+            self.col_coef[k] = down if held is None else held + down
+        self.pending.append(w)
+
+    def flush(self, r0: int, r1: int) -> None:
+        """The tile's products: ``G_j = Σ_{k ≥ j} W_k`` times block ``j`` of the columns (the
+        rows' gradient) and of the rows (the columns')."""
+        pre, total = self.pre, None
+        for j in reversed(range(len(self.pending))):
+            total = self.pending[j] if total is None else total.add_(self.pending[j])
+            lo, hi = pre.bounds[j]
+            if self.gx is not None:
+                self.gx[r0:r1, lo:hi] += matmul(total, pre.y[:, lo:hi])
+            if self.gy is not None:
+                self.gy[:, lo:hi] += matmul(total.transpose(-1, -2), pre.x[r0:r1, lo:hi])
+        self.pending.clear()
+        if self.tile_coef:
+            self.row_coef.append(torch.stack(self.tile_coef))
+            self.tile_coef = []
+
+    def result(self) -> Sums:
+        """``(∂x or None, (∂y or None,) or () in self mode, ∂scale or None, ∂bias or None)``."""
+        pre = self.pre
+        if self.gx is not None and self.row_coef:
+            _prefix_backward_(self.gx, pre.x, torch.cat(self.row_coef, -1), pre.bounds)
+        if self.gy is not None and self.col_coef[0] is not None:
+            coef = torch.stack([c for c in self.col_coef if c is not None])
+            _prefix_backward_(self.gy, pre.y, coef, pre.bounds)
+        x_dot, sum_ds = self.x_dot, self.sum_ds
+        if x_dot is None and self.need_scale:
+            x_dot = pre.x.new_zeros(())
+        if sum_ds is None and self.need_bias:
+            sum_ds = pre.x.new_zeros(())
+        gy = () if pre.self_mode else (self.gy,)
+        return self.gx, gy, x_dot, sum_ds
+
+
+class _Width(NamedTuple):
+    """Width ``k``'s view of :class:`_NestedSums`: what the kinds' folds call ``add`` on."""
+
+    sums: _NestedSums
+    k: int
+
+    @property
+    def reducer(self):
+        return self.sums.reducer
+
+    def add(self, ds: Tensor, r0: int, r1: int) -> None:
+        self.sums.add(self.k, ds, r0, r1)
+
+
+def _unit_coef(along: Tensor, norm: Tensor, inv: Tensor) -> Tensor:
+    """The normalisation's backward as a coefficient of the raw prefix: ``∂L/∂a · ∂a/∂x =
+    −a² (Σ W ⊙ C) x``, none where the norm is below ε (``F.normalize``'s clamp)."""
+    return torch.where(norm >= _NORMALIZE_EPS, along * inv * inv, 0.0).neg()
+
+
+def _prefix_backward_(g: Tensor, x: Tensor, coef: Tensor, bounds) -> Tensor:
+    """Add each width's normalisation backward ``coef[k] · x[:, :d_k]`` to ``g``: block ``j``
+    gets ``Σ_{k ≥ j} coef[k]`` times its features."""
+    total = None
+    for j in reversed(range(len(bounds))):
+        total = coef[j] if total is None else total + coef[j]
+        lo, hi = bounds[j]
+        g[:, lo:hi] += total.unsqueeze(-1) * x[:, lo:hi]
+    return g
+
+
+def _nested_fused(kind: str, reducer: str, needs) -> bool:
+    """Whether the nested forward walk forms the gradient: the row-complete kinds whose batch
+    weight (:func:`_batch_weight`) is the same at every width (it reads the labels only; SupCon's
+    ``avg_nonzero`` counts each width's positive losses). CLIP walks twice."""
+    return needs is not None and kind in ("ntxent", "supcon", "siglip") and reducer != "avg_nonzero"
+
+
+class _NestedLoss(torch.autograd.Function):
+    """``Σ_k w_k · loss_k`` over the nested widths (:class:`_Prefixes`) of one block, from one
+    blocked product a tile. Inputs ``(x, y, rows, cols, scale, bias, weights, chunk, kind,
+    reducer, dims, unit, needs)`` (``y=None``: self mode; ``dims`` ascending; ``needs`` in
+    :func:`_slots` order, or ``None``); outputs ``(loss, per-width losses, *statistics,
+    *gradients)``, the statistics stacked a width along their first dimension. As
+    :class:`_TiledLoss`: the row-complete kinds form their gradient in the forward walk
+    (:func:`_nested_fused`), CLIP recomputes its tiles in the backward (:class:`_NestedGrads`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, rows, cols, scale, bias, weights, chunk, kind, reducer, dims, unit, needs):
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights)
+        n = x.shape[-2]
+        fused = _nested_fused(kind, reducer, needs)
+        sums = _NestedSums(pre, needs, reducer) if fused else None
+        sts = walk_forward(
+            kind, x, Columns((pre.y,)), rows, rows if cols is None else cols, scale, bias, chunk,
+            diag=True, exclude=pre.self_mode, grads=sums, nested=pre,
+        )  # fmt: skip
+        losses, stats = [], []
+        for st in sts:
+            loss_k, stats_k = reduce(kind, st, reducer, counts(kind, st, n))
+            losses.append(loss_k)
+            stats.append(stats_k)
+        per_width = torch.stack(losses)
+        stacked = tuple(torch.stack(t) for t in zip(*stats, strict=True))
+        loss = matmul(weights, per_width)
+        if sums is None:
+            return (loss, per_width, *stacked)
+        glob = _batch_weight(kind, reducer, counts(kind, sts[0], n))  # the same at every width
+        gx, gy, x_dot, sum_ds = sums.result()
+        grads = [gx, *gy, x_dot, sum_ds]
+        formed = (_scaled_(t, glob) for t, need in zip(grads, _slots(needs), strict=True) if need)
+        return (loss, per_width, *stacked, *formed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, rows, cols, scale, bias, weights, chunk, kind, reducer, dims, unit, needs = inputs
+        fused = _nested_fused(kind, reducer, needs)
+        n_grads = sum(_slots(needs)) if fused else 0
+        rest = output[1:]
+        ctx.mark_non_differentiable(*rest)
+        ctx.set_materialize_grads(False)
+        ctx.chunk, ctx.kind, ctx.reducer, ctx.dims, ctx.unit = chunk, kind, reducer, dims, unit
+        ctx.n_stats = len(rest) - 1 - n_grads
+        ctx.needs = needs if fused else None
+        ctx.scale_float = None if isinstance(scale, Tensor) else scale
+        scale_t = scale if isinstance(scale, Tensor) else None
+        ctx.save_for_backward(x, y, rows, cols, scale_t, bias, weights, *rest)
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        x, y, rows, cols, scale, bias, weights, per_width, *rest = ctx.saved_tensors
+        nig = ctx.needs_input_grad
+        nothing = (None,) * len(nig)
+        if g is None:
+            return nothing
+        g_weights = g * per_width if nig[6] else None
+        needs = (nig[0], () if y is None else (nig[1],), nig[4], nig[5])
+        wanted = _slots(needs)
+        out: list = [None] * len(wanted)
+        if any(wanted):
+            scale = ctx.scale_float if scale is None else scale
+            stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
+            ys = _padded(() if y is None else (y,), MAX_SEGMENTS)
+            if ctx.needs is not None and all(
+                f or not w for f, w in zip(_slots(ctx.needs), wanted, strict=True)
+            ):
+                grads = iter(
+                    apply(_Scaled, x, *ys, scale, bias, g, ctx.needs,
+                          *_padded(formed, MAX_FORMED))
+                )  # fmt: skip
+                out = [next(grads) if f else None for f in _slots(ctx.needs)]
+            else:
+                grads = iter(
+                    apply(
+                        _NestedGrads, x, y, rows, cols, scale, bias, weights,
+                        *(*stats, *(None,) * (6 - len(stats))), g, ctx.chunk, ctx.kind, needs,
+                        ctx.dims, ctx.unit,
+                    )
+                )  # fmt: skip
+                out = [next(grads) if w else None for w in wanted]
+        gx, *g_y, g_scale, g_bias = (o if w else None for o, w in zip(out, wanted, strict=True))
+        gy = g_y[0] if g_y else None
+        return (gx, gy, None, None, g_scale, g_bias, g_weights, *(None,) * 6)
+
+
+class _NestedGrads(_FirstOrder):
+    """The nested walk's backward (:class:`_FirstOrder`): every tile recomputed from its
+    blocks, a width at a time, from the forward's statistics; its backward raises."""
+
+    @staticmethod
+    def forward(x, y, rows, cols, scale, bias, weights, s0, s1, s2, s3, s4, s5, g, chunk, kind,
+                needs, dims, unit):  # fmt: skip
+        stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
+        split = ROW_STATS[kind]
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights)
+        gx, gy, x_dot, sum_ds = block_backward(
+            kind, x, Columns((pre.y,)), rows, rows if cols is None else cols, scale, bias, chunk,
+            stats[:split], stats[split:], needs, diag=True, exclude=pre.self_mode, nested=pre,
+        )  # fmt: skip
+        return _times_cotangent(gx, gy, x_dot, sum_ds, scale, g)
+
+    backward = staticmethod(_tiled_not_twice)
+
+
+NESTED_KINDS = ("ntxent", "supcon", "clip", "siglip")
+
+
+def nested_call(loss_fn: Callable, args: tuple, kwargs: Mapping, what: str) -> EngineCall | None:
+    """``loss_fn(*args, **kwargs)`` as the :class:`EngineCall` that :func:`run_nested` runs at
+    nested widths, or ``None`` where it does not (another loss, the retrieval kind, an embedding
+    regularizer, a call the engine does not run: the general batch path's ``mat=``, a miner's
+    tuples, a distance other than ``cosine()``/``dot()``, a wrong argument; the caller then
+    calls the loss a width at a time, which raises what the loss raises)."""
+    if unpartial(loss_fn)[0] not in BUILDERS:
+        return None
+    try:
+        call = engine_call(loss_fn, args, kwargs, what)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(call.kind, str) or call.kind not in NESTED_KINDS:
+        return None
+    if call.finish is not None or call.unit or call.x.ndim != 2:
+        return None
+    if call.y is not None and not isinstance(call.y, Tensor):
+        return None
+    return call
+
+
+def run_nested(call: EngineCall, dims: tuple[int, ...], weights: Tensor, unit: bool) -> Tensor:
+    """``Σ_k weights[k] · loss(prefix_k)`` of ``call`` at the ascending widths ``dims`` (each
+    prefix normalised when ``unit`` or when the loss normalises, ``call.normalized``), in one
+    walk: a dense call in tiles of at most :data:`DENSE_TILE` entries over all the widths."""
+    x, y, rows, cols = call.x, call.y, call.rows, call.cols
+    n, m = x.shape[-2], call.m
+    chunk = call.chunk or max(1, min(n, DENSE_TILE // max(m * len(dims), 1)))
+    if isinstance(rows, Tensor) and cols is rows:
+        cols = None
+    assert y is None or isinstance(y, Tensor)  # nested_call's
+    if y is not None and y is x:
+        y = y.view_as(y)
+    needs = None
+    if torch.is_grad_enabled():
+        wants = (
+            x.requires_grad,
+            () if y is None else (y.requires_grad,),
+            isinstance(call.scale, Tensor) and call.scale.requires_grad,
+            isinstance(call.bias, Tensor) and call.bias.requires_grad,
+        )
+        needs = wants if any(_slots(wants)) else None
+    return apply(
+        _NestedLoss, x, y, rows, cols, call.scale, call.bias, weights, chunk, call.kind,
+        call.reducer, dims, unit or call.normalized, needs,
+    )[0]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2067,7 +2447,9 @@ class EngineCall:
     ``None``). The retrieval kind (:class:`Retrieval` options as ``kind``) passes tuples of its
     rows' and columns' metadata as ``rows``/``cols`` (:func:`_retrieval_masks`), and
     ``columns_per_row``, the columns a loss row owns (``1 + k``, plus its query when queries are
-    columns): the ring's blocks are that many times a rank's batch size."""
+    columns): the ring's blocks are that many times a rank's batch size. ``normalized``: ``x``
+    and ``y`` are the unit rows of the loss's embeddings (a cosine similarity), which nested
+    widths renormalise a prefix at a time (:func:`run_nested`)."""
 
     kind: Kind
     x: Tensor
@@ -2081,6 +2463,7 @@ class EngineCall:
     finish: Callable[[Tensor], Tensor] | None = None
     columns_per_row: int = 1
     unit: bool = False
+    normalized: bool = False
 
     @property
     def m(self) -> int:
@@ -2182,7 +2565,10 @@ def softmax_call(
 
         finish = add_regularizer
 
-    return EngineCall(kind, x, y, labels, ref_labels, 1.0 / t, None, chunk, reducer, finish)
+    return EngineCall(
+        kind, x, y, labels, ref_labels, 1.0 / t, None, chunk, reducer, finish,
+        normalized=distance.normalize,
+    )  # fmt: skip
 
 
 # loss function -> a builder of its EngineCall from the call's bound arguments (and the name of

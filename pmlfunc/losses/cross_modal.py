@@ -279,7 +279,7 @@ def _pair_call(
         a, b = unit_rows(a), unit_rows(b)  # F.normalize's values, a shorter backward
     red = tiled_reducer(name, reducer, what)
     chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
-    return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red)
+    return EngineCall(name, a, b, labels, None, scale.exp(), bias, chunk, red, normalized=normalize)
 
 
 def _retrieval_pair_call(
