@@ -440,22 +440,26 @@ def _ntxent_q_(z: Tensor, pos: Tensor, *, reuse: bool = False) -> tuple[Tensor, 
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
 
-def _listed(s: Tensor, pos: Tensor) -> tuple[Tensor, Tensor] | None:
+def _listed(s: Tensor, pos: Tensor, memo: dict | None = None) -> tuple[Tensor, Tensor] | None:
     """A tile's positives as ``(rows, cols)`` where listing them is free (:func:`readable`: a
     CPU tensor in eager mode, outside transforms), else ``None`` (the static-shape path). Work
     on the positives alone (a few entries a row) then costs ``O(|P|)`` instead of a pass over
-    the ``r × M`` tile."""
+    the ``r × M`` tile. ``memo``: the tile's, where several widths read one mask (listed once)."""
     if not readable(s):
         return None
+    if memo is not None and "listed" in memo:
+        return memo["listed"]
     rows, cols = pos.nonzero(as_tuple=True)
+    if memo is not None:
+        memo["listed"] = rows, cols
     return rows, cols
 
 
-def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor):
+def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor, memo: dict | None = None):
     """NT-Xent's positive terms on the listed positives (:func:`_listed`): ``(rows, cols, q,
     σ(z) + ε)`` at the positives of ``z = s − lse``, by :func:`_ntxent_q_`'s formulas, or
     ``None``."""
-    listed = _listed(s, pos)
+    listed = _listed(s, pos, memo)
     if listed is None:
         return None
     rows, cols = listed
@@ -464,7 +468,7 @@ def _ntxent_listed(s: Tensor, lse: Tensor, pos: Tensor):
     return rows, cols, q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
 
-def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
+def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool, memo=None):
     """One tile of NT-Xent's terms ``−log(σ(S − lse_neg) + ε)`` on the positives, destroying
     ``s``: ``(Σ terms, lse, Σ_P q per row, ∂L/∂S or None)``. ``lse``: the rows' negatives'
     log-sum-exp when known (the ring's second walk), else computed here; ``grad`` (only then):
@@ -475,7 +479,7 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
         lse, soft = _row_softmax(s, neg)
     elif lse is None:
         lse = _row_lse_(s.clone(), neg)
-    listed = _ntxent_listed(s, lse, pos)
+    listed = _ntxent_listed(s, lse, pos, memo)
     if listed is not None:
         rows, cols, q_p, r = listed
         q_sum = q_p.new_zeros(s.shape[0]).index_add_(0, rows, q_p)
@@ -491,13 +495,13 @@ def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool):
     return r.log_().sum().neg(), lse, q_sum, ds
 
 
-def _supcon_fold_(s: Tensor, pos, cand, local):
+def _supcon_fold_(s: Tensor, pos, cand, local, memo=None):
     """One tile of SupCon's row statistics, destroying ``s``: ``(lse over the candidates,
     |P|, Σ_P S, ∂L/∂S or None)``; ``cand`` ``None`` when every entry is one. ``local``: the
     rule giving each row's weight from its statistics (:func:`_row_weight`), or ``None`` for no
     gradient; the gradient ``w_i (softmax_C − [P]/|P(i)|)`` takes its softmax from the same
     exponentials as the log-sum-exp."""
-    listed = _listed(s, pos)
+    listed = _listed(s, pos, memo)
     if listed is not None:  # |P| and Σ_P S from the listed positives
         rows, cols = listed
         n_pos = s.new_zeros(s.shape[0]).index_add_(0, rows, s.new_ones(rows.shape))
@@ -636,15 +640,16 @@ def walk_forward(
             tiles = ((0, _logits(x, y, r0, r1, factor, bias)),)
         else:
             tiles = nested.tiles(r0, r1)
+        memo: dict = {}  # the tile's positives, listed once for every width
         for k, s in tiles:
             sink = grads if nested is None or grads is None else grads.width(k)
             if sink is None:
-                _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at)
+                _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, memo=memo)
             elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
                 sink.held = (*_clip_whole_(s, pos, at.eye, accs[k]), pos, at.eye)
             else:
                 local = functools.partial(_row_weight, kind, sink.reducer)
-                ds = _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, local)
+                ds = _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, local, memo)
                 sink.add(ds, r0, r1)
         if nested is not None and grads is not None:
             grads.flush(r0, r1)
@@ -724,11 +729,13 @@ class _Partials:
         return out
 
 
-def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, local=None):
+def _fold_tile_(
+    kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, local=None, memo=None
+):
     """Fold one tile ``s`` (destroyed) with its masks into ``acc``; ``lse``: the tile rows'
     final NT-Xent log-sum-exp, when known. ``local`` (the row-complete kinds in one block: the
     row weights' rule, :func:`_row_weight`): also return the tile's ``∂L/∂S`` for those weights,
-    formed from the same exponentials as the statistics."""
+    formed from the same exponentials as the statistics. ``memo``: :func:`_listed`'s."""
     parts = acc.parts
     grad = local is not None
     if kind == "siglip":  # Σ softplus(−z·S), z = ±1
@@ -741,14 +748,14 @@ def _fold_tile_(kind, s, pos, neg, acc: _Partials, lse, final, where: _TileAt, l
         if lse is None and not final:
             parts["row_lse"].append(_row_lse_(s, neg))
             return None
-        t, tile_lse, q, ds = _ntxent_fold_(s, pos, neg, lse, grad)
+        t, tile_lse, q, ds = _ntxent_fold_(s, pos, neg, lse, grad, memo)
         acc.total, acc.count = acc.total + t, acc.count + count_true(pos)
         parts["row_lse"].append(tile_lse)
         parts["row_q"].append(q)
         return ds
     if kind == "supcon":
         cand = (pos | neg) if where.excluded else None
-        row_lse, n_pos, pos_sum, ds = _supcon_fold_(s, pos, cand, local)
+        row_lse, n_pos, pos_sum, ds = _supcon_fold_(s, pos, cand, local, memo)
         acc.count = acc.count + count_true(neg)
         parts["row_lse"].append(row_lse)
         parts["row_pos"].append(n_pos)
@@ -1112,7 +1119,7 @@ def reduce(
     return loss, tuple(out)
 
 
-def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
+def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None, memo=None) -> Tensor:
     """``∂L/∂S`` of one tile (for a unit cotangent) from the statistics of its rows (``row``)
     and its block's columns (``col``), computed in ``s``'s buffer (destroyed) and at most one or
     two more. ``eye``: the positives are this diagonal (:class:`_TileAt`; no masks given)."""
@@ -1127,7 +1134,7 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
         return s.mul_(sign).sigmoid_().mul_(sign).mul_(coef)
     if kind == "ntxent":
         lse, q_sum, coef = row[0][r0:r1], row[1][r0:r1], row[2]
-        listed = _ntxent_listed(s, lse, pos)  # read before s is overwritten
+        listed = _ntxent_listed(s, lse, pos, memo)  # read before s is overwritten
         z = s.sub_(lse.unsqueeze(-1))
         # the positives' terms: −q; the negatives' log-sum-exp carries Σ_P q, spread by softmax
         if listed is not None:
@@ -1143,7 +1150,7 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None) -> Tensor:
         # ∂ℓ_i/∂S_ij = −pos_ij / |P(i)| + [|P(i)| > 0] · softmax over the candidates
         w_pos = (-d / n_pos.clamp_min(1.0)).unsqueeze(-1)
         w_soft = torch.where(n_pos > 0, d, torch.zeros_like(d)).unsqueeze(-1)
-        listed = _listed(s, pos)
+        listed = _listed(s, pos, memo)
         soft = _exp_(s, lse.unsqueeze(-1)).masked_fill_((pos | neg).logical_not(), 0.0)
         if listed is not None:
             return soft.mul_(w_soft).index_put_(listed, w_pos[listed[0], 0], accumulate=True)
@@ -1261,10 +1268,11 @@ def block_backward(
         for r0, r1 in _tiles(x.shape[-2], chunk):
             at = _tile_at(rows, r0, r1, m, diag, exclude)
             pos, neg = _tile_masks(rows, cols, r0, r1, m, x.device, diag, exclude, at)
+            memo: dict = {}  # the tile's positives, listed once for every width
             for k, s in nested.tiles(r0, r1):
                 row_k, col_k = tuple(t[k] for t in row), tuple(t[k] for t in col)
                 widths.width(k).add(
-                    _tile_ds_(kind, s, pos, neg, r0, r1, row_k, col_k, at.eye), r0, r1
+                    _tile_ds_(kind, s, pos, neg, r0, r1, row_k, col_k, at.eye, memo), r0, r1
                 )
             widths.flush(r0, r1)
         return widths.result()
@@ -1621,7 +1629,8 @@ class _Prefixes:
     mode, ``x``), the widths' blocks ``bounds`` (``dims`` ascending), their weights ``(K,)``
     and, when ``unit``, each prefix's norms and inverse norms (``F.normalize``'s ``1 / max(‖·‖,
     ε)``), ``(K, N)`` and ``(K, M)``. :meth:`tiles` yields a tile's logits a width; ``c``, the
-    latest width's unscaled product, stays readable until the next."""
+    latest width's unscaled product, is the caller's until the next (the next width's is made
+    before it is handed out: the caller may use its buffer)."""
 
     def __init__(self, x, y, dims, unit, scale, bias, weights):
         self.x, self.self_mode = x, y is None
@@ -1635,11 +1644,16 @@ class _Prefixes:
 
     def tiles(self, r0: int, r1: int):
         """``(k, S_k)`` for rows ``r0:r1``, a fresh tile each, from one product a block."""
-        c = None
-        for k, (lo, hi) in enumerate(self.bounds):
-            xb, yb = self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
-            c = matmul(xb, yb) if c is None else addmm(c, xb, yb)
-            self.c = c
+
+        def block(j: int) -> tuple[Tensor, Tensor]:
+            lo, hi = self.bounds[j]
+            return self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
+
+        after = matmul(*block(0))
+        for k in range(len(self.bounds)):
+            c = self.c = after
+            if k + 1 < len(self.bounds):
+                after = addmm(c, *block(k + 1))
             if self.unit:
                 s = c * (self.a[k, r0:r1] * self.scale).unsqueeze(-1)
                 s = s.mul_(self.b[k])
@@ -1688,17 +1702,18 @@ class _NestedSums:
         else:
             w = ds.mul_(weight)
         c = pre.c
-        assert c is not None  # the width's product, from tiles()
-        if self.need_scale or (pre.unit and self.gx is not None):
-            along = torch.linalg.vecdot(w, c)  # Σ_m W ⊙ C: the scale's, and a_k · ∂L/∂a_k
+        assert c is not None  # the width's product, from tiles(): ours to overwrite
+        if self.need_scale or pre.unit:
+            wc = c.mul_(w)  # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
+            along = wc.sum(-1)
             if self.need_scale:
                 self.x_dot = along.sum() if self.x_dot is None else self.x_dot + along.sum()
             if pre.unit and self.gx is not None:
                 self.tile_coef.append(_unit_coef(along, pre.na[k, r0:r1], pre.a[k, r0:r1]))
-        if pre.unit and self.gy is not None:
-            down = _unit_coef(torch.linalg.vecdot(w, c, dim=-2), pre.nb[k], pre.b[k])
-            held = self.col_coef[k]
-            self.col_coef[k] = down if held is None else held + down
+            if pre.unit and self.gy is not None:
+                down = _unit_coef(wc.sum(-2), pre.nb[k], pre.b[k])
+                held = self.col_coef[k]
+                self.col_coef[k] = down if held is None else held + down
         self.pending.append(w)
 
     def flush(self, r0: int, r1: int) -> None:
