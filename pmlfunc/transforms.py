@@ -31,7 +31,7 @@ Cost of :func:`matryoshka`: where the tiled engine runs the call (``ntxent``, ``
 computes every width's logits from one blocked product: the prefix products are cumulative sums
 of block products, ``C_k = Σ_{j ≤ k} x_j y_jᵀ``, a normalised prefix's logits a rank-1 rescale
 of them, and the backward sums the widths' ``∂S`` from the widest down and multiplies each block
-once (:func:`pmlfunc.losses._tiled.run_nested`). The products of all the widths then cost those
+once (``pmlfunc.losses._tiled.run_nested``). The products of all the widths then cost those
 of one full-width call (the naive sum's cost ``Σ_k d_k / D`` as much: 1.94 for ``(D, D/2, …,
 D/16)``); each width's elementwise work remains. Any other loss or call (a pair loss, ``mat=``,
 the retrieval loss, an embedding regularizer, ``pf.distributed.global_objective``, the ring) is
