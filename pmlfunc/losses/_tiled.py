@@ -606,10 +606,8 @@ def walk_forward(
     factor = _tile_factor(y, scale)
     roles = _roles(kind)
     for r0, r1 in _tiles(n // roles, chunk):
-        if isinstance(kind, Retrieval):
-            s = _logits(
-                x, y, r0 * roles, r1 * roles, factor, bias
-            )  # rows, cols: the rows' and columns' metadata
+        if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
+            s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
             if kind.sigmoid:
@@ -1557,6 +1555,21 @@ class _TiledLoss(torch.autograd.Function):
         return (gx, *g_ys, None, None, g_scale, g_bias, None, None, None, None, None)
 
 
+def _needs(x: Tensor, segments: tuple[Tensor, ...], scale, bias):
+    """Which of ``(x, (segment, ...), scale, bias)`` autograd will differentiate (:func:`_slots`
+    order), known before the walk so that it forms those gradients as it goes; ``None`` where
+    none is (or grad mode is off: an evaluation)."""
+    if not torch.is_grad_enabled():
+        return None
+    wants = (
+        x.requires_grad,
+        tuple(seg.requires_grad for seg in segments),
+        isinstance(scale, Tensor) and scale.requires_grad,
+        isinstance(bias, Tensor) and bias.requires_grad,
+    )
+    return wants if any(_slots(wants)) else None
+
+
 def tiled_loss(
     x: Tensor,
     y: Tensor | tuple[Tensor, ...] | None,
@@ -1599,15 +1612,7 @@ def tiled_loss(
         if any(seg is t for t in seen):
             segments = (*segments[:i], seg.view_as(seg), *segments[i + 1 :])
         seen.append(segments[i])
-    needs = None
-    if torch.is_grad_enabled():
-        wants = (
-            x.requires_grad,
-            tuple(seg.requires_grad for seg in segments),
-            isinstance(scale, Tensor) and scale.requires_grad,
-            isinstance(bias, Tensor) and bias.requires_grad,
-        )
-        needs = wants if any(_slots(wants)) else None
+    needs = _needs(x, segments, scale, bias)
     ys = _padded(segments, MAX_SEGMENTS)
     return apply(_TiledLoss, x, *ys, rows, cols, scale, bias, chunk, kind, reducer, needs, unit)[0]
 
@@ -1931,15 +1936,7 @@ def run_nested(call: EngineCall, dims: tuple[int, ...], weights: Tensor, unit: b
     assert y is None or isinstance(y, Tensor)  # nested_call's
     if y is not None and y is x:
         y = y.view_as(y)
-    needs = None
-    if torch.is_grad_enabled():
-        wants = (
-            x.requires_grad,
-            () if y is None else (y.requires_grad,),
-            isinstance(call.scale, Tensor) and call.scale.requires_grad,
-            isinstance(call.bias, Tensor) and call.bias.requires_grad,
-        )
-        needs = wants if any(_slots(wants)) else None
+    needs = _needs(x, () if y is None else (y,), call.scale, call.bias)
     return apply(
         _NestedLoss, x, y, rows, cols, call.scale, call.bias, weights, chunk, call.kind,
         call.reducer, dims, unit or call.normalized, needs,
