@@ -33,9 +33,12 @@ of block products, ``C_k = Σ_{j ≤ k} x_j y_jᵀ``, a normalised prefix's logi
 of them, and the backward sums the widths' ``∂S`` from the widest down and multiplies each block
 once (``pmlfunc.losses._tiled.run_nested``). The products of all the widths then cost those
 of one full-width call (the naive sum's cost ``Σ_k d_k / D`` as much: 1.94 for ``(D, D/2, …,
-D/16)``); each width's elementwise work remains. Any other loss or call (a pair loss, ``mat=``,
-the retrieval loss, an embedding regularizer, ``pf.distributed.global_objective``, the ring) is
-called once per width. :func:`adaptive_layers` calls the loss once per layer.
+D/16)``); each width's elementwise work remains. Any other batch loss on ``cosine()`` or
+``dot()`` (a pair or triplet loss, or the engine's losses with a miner's tuples or an embedding
+regularizer) gets every width's whole matrix from the same blocked product as ``mat=``
+(``prefix_matrices``). Any other loss or call (a Euclidean distance, ``mat=``, the retrieval loss,
+``pf.distributed.global_objective``, the ring) is called once per width. :func:`adaptive_layers`
+calls the loss once per layer.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ from torch import Tensor
 
 from . import _checks
 from ._ops import scalar_tensor
-from .losses._tiled import nested_call, run_nested
+from .distances import _Dot
+from .losses._batch import spec_of
+from .losses._tiled import nested_call, prefix_matrices, run_nested
 
 __all__ = ["EMBEDDING_ARGS", "adaptive_layers", "matryoshka"]
 
@@ -173,11 +178,14 @@ class _Matryoshka:
         one = self._one_walk(args, kwargs)
         if one is not None:
             return one
+        mats = self._one_product(given, args, kwargs)
         total: Tensor | None = None
         for k, d in enumerate(self.dims):
             w = self.weights[k]
             cut = {n: _prefix(v, d, self.normalize) for n, v in given.items()}
             a, kw = self.slots.replace(args, kwargs, cut)
+            if mats is not None:
+                kw["mat"] = mats[k]
             term = self.loss_fn(*a, **kw) * w
             total = term if total is None else total + term
         assert total is not None
@@ -196,6 +204,34 @@ class _Matryoshka:
         else:
             weights = torch.stack([scalar_tensor(w[i], x) for i in order])
         return run_nested(call, tuple(self.dims[i] for i in order), weights, self.normalize)
+
+    def _one_product(
+        self, given: Mapping[str, Tensor], args: tuple, kwargs: Mapping[str, Any]
+    ) -> list[Tensor] | None:
+        """Each width's matrix (in ``self.dims``' order), all from one blocked product
+        (:func:`pmlfunc.losses._tiled.prefix_matrices`), where the call is a batch loss on a
+        matmul similarity (``cosine()``, ``dot()``) given ``embeddings`` (and ``ref_emb``) and
+        no ``mat=``, in one process; else ``None``."""
+        spec, bound = spec_of(self.loss_fn)
+        if spec is None or not set(given) <= {"embeddings", "ref_emb"}:
+            return None
+        try:  # a call the loss refuses is left to raise from the loss itself
+            call = spec.bind_call(args, {**bound, **kwargs})
+        except (TypeError, ValueError):
+            return None
+        distance = call.distance
+        if not isinstance(distance, _Dot) or call.mat is not None or call.embeddings.ndim != 2:
+            return None
+        cd = _checks.compute_dtype(call.embeddings.dtype)
+        x = call.embeddings.to(cd)
+        y = None if call.ref_emb is None else call.ref_emb.to(cd)
+        order = sorted(range(len(self.dims)), key=self.dims.__getitem__)
+        unit = self.normalize or distance.normalize
+        ascending = prefix_matrices(x, y, tuple(self.dims[i] for i in order), unit)
+        mats: list[Tensor] = [ascending[0]] * len(order)
+        for rank, i in enumerate(order):
+            mats[i] = ascending[rank]
+        return mats
 
     @property
     def __signature__(self) -> inspect.Signature:  # the base loss's: transforms compose
@@ -248,8 +284,10 @@ def matryoshka(
     tiled) get every width from one blocked product, forward and backward: the products of a
     full-width call for all the widths, memory a tile a width (``O(K × chunk × M)``); equal to
     the sum of the calls to float64 rounding (rows or prefixes of norm below ``F.normalize``'s
-    ``ε = 1e-12`` aside: the engine rescales the full-width unit rows). Other losses and calls run a width at a time.
-    The one-product gradient is first-order (as the tiled engine's).
+    ``ε = 1e-12`` aside: the engine rescales the full-width unit rows). Other batch losses on
+    ``cosine()``/``dot()`` get each width's matrix from one blocked product as ``mat=``; the
+    rest run a width at a time. The one-product gradient is first-order (as the tiled
+    engine's).
 
     Returns:
         A function with ``loss_fn``'s signature.

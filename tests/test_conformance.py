@@ -689,6 +689,18 @@ def _matryoshka(d: Draw) -> Call:
     )
 
 
+def _matryoshka_pairs(d: Draw) -> Call:
+    """``matryoshka(multi_similarity, (4, 2, 1))`` against a reference set: every width's
+    cosine matrix from one blocked product, given to the loss as ``mat=``."""
+    y, ry = d.labels(LABELS), d.labels(REF_LABELS)
+    nested = pf.transforms.matryoshka(L.multi_similarity, (D, 2, 1), (1.0, 0.5, 0.25))
+
+    def run(embeddings, ref_emb):
+        return nested(embeddings, y, ref_emb=ref_emb, ref_labels=ry)
+
+    return Call({"embeddings": d.randn(B, D), "ref_emb": d.randn(M, D)}, run)
+
+
 def _matryoshka_pair(fn: Callable, init: Callable) -> Callable[[Draw], Call]:
     """``matryoshka(clip or siglip, (4, 2, 1))`` with labels on the tiled engine
     (``chunk_size=3``; CLIP's backward walks the widths' tiles again), both sets and the params
@@ -815,6 +827,7 @@ LOSSES: dict[str, Entry] = {
     # pf.transforms: matryoshka widths (the tiled path inside), adaptive layers (two layers, KL)
     "ntxent[matryoshka]": Entry(L.ntxent, _matryoshka, backend=_SHARED),
     "clip[matryoshka]": Entry(L.clip, _matryoshka_pair(L.clip, L.clip_init), backend=_SHARED),
+    "multi_similarity[matryoshka]": Entry(L.multi_similarity, _matryoshka_pairs, backend=_SHARED),
     "siglip[matryoshka]": Entry(
         L.siglip, _matryoshka_pair(L.siglip, L.siglip_init), backend=_SHARED
     ),

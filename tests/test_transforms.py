@@ -194,7 +194,8 @@ def test_one_product_equals_the_naive_sum_values_and_every_gradient(name, monkey
 @pytest.mark.parametrize("name", ["ntxent-dense", "ntxent-ref-3", "clip-labels-3", "siglip-16"])
 def test_one_product_costs_the_products_of_one_full_width_call(name):
     """Forward and backward, the matryoshka call's matmul FLOPs are the full-width call's
-    (the naive sum's are Σ d_k / D = 1.75 times as many for DIMS)."""
+    (the naive sum's are Σ d_k / D = 1.75 times as many for DIMS); a dense self-mode call,
+    one tile of every row, multiplies each block once in the backward (two thirds)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     base, call, inputs, params = _one_product_case(name)
@@ -211,7 +212,10 @@ def test_one_product_costs_the_products_of_one_full_width_call(name):
         return counter.get_total_flops()
 
     single, nested = flops(base), flops(T.matryoshka(base, DIMS))
-    assert nested == single
+    if name == "ntxent-dense":  # one tile of every row, self mode: (∂C + ∂Cᵀ) x, one product
+        assert nested == single * 2 // 3
+    else:
+        assert nested == single
     naive = flops(
         lambda *a, **k: sum(
             base(*(_cut(v, d) for v in a), **{n: _cut(v, d) for n, v in k.items()}) for d in DIMS
@@ -266,6 +270,134 @@ def test_the_other_losses_and_calls_run_a_width_at_a_time():
     assert nested_call(L.ntxent, (e, LABELS), {"chunk_size": 3}, "t") is not None
     got = T.matryoshka(L.ntxent, DIMS)(e, LABELS, **reg)
     torch.testing.assert_close(got, sum(L.ntxent(e[:, :d], LABELS, **reg) for d in DIMS), **TOL)
+
+
+# --- pair losses on a matmul similarity: every width's matrix from one blocked product -----------
+
+R_REF = (7, 12)
+# name -> (base loss, the call on embedding tensors, shapes): cosine and dot, self mode and a
+# reference set, mined tuples, an embedding regularizer, the transform's normalize=
+PAIRS = {
+    "multi_similarity": (L.multi_similarity, lambda f, e: f(e, LABELS), [(N, 12)], {}),
+    "contrastive-dot-ref": (
+        L.contrastive,
+        lambda f, e, r: f(
+            e, LABELS, ref_emb=r, ref_labels=R_LABELS, distance=pf.distances.dot(),
+            pos_margin=0.5, neg_margin=-0.5,
+        ),
+        [(N, 12), R_REF], {},
+    ),
+    "triplet-cosine-tuples": (
+        L.triplet_margin,
+        lambda f, e: f(
+            e, None, distance=pf.distances.cosine(),
+            indices_tuple=(torch.tensor([0, 2, 5]), torch.tensor([1, 3, 5]), torch.tensor([4, 0, 9])),
+        ),
+        [(N, 12)], {},
+    ),
+    "circle-regularized": (
+        L.circle,
+        lambda f, e: f(e, LABELS, embedding_regularizer=pf.regularizers.lp, embedding_reg_weight=0.3),
+        [(N, 12)], {},
+    ),
+    "tuplet-margin-normalize": (
+        L.tuplet_margin, lambda f, e: f(e, LABELS), [(N, 12)], {"normalize": True},
+    ),
+    "multi_similarity-dot-normalize": (
+        L.multi_similarity, lambda f, e: f(e, LABELS, distance=pf.distances.dot()), [(N, 12)],
+        {"normalize": True},
+    ),
+}  # fmt: skip
+
+
+def _spy_prefix_matrices(monkeypatch):
+    calls = []
+    real = pf.transforms.prefix_matrices
+    monkeypatch.setattr(
+        pf.transforms, "prefix_matrices", lambda *a: calls.append(a[2:]) or real(*a)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_pair_loss_on_a_matmul_similarity_takes_every_width_from_one_product(name, monkeypatch):
+    base, call, shapes, options = PAIRS[name]
+    inputs = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=F64, requires_grad=True)
+    calls = _spy_prefix_matrices(monkeypatch)
+
+    got_in = _leaves(*inputs)
+    got = call(T.matryoshka(base, DIMS, weights, **options), *got_in)
+    assert calls == [((3, 6, 12), options.get("normalize", False) or name != "contrastive-dot-ref")]
+    want_in = _leaves(*inputs)
+    cut = functools.partial(_prefix, normalize=options.get("normalize", False))
+    want = sum(weights[k] * call(base, *[cut(x, d) for x in want_in]) for k, d in enumerate(DIMS))
+    _assert_same((got, _grads(got, [*got_in, weights])), (want, _grads(want, [*want_in, weights])))
+
+
+def _prefix(x, d, normalize):
+    x = x[..., :d]
+    return torch.nn.functional.normalize(x, dim=-1) if normalize else x
+
+
+@pytest.mark.parametrize("ref", [False, True], ids=["self", "ref"])
+def test_pair_loss_one_product_costs_the_products_of_one_full_width_call(ref):
+    """The one-product matrices' matmul FLOPs, forward and backward, are the full-width
+    call's (self mode: one product a block each way, as the loss's own self product)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    e, r = _randn(N, 12), _randn(*R_REF, seed=1)
+    extra = {"ref_emb": r, "ref_labels": R_LABELS} if ref else {}
+
+    def flops(fn):
+        x = e.clone().requires_grad_()
+        with FlopCounterMode(
+            display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops}
+        ) as counter:
+            torch.autograd.grad(fn(x, LABELS, **extra), x)
+        return counter.get_total_flops()
+
+    single = flops(L.multi_similarity)
+    assert flops(T.matryoshka(L.multi_similarity, DIMS)) == single
+    naive = flops(
+        lambda x, y, **k: sum(
+            L.multi_similarity(x[:, :d], y, **{n: _cut(v, d) for n, v in k.items()}) for d in DIMS
+        )
+    )
+    assert naive == pytest.approx(single * sum(DIMS) / max(DIMS), rel=0.01)
+
+
+def _addmm_flops(into, a, b, *_, out_shape=None, **__):  # not in FlopCounterMode's table
+    return 2 * a[0] * a[1] * b[1]
+
+
+def test_pair_losses_off_a_matmul_similarity_run_a_width_at_a_time(monkeypatch):
+    """An Euclidean distance, a given ``mat=`` and a loss of one's own (not a batch loss, its
+    matrix unknown) call the loss a width at a time (and equal the naive sum)."""
+    e = _randn(N, 12)
+    calls = _spy_prefix_matrices(monkeypatch)
+    cos = pf.distances.cosine()
+    for base, kw in [
+        (L.contrastive, {}),  # lp()
+        (L.multi_similarity, {"mat": cos(e)}),
+        (_own_loss, {}),
+    ]:
+        got = T.matryoshka(base, DIMS)(e, LABELS, **kw)
+        torch.testing.assert_close(got, sum(base(e[:, :d], LABELS, **kw) for d in DIMS), **TOL)
+    assert calls == []
+
+
+def _own_loss(embeddings, labels):
+    return L.multi_similarity(embeddings, labels)
+
+
+def test_pair_loss_one_product_is_first_order():
+    e = _randn(N, 12).requires_grad_()
+    (g,) = torch.autograd.grad(
+        T.matryoshka(L.multi_similarity, DIMS)(e, LABELS), e, create_graph=True
+    )
+    with pytest.raises(RuntimeError, match=r"not differentiable.*a width at a time"):
+        g.sum().backward()
 
 
 def _layer_reference(layers, loss_fn, weighting, indices, w_last, w_prior, kl_w, t):

@@ -1,16 +1,20 @@
 """``pf.transforms.matryoshka`` against the naive sum of one call a width: time and memory.
 
-Two pytest-benchmark groups, ``matryoshka-ntxent-b{B}`` and ``matryoshka-clip-b{B}``, forward +
-backward at ``B`` rows and ``D`` dimensions (``PMLFUNC_BENCH_MATRYOSHKA_BATCH``, 4,096;
-``PMLFUNC_BENCH_MATRYOSHKA_DIM``, 768), widths ``(D, D/2, D/4, D/8, D/16)``, float32, one thread.
-NT-Xent: four samples per class; CLIP: two aligned sets (the second the first plus noise), a
-learnable ``logit_scale``. Members:
+Three pytest-benchmark groups, ``matryoshka-ntxent-b{B}``, ``matryoshka-clip-b{B}`` and
+``matryoshka-multi_similarity-b{B}``, forward + backward at ``B`` rows and ``D`` dimensions
+(``PMLFUNC_BENCH_MATRYOSHKA_BATCH``, 4,096; ``PMLFUNC_BENCH_MATRYOSHKA_DIM``, 768), widths ``(D,
+D/2, D/4, D/8, D/16)``, float32, one thread. NT-Xent and multi-similarity: four samples per class;
+CLIP: two aligned sets (the second the first plus noise), a learnable ``logit_scale``. Members:
 
 - ``single``: the base loss at full width, ``chunk_size=256``;
 - ``naive``: the sum of the five calls on the prefixes, written out, ``chunk_size=256``;
 - ``matryoshka``: ``matryoshka(loss, widths)`` with ``chunk_size=256``: one walk over the
   tiles, every width's logits from one blocked product (``pmlfunc.losses._tiled.run_nested``);
 - ``naive-dense``, ``matryoshka-dense``: the same without ``chunk_size`` (the engine's dense path).
+
+Multi-similarity, a pair loss on ``cosine()`` with no tiled path, has ``single``, ``naive-dense``
+and ``matryoshka-dense`` (every width's matrix from one blocked product, given as ``mat=``:
+``pmlfunc.losses._tiled.prefix_matrices``).
 
 Every member but ``single`` is checked equal to the float64 naive sum before it is timed.
 ``extra_info["peak_tensor_mib"]`` is the live-tensor peak of one step
@@ -44,8 +48,9 @@ DIM = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_DIM", 768)
 SMOKE_BATCH = C.env_int("PMLFUNC_BENCH_SMOKE_MATRYOSHKA_BATCH", 256)
 THREADS = C.bench_threads()
 CHUNK = 256
-LOSSES = ("ntxent", "clip")
+LOSSES = ("ntxent", "clip", "multi_similarity")
 MEMBERS = ("single", "naive", "matryoshka", "naive-dense", "matryoshka-dense")
+PAIR_LOSSES = ("multi_similarity",)  # dense only: no chunk_size=
 
 
 def widths(dim: int) -> tuple[int, ...]:
@@ -67,6 +72,7 @@ def pytest_generate_tests(metafunc) -> None:
         )
         for loss in LOSSES
         for impl in MEMBERS
+        if loss not in PAIR_LOSSES or impl in ("single", "naive-dense", "matryoshka-dense")
     ]
     metafunc.parametrize(("loss", "batch", "impl"), params)
 
@@ -74,7 +80,7 @@ def pytest_generate_tests(metafunc) -> None:
 def _inputs(loss: str, batch: int, dtype: torch.dtype):
     """``(leaves, call)``: the tensors a step differentiates and ``call(loss_fn, *leaves)``."""
     emb, labels = C.make_inputs(batch, DIM, dtype=dtype, seed=C.SEED)
-    if loss == "ntxent":
+    if loss != "clip":
         return [emb], lambda fn, e: fn(e, labels)
     other = emb + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
     scale = pf.losses.clip_init(dtype=dtype)["logit_scale"]
@@ -84,7 +90,7 @@ def _inputs(loss: str, batch: int, dtype: torch.dtype):
 def _member(loss: str, impl: str):
     base = getattr(pf.losses, loss)
     chunk = None if impl.endswith("dense") else CHUNK
-    fn = functools.partial(base, chunk_size=chunk)
+    fn = base if loss in PAIR_LOSSES else functools.partial(base, chunk_size=chunk)
     if impl.startswith("matryoshka"):
         return pf.transforms.matryoshka(fn, widths(DIM))
     if impl == "single":

@@ -78,6 +78,7 @@ from .._ops import (
     ratio,
     readable,
     renorm_rows,
+    self_product_grad,
     unit_rows,
 )
 from ..distances import _Dot, cosine, resolve
@@ -107,6 +108,7 @@ __all__ = [
     "engine_call",
     "kind_name",
     "merge",
+    "prefix_matrices",
     "rank_shared",
     "rank_sum",
     "reduce",
@@ -1697,19 +1699,27 @@ class _NestedSums:
     def width(self, k: int) -> _Width:
         return _Width(self, k)
 
-    def add(self, k: int, ds: Tensor, r0: int, r1: int) -> None:
+    def add(self, k: int, ds: Tensor, r0: int, r1: int, logits: Tensor | None = None) -> None:
+        """Width ``k``'s tile ``∂S_k`` (overwritten). ``logits``: the tile's ``S_k`` before
+        the scale and the bias, from a caller that kept them (:func:`prefix_matrices`); then
+        ``W ⊙ C = w_k ∂S_k ⊙ logits``, ``pre.c`` is not read and ``ds`` is left as it is."""
         pre, weight = self.pre, self.pre.weights[k]
         if self.need_bias:
             part = ds.sum() * weight
             self.sum_ds = part if self.sum_ds is None else self.sum_ds + part
+        wc = None
+        if logits is not None and (self.need_scale or pre.unit):
+            wc = (ds * logits).mul_(weight)
         if pre.unit:  # ∂C_k = w_k ∂S_k ⊙ a_k b_kᵀ (the scale applied at the end)
-            w = ds.mul_((pre.a[k, r0:r1] * weight).unsqueeze(-1)).mul_(pre.b[k])
+            a = (pre.a[k, r0:r1] * weight).unsqueeze(-1)
+            w = (ds.mul_(a) if logits is None else ds * a).mul_(pre.b[k])
         else:
-            w = ds.mul_(weight)
-        c = pre.c
-        assert c is not None  # the width's product, from tiles(): ours to overwrite
+            w = ds.mul_(weight) if logits is None else ds * weight
         if self.need_scale or pre.unit:
-            wc = c.mul_(w)  # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
+            if wc is None:
+                c = pre.c
+                assert c is not None  # the width's product, from tiles(): ours to overwrite
+                wc = c.mul_(w)  # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
             along = wc.sum(-1)
             if self.need_scale:
                 self.x_dot = along.sum() if self.x_dot is None else self.x_dot + along.sum()
@@ -1728,6 +1738,9 @@ class _NestedSums:
         for j in reversed(range(len(self.pending))):
             total = self.pending[j] if total is None else total.add_(self.pending[j])
             lo, hi = pre.bounds[j]
+            if pre.self_mode and self.gx is not None and r1 - r0 == pre.x.shape[-2]:
+                self.gx[:, lo:hi] += self_product_grad(total, pre.x[:, lo:hi])  # all the rows
+                continue
             if self.gx is not None:
                 self.gx[r0:r1, lo:hi] += matmul(total, pre.y[:, lo:hi])
             if self.gy is not None:
@@ -1941,6 +1954,73 @@ def run_nested(call: EngineCall, dims: tuple[int, ...], weights: Tensor, unit: b
         _NestedLoss, x, y, rows, cols, call.scale, call.bias, weights, chunk, call.kind,
         call.reducer, dims, unit or call.normalized, needs,
     )[0]  # fmt: skip
+
+
+class _PrefixMatrices(torch.autograd.Function):
+    """The whole ``(N, M)`` logits of every nested width, ``S_k = x[:, :d_k] y[:, :d_k]ᵀ``
+    (each prefix normalised when ``unit``), from one blocked product (:class:`_Prefixes`, one
+    tile of all the rows). Inputs ``(x, y, dims, unit)`` (``y=None``: self mode, ``dims``
+    ascending); output ``(K, N, M)``, a width a slice. The backward is :class:`_NestedSums`
+    over that tile: each block multiplied once by the sum of the widths' gradients from the
+    widest down."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y, dims, unit):
+        pre = _Prefixes(x, y, dims, unit, 1.0, None, x.new_ones(len(dims)))
+        return torch.stack([s for _, s in pre.tiles(0, x.shape[-2])])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, dims, unit = inputs
+        ctx.dims, ctx.unit = dims, unit
+        ctx.save_for_backward(x, y, output if unit else None)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, logits = ctx.saved_tensors
+        need_x, need_y = ctx.needs_input_grad[:2]
+        if g is None or not (need_x or need_y):
+            return None, None, None, None
+        gx, gy = apply(_PrefixMatricesGrads, x, y, logits, g, ctx.dims, ctx.unit, need_x, need_y)
+        return gx, gy, None, None
+
+
+class _PrefixMatricesGrads(_FirstOrder):
+    """:class:`_PrefixMatrices`' backward (:class:`_FirstOrder`): ``(∂x, ∂y)`` from the
+    widths' gradients ``g`` ``(K, N, M)`` and, when ``unit``, their logits."""
+
+    @staticmethod
+    def forward(x, y, logits, g, dims, unit, need_x, need_y):
+        need_y = bool(need_y) and y is not None
+        pre = _Prefixes(x, y, dims, unit, 1.0, None, x.new_ones(len(dims)))
+        sums = _NestedSums(pre, (need_x or y is None, () if y is None else (need_y,), 0, 0))
+        n = x.shape[-2]
+        for k in range(len(dims)):
+            # the cotangent is not ours: read beside the logits, or a copy to overwrite
+            if unit:
+                sums.add(k, g[k], 0, n, logits=logits[k])
+            else:
+                sums.add(k, g[k].clone(), 0, n)
+        sums.flush(0, n)
+        gx, gy, _, _ = sums.result()
+        return gx if need_x else None, gy[0] if need_y and gy else None
+
+    backward = staticmethod(
+        _twice(
+            "matryoshka's one-product matrices (a pair loss on cosine() or dot())",
+            "call the loss a width at a time (differentiable twice)",
+        )
+    )
+
+
+def prefix_matrices(x: Tensor, y: Tensor | None, dims: tuple[int, ...], unit: bool) -> Tensor:
+    """Every nested width's ``(N, M)`` logits ``x[:, :d_k] y[:, :d_k]ᵀ`` (``y=None``: ``x``'s
+    self product; each prefix L2-normalised first when ``unit``) at the ascending widths
+    ``dims``, stacked ``(K, N, M)``, from one blocked product forward and backward: the
+    products of one full-width matrix for all the widths (first-order)."""
+    return apply(_PrefixMatrices, x, y, dims, unit)
 
 
 # ----------------------------------------------------------------------------------------------
