@@ -227,7 +227,9 @@ class _Matryoshka:
         y = None if call.ref_emb is None else call.ref_emb.to(cd)
         order = sorted(range(len(self.dims)), key=self.dims.__getitem__)
         unit = self.normalize or distance.normalize
-        ascending = prefix_matrices(x, y, tuple(self.dims[i] for i in order), unit)
+        # unbind: one node, whose backward stacks the widths' gradients (a select a width
+        # would fill a zero (K, N, M) buffer each)
+        ascending = prefix_matrices(x, y, tuple(self.dims[i] for i in order), unit).unbind(0)
         mats: list[Tensor] = [ascending[0]] * len(order)
         for rank, i in enumerate(order):
             mats[i] = ascending[rank]
