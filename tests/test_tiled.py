@@ -555,6 +555,33 @@ def test_chunk_size_equals_the_dense_loss_on_a_larger_batch(name):
     torch.testing.assert_close(g2, g1, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("temperature", ["float", "learnable"])
+def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
+    """Dense self-mode NT-Xent (one tile of all the rows, ``g`` small enough to stay in cache):
+    the rows' and the columns' gradients from one product, ``(∂S + ∂Sᵀ) x``: two ``N² D``
+    products in all, forward and backward (a learnable temperature's gradient from the same
+    product); with ``chunk_size`` each tile multiplies twice."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, d = 64, 8
+    emb = torch.randn(n, d, generator=torch.Generator().manual_seed(3), dtype=F64)
+    labels = torch.arange(n) // 4
+    t = torch.tensor(0.2, dtype=F64, requires_grad=True) if temperature == "learnable" else 0.2
+
+    def addmm_(into, a, b, *_, out_shape=None, **__):  # not in FlopCounterMode's table
+        return 2 * a[0] * a[1] * b[1]
+
+    def flops(**kw):
+        x = emb.clone().requires_grad_()
+        mapping = {torch.ops.aten.addmm_: addmm_}
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            torch.autograd.grad(pfl.ntxent(x, labels, temperature=t, **kw), x)
+        return counter.get_total_flops()
+
+    assert flops() == 2 * (2 * n * n * d)
+    assert flops(chunk_size=16) == 3 * (2 * n * n * d)
+
+
 # ---------------------------------------------------------------------------------------------
 # Every kind of the engine on its own: values and full gradients against float64 references
 # ---------------------------------------------------------------------------------------------

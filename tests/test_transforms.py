@@ -194,8 +194,7 @@ def test_one_product_equals_the_naive_sum_values_and_every_gradient(name, monkey
 @pytest.mark.parametrize("name", ["ntxent-dense", "ntxent-ref-3", "clip-labels-3", "siglip-16"])
 def test_one_product_costs_the_products_of_one_full_width_call(name):
     """Forward and backward, the matryoshka call's matmul FLOPs are the full-width call's
-    (the naive sum's are Σ d_k / D = 1.75 times as many for DIMS); a dense self-mode call,
-    one tile of every row, multiplies each block once in the backward (two thirds)."""
+    (the naive sum's are Σ d_k / D = 1.75 times as many for DIMS)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     base, call, inputs, params = _one_product_case(name)
@@ -212,10 +211,7 @@ def test_one_product_costs_the_products_of_one_full_width_call(name):
         return counter.get_total_flops()
 
     single, nested = flops(base), flops(T.matryoshka(base, DIMS))
-    if name == "ntxent-dense":  # one tile of every row, self mode: (∂C + ∂Cᵀ) x, one product
-        assert nested == single * 2 // 3
-    else:
-        assert nested == single
+    assert nested == single
     naive = flops(
         lambda *a, **k: sum(
             base(*(_cut(v, d) for v in a), **{n: _cut(v, d) for n, v in k.items()}) for d in DIMS

@@ -1204,6 +1204,15 @@ class _GradSums:
             ds = ds.mul_(y.inv)  # S = scale · (x yᵀ) ⊙ inv: ∂S ⊙ inv meets the raw columns
         xt = x[r0:r1]
         whole = len(y.segments) == 1
+        into = self.gy[0] if self.into is not None else None
+        if into is not None and need_rows and r1 - r0 == x.shape[-2] and y.segments[0] is x:
+            # self mode, one tile of every row: ∂S x + ∂Sᵀ x, one product where cheaper
+            h = self_product_grad(ds, x)
+            if need_scale:  # Σ ∂S ⊙ x xᵀ = ½ Σ h ⊙ x
+                dot = 0.5 * (h * x).sum()
+                self.x_dot = dot if self.x_dot is None else self.x_dot + dot
+            into += h
+            return
         for i, (c0, c1) in enumerate(y.spans()):
             if not need_cols[i]:
                 continue
