@@ -211,11 +211,13 @@ class _Matryoshka:
         """Each width's matrix (in ``self.dims``' order), all from one blocked product
         (:func:`pmlfunc.losses._tiled.prefix_matrices`), where the call is a batch loss on a
         matmul similarity (``cosine()``, ``dot()``) given ``embeddings`` (and ``ref_emb``) and
-        no ``mat=``, in one process; else ``None``."""
-        spec, bound = spec_of(self.loss_fn)
-        if spec is None or not set(given) <= {"embeddings", "ref_emb"}:
+        no ``mat=``; else ``None``."""
+        if not set(given) <= {"embeddings", "ref_emb"}:
             return None
-        try:  # a call the loss refuses is left to raise from the loss itself
+        try:  # a partial binding positions, or a call the loss refuses: left to the loss
+            spec, bound = spec_of(self.loss_fn)
+            if spec is None:
+                return None
             call = spec.bind_call(args, {**bound, **kwargs})
         except (TypeError, ValueError):
             return None

@@ -387,6 +387,17 @@ def _own_loss(embeddings, labels):
     return L.multi_similarity(embeddings, labels)
 
 
+def _own_scaled_loss(scale, embeddings, labels):
+    return scale * L.multi_similarity(embeddings, labels)
+
+
+def test_a_partial_binding_positions_of_one_s_own_loss_runs_a_width_at_a_time():
+    e = _randn(N, 12)
+    got = T.matryoshka(functools.partial(_own_scaled_loss, 2.0), DIMS)(e, LABELS)
+    want = sum(_own_scaled_loss(2.0, e[:, :d], LABELS) for d in DIMS)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_pair_loss_one_product_is_first_order():
     e = _randn(N, 12).requires_grad_()
     (g,) = torch.autograd.grad(
