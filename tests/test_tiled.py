@@ -583,6 +583,75 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
 
 
 # ---------------------------------------------------------------------------------------------
+# Labelled tiles by a listing of the positives (CPU eager), not r × M masks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("excluded", [False, True], ids=["block", "own-block"])
+def test_the_label_listing_is_the_masks_nonzero(excluded):
+    """``_label_listing`` (columns sorted by label, each row's run found by binary search)
+    lists exactly the ``(rows, cols)`` of ``(rows == colsᵀ).nonzero()``, in its order, without
+    the self pairs of a block's own diagonal, and each tile's memo is its slice, shifted to the
+    tile's rows; where the positives are more than an eighth of the block, ``None``."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 40, (37,), generator=g)
+    cols = rows if excluded else torch.randint(0, 40, (29,), generator=g)
+    x = torch.zeros(37, 3)
+    listing = _tiled._label_listing("ntxent", x, rows, cols, excluded)
+    assert listing is not None
+    mask = rows.unsqueeze(-1) == cols.unsqueeze(-2)
+    if excluded:
+        mask.fill_diagonal_(False)
+    want_r, want_c = mask.nonzero(as_tuple=True)
+    assert torch.equal(listing.rows, want_r) and torch.equal(listing.cols, want_c)
+    for r0, r1 in [(0, 5), (5, 6), (6, 37), (30, 37)]:
+        memo = listing.memo(r0, r1)
+        tr, tc = mask[r0:r1].nonzero(as_tuple=True)
+        assert torch.equal(memo["listed"][0], tr) and torch.equal(memo["listed"][1], tc)
+        assert memo["diag"] == (r0 if excluded else None)
+    few = torch.arange(37) // 6  # 6 of 37 columns a row: above an eighth
+    assert _tiled._label_listing("ntxent", x, few, few, excluded) is None
+    assert _tiled._label_listing("clip", x, rows, cols, excluded) is None
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("mode", ["self", "ref"])
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_listed_tiles_equal_the_masked_tiles_and_build_no_mask(gen, name, mode, chunk, monkeypatch):
+    """NT-Xent and SupCon with labels, on a CPU in eager mode: the tiles read their positives
+    from one listing a walk and build no ``r × M`` mask (``_masks`` is not called), and the
+    loss and every gradient (embeddings, reference set, learnable temperature) equal the masks'
+    path, which compiled and transformed calls take, for every reducer; a NaN among the
+    negatives still gives NaN."""
+    n, m = 40, 36
+    emb = torch.randn(n, 6, generator=gen, dtype=F64)
+    ref = torch.randn(m, 6, generator=gen, dtype=F64) if mode == "ref" else None
+    labels = torch.randint(0, 14, (n,), generator=gen)
+    labels[-1] = 99  # a row without positives
+    ref_labels = torch.randint(0, 14, (m,), generator=gen) if mode == "ref" else None
+    temperature = torch.tensor(0.3, dtype=F64)
+    masks = _tiled._masks
+    calls = []
+    monkeypatch.setattr(_tiled, "_masks", lambda *a: calls.append(1) or masks(*a))
+    for reducer in REDUCERS[name]:
+        kw = {"chunk_size": chunk, "reducer": _reducer(reducer)}
+        listed = _value_and_grads(STREAMING[name], emb, labels, ref, ref_labels, temperature, **kw)
+        assert not calls
+        with monkeypatch.context() as m_:
+            m_.setattr(_tiled, "_label_listing", lambda *a: None)
+            masked = _value_and_grads(
+                STREAMING[name], emb, labels, ref, ref_labels, temperature, **kw
+            )
+        assert calls
+        calls.clear()
+        _assert_same(listed, masked)
+    if mode == "ref":
+        ref = ref.clone()
+        ref[0, 1] = float("nan")
+        assert torch.isnan(STREAMING[name](emb, labels, ref_emb=ref, ref_labels=ref_labels))
+
+
+# ---------------------------------------------------------------------------------------------
 # Every kind of the engine on its own: values and full gradients against float64 references
 # ---------------------------------------------------------------------------------------------
 #
