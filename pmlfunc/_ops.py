@@ -289,26 +289,27 @@ def _autocast_on(device: str) -> bool:
     return torch.compiler.is_compiling() or torch.is_autocast_enabled(device)
 
 
-def matmul(a: Tensor, b: Tensor) -> Tensor:
+def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """``a @ b`` with autocast off: in the operands' dtype (float32 for a loss's low-precision
     inputs), also inside ``torch.autocast``. Under autocast a matmul runs in bfloat16/float16,
     which turns the Euclidean expansion's cancellation and every reduction's sums into wrong
-    numbers; a loss's matmuls are a small part of a step."""
+    numbers; a loss's matmuls are a small part of a step. ``out``: a buffer to write into (eager,
+    no autograd)."""
     device = _autocast_device(a)
     if not _autocast_on(device):  # the context costs ~3 µs a call: skip it when it is a no-op
-        return torch.matmul(a, b)
+        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
     with torch.autocast(device, enabled=False):
-        return torch.matmul(a, b)
+        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 
-def addmm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``c + a @ b`` as one product (``torch.addmm``, a new tensor), autocast off (as
-    :func:`matmul`)."""
+def addmm(c: Tensor, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``c + a @ b`` as one product (``torch.addmm``, a new tensor, or ``out``: eager, no
+    autograd), autocast off (as :func:`matmul`)."""
     device = _autocast_device(a)
     if not _autocast_on(device):
-        return torch.addmm(c, a, b)
+        return torch.addmm(c, a, b) if out is None else torch.addmm(c, a, b, out=out)
     with torch.autocast(device, enabled=False):
-        return torch.addmm(c, a, b)
+        return torch.addmm(c, a, b) if out is None else torch.addmm(c, a, b, out=out)
 
 
 def einsum(equation: str, *operands: Tensor) -> Tensor:

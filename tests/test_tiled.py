@@ -804,6 +804,50 @@ def test_every_kind_and_reducer_equals_a_float64_reference(gen, kind, reducer, l
         assert all(g.abs().max() > 1e-6 for g in grads)
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "matryoshka"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_tile_buffers_reused_from_tile_to_tile_give_the_same_numbers(
+    gen, kind, nested, monkeypatch
+):
+    """A walk on a CPU in eager mode writes each tile's logits (a nested walk's products, one a
+    width) and NT-Xent's and SupCon's softmax (one a width) into buffers reused from tile to
+    tile (``_Scratch``), the last tile a view of their first rows: the loss and every gradient
+    are bitwise those of fresh buffers, for each reducer and layout, with tiles of 3 rows (11
+    not divisible by 3) and dense calls (one tile), forward walks and CLIP's backward walk
+    alike, plain and at nested widths (``matryoshka``, widths 5, 3, 1); a buffer is taken."""
+    if nested:
+        import pmlfunc.transforms as pft
+
+        monkeypatch.setattr(pfl, kind, pft.matryoshka(getattr(pfl, kind), (5, 3, 1)))
+        walks = []
+        run_nested = pft.run_nested
+        monkeypatch.setattr(pft, "run_nested", lambda *a: walks.append(1) or run_nested(*a))
+    taken = []
+    take = _tiled._Scratch.take
+
+    def spy(self, name, rows, cols, like):
+        buf = take(self, name, rows, cols, like)
+        taken.append(buf is not None)
+        return buf
+
+    monkeypatch.setattr(_tiled._Scratch, "take", spy)
+    for reducer, layout, bias, chunk in itertools.product(
+        _tiled.KINDS[kind], LAYOUTS[kind][:2], (False, True), (3, 11)
+    ):
+        if bias and kind not in ("clip", "siglip"):
+            continue
+        inputs = _kind_inputs(gen, kind, layout, bias)
+        reused = _kind_value_and_grads(kind, reducer, layout, chunk, inputs)
+        with monkeypatch.context() as m:
+            m.setattr(_tiled, "_reuses", lambda *a: False)
+            fresh = _kind_value_and_grads(kind, reducer, layout, chunk, inputs)
+        assert torch.equal(reused[0], fresh[0]), (reducer, layout, chunk)
+        assert all(torch.equal(a, b) for a, b in zip(reused[1], fresh[1], strict=True))
+    assert any(taken)
+    if nested:  # the one-product walk ran (not a width at a time)
+        assert walks
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine's blocks: partial statistics merged across blocks of columns (the ring's walk)
 # ---------------------------------------------------------------------------------------------
