@@ -302,14 +302,14 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 
-def addmm(c: Tensor, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """``c + a @ b`` as one product (``torch.addmm``, a new tensor, or ``out``: eager, no
-    autograd), autocast off (as :func:`matmul`)."""
+def addmm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``c + a @ b`` as one product (``torch.addmm``, a new tensor), autocast off (as
+    :func:`matmul`)."""
     device = _autocast_device(a)
     if not _autocast_on(device):
-        return torch.addmm(c, a, b) if out is None else torch.addmm(c, a, b, out=out)
+        return torch.addmm(c, a, b)
     with torch.autocast(device, enabled=False):
-        return torch.addmm(c, a, b) if out is None else torch.addmm(c, a, b, out=out)
+        return torch.addmm(c, a, b)
 
 
 def einsum(equation: str, *operands: Tensor) -> Tensor:

@@ -42,8 +42,8 @@ binary search, ``O(M log M + |P|)``) and each tile reads its positives by index 
 ms, tiles of 256 rows 91–97 → 54–62 ms, floor 40–43). Elsewhere (compiled, transformed, an
 accelerator, many positives) each tile builds its boolean masks.
 
-Tile buffers: on a CPU in eager mode a walk writes each tile's product (a nested walk's, one a
-width) and NT-Xent's and SupCon's softmax into buffers reused from tile to tile
+Tile buffers: on a CPU in eager mode a plain walk writes each tile's product and NT-Xent's and
+SupCon's softmax into buffers reused from tile to tile
 (:class:`_Scratch`), where fresh ``r × M`` buffers cost their page faults every tile (tiled
 NT-Xent at ``N = 2,048``, ``D = 128``, one thread, in-process A/B: 47 ms against 59; SupCon 61
 against 84). A dense call of a row-complete kind therefore walks small tiles, ``2¹⁹`` entries
@@ -383,19 +383,14 @@ class _Scratch:
         return buf[:rows]
 
 
-def _reuses(kind, x: Tensor) -> bool:
-    """Whether a walk reuses its tile buffers (:class:`_Scratch`): any but the retrieval
-    kind's, on a CPU in eager mode, outside autograd (an engine Function's forward or
-    backward). A tile's buffers are done with when the next one begins: its gradient's products
-    are taken (a nested walk's at its flush), and CLIP holds its one tile only. A nested walk
-    reuses each width's product and softmax; its backward, whose ``∂S`` a width may be its
-    logits' buffer, allocates afresh."""
-    return (
-        not isinstance(kind, Retrieval)
-        and x.ndim == 2
-        and readable(x)
-        and not torch.is_grad_enabled()
-    )
+def _reuses(kind, x: Tensor, nested) -> bool:
+    """Whether a walk reuses its tile buffers (:class:`_Scratch`): a plain walk (not nested,
+    not the retrieval kind's) on a CPU in eager mode, outside autograd (an engine Function's
+    forward or backward). A tile's buffers are done with when the next one begins: its
+    gradient's products are taken, and CLIP holds its one tile only. (A nested walk holds K
+    products and softmaxes a tile; reusing them one a width measured no faster.)"""
+    plain = nested is None and not isinstance(kind, Retrieval) and x.ndim == 2
+    return plain and readable(x) and not torch.is_grad_enabled()
 
 
 def _logits(x: Tensor, y: Columns, r0: int, r1: int, factor, bias, out=None) -> Tensor:
@@ -746,7 +741,7 @@ def walk_forward(
     listing = _label_listing(kind, x, rows, cols, diag and exclude)
     # the plain walk's tile and softmax reused from tile to tile (a tile's buffers are done
     # with when the next begins: its gradient's products are taken, CLIP holds one tile only)
-    scratch = _Scratch(_reuses(kind, x))
+    scratch = _Scratch(_reuses(kind, x, nested))
     for r0, r1 in _tiles(n // roles, chunk):
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
@@ -783,10 +778,8 @@ def walk_forward(
             tiles = ((0, _logits(x, y, r0, r1, factor, bias, out)),)
             memo["probs"] = scratch.take("probs", r1 - r0, m, x)
         else:
-            tiles = nested.tiles(r0, r1, scratch)
+            tiles = nested.tiles(r0, r1)
         for k, s in tiles:
-            if nested is not None:  # a width's softmax is held (its ∂S) until the tile's flush
-                memo["probs"] = scratch.take(f"probs{k}", r1 - r0, m, x)
             sink = grads if nested is None or grads is None else grads.width(k)
             if sink is None:
                 _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, memo=memo)
@@ -1455,7 +1448,7 @@ def block_backward(
         return widths.result()
     sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
-    scratch = _Scratch(_reuses(kind, x))
+    scratch = _Scratch(_reuses(kind, x, nested))
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         out = scratch.take("logits", (r1 - r0) * roles, m, x)
         s = _logits(x, y, r0 * roles, r1 * roles, factor, bias, out)
@@ -1830,23 +1823,18 @@ class _Prefixes:
             self.na, self.a = _inverse_norms(self.x, dims)
             self.nb, self.b = (self.na, self.a) if y is None else _inverse_norms(self.y, dims)
 
-    def tiles(self, r0: int, r1: int, scratch: _Scratch | None = None):
-        """``(k, S_k)`` for rows ``r0:r1``, a fresh tile each, from one product a block (the
-        products ``C_k`` written into ``scratch``'s buffers, one a width, where it is on)."""
+    def tiles(self, r0: int, r1: int):
+        """``(k, S_k)`` for rows ``r0:r1``, a fresh tile each, from one product a block."""
 
         def block(j: int) -> tuple[Tensor, Tensor]:
             lo, hi = self.bounds[j]
             return self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
 
-        def out(k: int) -> Tensor | None:
-            return None if scratch is None else scratch.take(f"c{k}", r1 - r0, m, self.x)
-
-        m = self.y.shape[-2]
-        after = matmul(*block(0), out(0))
+        after = matmul(*block(0))
         for k in range(len(self.bounds)):
             c = self.c = after
             if k + 1 < len(self.bounds):
-                after = addmm(c, *block(k + 1), out(k + 1))
+                after = addmm(c, *block(k + 1))
             if self.unit:
                 s = c * (self.a[k, r0:r1] * self.scale).unsqueeze(-1)
                 s = s.mul_(self.b[k])
