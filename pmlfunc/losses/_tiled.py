@@ -383,13 +383,15 @@ class _Scratch:
         return buf[:rows]
 
 
-def _reuses(kind, x: Tensor, nested) -> bool:
-    """Whether a walk reuses its tile buffers (:class:`_Scratch`): a plain walk (not nested,
-    not the retrieval kind's) on a CPU in eager mode, outside autograd (an engine Function's
-    forward or backward). A tile's buffers are done with when the next one begins: its
-    gradient's products are taken, and CLIP holds its one tile only. (A nested walk holds K
-    products and softmaxes a tile; reusing them one a width measured no faster.)"""
-    plain = nested is None and not isinstance(kind, Retrieval) and x.ndim == 2
+def _reuses(kind, x: Tensor, nested, rows: int, chunk: int) -> bool:
+    """Whether a walk of ``rows`` rows in tiles of ``chunk`` reuses its tile buffers
+    (:class:`_Scratch`): a plain walk (not nested, not the retrieval kind's) of more than one
+    tile, on a CPU in eager mode, outside autograd (an engine Function's forward or backward).
+    A tile's buffers are done with when the next one begins: its gradient's products are
+    taken, and CLIP holds its one tile only. A walk of one tile holds nothing (dense CLIP's
+    ``N × N`` tile is freed as soon as its softmaxes are taken). (A nested walk holds K products
+    and softmaxes a tile; reusing them one a width measured no faster.)"""
+    plain = nested is None and not isinstance(kind, Retrieval) and x.ndim == 2 and rows > chunk
     return plain and readable(x) and not torch.is_grad_enabled()
 
 
@@ -741,7 +743,7 @@ def walk_forward(
     listing = _label_listing(kind, x, rows, cols, diag and exclude)
     # the plain walk's tile and softmax reused from tile to tile (a tile's buffers are done
     # with when the next begins: its gradient's products are taken, CLIP holds one tile only)
-    scratch = _Scratch(_reuses(kind, x, nested))
+    scratch = _Scratch(_reuses(kind, x, nested, n // roles, chunk))
     for r0, r1 in _tiles(n // roles, chunk):
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
@@ -776,7 +778,8 @@ def walk_forward(
         if nested is None:
             out = scratch.take("logits", r1 - r0, m, x)
             tiles = ((0, _logits(x, y, r0, r1, factor, bias, out)),)
-            memo["probs"] = scratch.take("probs", r1 - r0, m, x)
+            if kind in ("ntxent", "supcon"):  # the kinds whose fold takes a softmax
+                memo["probs"] = scratch.take("probs", r1 - r0, m, x)
         else:
             tiles = nested.tiles(r0, r1)
         for k, s in tiles:
@@ -1448,7 +1451,7 @@ def block_backward(
         return widths.result()
     sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
-    scratch = _Scratch(_reuses(kind, x, nested))
+    scratch = _Scratch(_reuses(kind, x, nested, x.shape[-2] // roles, chunk))
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         out = scratch.take("logits", (r1 - r0) * roles, m, x)
         s = _logits(x, y, r0 * roles, r1 * roles, factor, bias, out)
