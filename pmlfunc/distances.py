@@ -316,12 +316,12 @@ class _TiedMatmul(torch.autograd.Function):
     def backward(ctx, g):
         x, y, scale_t = ctx.saved_tensors
         if y is None:  # x on both sides: gₓ = scale·(g + gᵀ) x
-            h = _ops.self_product_grad(g, x)
             scale = scale_t if scale_t is not None else ctx.scale
-            gx = h if scale is None else h * scale
+            if not ctx.needs_input_grad[4]:  # the scale on g, before the products
+                return _ops.self_product_grad(g, x, scale), None, None, None, None
+            h = _ops.self_product_grad(g, x)
             # ∂/∂scale = Σ g_ij x_i·x_j = ½ Σ (h ⊙ x)
-            gs = 0.5 * (h * x).sum() if ctx.needs_input_grad[4] else None
-            return gx, None, None, None, gs
+            return h * scale, None, None, None, 0.5 * (h * x).sum()
         gx = _ops.matmul(g, y) if ctx.needs_input_grad[0] else None
         gy = _ops.matmul(g.transpose(-1, -2), x) if ctx.needs_input_grad[1] else None
         return gx, gy, None, None, None

@@ -8,6 +8,8 @@ import functools
 import pytest
 import torch
 
+import pmlfunc as pf
+from pmlfunc import _ops
 from pmlfunc._ops import argsort_rows, sparse_rows
 
 
@@ -264,3 +266,38 @@ def test_indicator_compiled_keeps_nan():
             assert torch.isnan(got[0]) and torch.equal(got[1:], want[1:].float())
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("b", [6, 800])  # one fused product (in cache), then two products
+@pytest.mark.parametrize("scale", [None, 64.0, "tensor"])
+def test_self_product_grad_is_the_scaled_gradient_of_both_sides(b, scale):
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(b, b, generator=gen, dtype=torch.float64)
+    x = torch.randn(b, 5, generator=gen, dtype=torch.float64)
+    s = torch.tensor(0.3, dtype=torch.float64) if scale == "tensor" else scale
+    want = (g @ x + g.T @ x) * (1.0 if s is None else s)
+    torch.testing.assert_close(_ops.self_product_grad(g, x, s), want, rtol=1e-12, atol=1e-12)
+    # the scale batched on its own under vmap: the fused path may not scale the sum in place
+    scales = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    got = torch.func.vmap(lambda c: _ops.self_product_grad(g, x, c))(scales)
+    want = torch.stack([(g @ x + g.T @ x) * c for c in scales])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_instance_gradient_with_denormal_softmax_entries_is_the_scaled_one():
+    # γ = 64 puts softmax entries below float32's normal range; the scale goes on ∂S before
+    # the products: the gradient still equals float64's to float32 rounding
+    gen = torch.Generator().manual_seed(1)
+    emb = torch.randn(900, 16, generator=gen)
+    labels = torch.randint(0, 300, (900,), generator=gen)
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.nn.functional.normalize(emb, dim=-1)
+    z = (64 * x @ x.T).requires_grad_()
+    target = torch.unique(labels, return_inverse=True)[1]
+    torch.nn.functional.cross_entropy(z, target).backward()
+    assert ((z.grad != 0) & (z.grad.abs() < tiny)).any()  # the case this covers
+    e32 = emb.clone().requires_grad_()
+    pf.losses.instance(e32, labels, gamma=64).backward()
+    e64 = emb.double().requires_grad_()
+    pf.losses.instance(e64, labels, gamma=64).backward()
+    torch.testing.assert_close(e32.grad, e64.grad.float(), rtol=1e-4, atol=1e-7)
