@@ -12,7 +12,7 @@
 | :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
-| :func:`matmul`, :func:`einsum` | in the operands' dtype, also under ``torch.autocast`` |
+| :func:`matmul`, :func:`einsum`, :func:`addmm`, :func:`addmm_` | in the operands' dtype, also under ``torch.autocast`` (``addmm_``: accumulated in place) |
 | :func:`self_product_grad` | the gradient of ``x xᵀ``, one product where the transposed add is cheaper |
 | :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
 | :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
@@ -35,6 +35,7 @@ from torch import Tensor
 
 __all__ = [
     "addmm",
+    "addmm_",
     "apply",
     "argsort_rows",
     "bin_floor",
@@ -310,6 +311,19 @@ def addmm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
         return torch.addmm(c, a, b)
     with torch.autocast(device, enabled=False):
         return torch.addmm(c, a, b)
+
+
+def addmm_(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``c += a @ b`` in ``c``'s buffer (the product accumulated by the GEMM: no copy of ``c``,
+    no new tensor), autocast off (as :func:`matmul`); out of place (:func:`addmm`) inside
+    ``torch.func`` transforms (as :func:`scatter_`)."""
+    if not torch.compiler.is_compiling() and inside_transform():
+        return addmm(c, a, b)
+    device = _autocast_device(a)
+    if not _autocast_on(device):
+        return c.addmm_(a, b)
+    with torch.autocast(device, enabled=False):
+        return c.addmm_(a, b)
 
 
 def einsum(equation: str, *operands: Tensor) -> Tensor:

@@ -220,6 +220,39 @@ def test_one_product_costs_the_products_of_one_full_width_call(name):
     assert naive == pytest.approx(single * sum(DIMS) / max(DIMS), rel=0.01)
 
 
+def test_one_product_walks_reuse_their_tile_buffers_and_give_the_numbers_of_fresh_ones(
+    monkeypatch,
+):
+    """On a CPU in eager mode the nested walks take their tile buffers (the accumulated
+    product, the logits, the softmaxes, ``W ⊙ C``) from the walk's ``_Scratch``, from tile to
+    tile: the loss and every gradient are bitwise those of fresh buffers, for every kind,
+    dense and tiled (the last tile a view of the buffers' first rows)."""
+    scratch = pf.losses._tiled._Scratch
+    take = scratch.take
+    taken = []
+
+    def spy(self, name, rows, cols, like):
+        buf = take(self, name, rows, cols, like)
+        if buf is not None:
+            taken.append(name)
+        return buf
+
+    for name in ONE_PRODUCT:
+        base, call, inputs, params = _one_product_case(name)
+        nested = T.matryoshka(base, DIMS)
+        results = []
+        for fresh in (False, True):
+            with monkeypatch.context() as m:
+                m.setattr(scratch, "take", (lambda *a: None) if fresh else spy)
+                xs = _leaves(*inputs)
+                leaves = [*xs, *(v.detach().requires_grad_() for v in params.values())]
+                p = dict(zip(params, leaves[len(xs) :], strict=True))
+                loss = call(nested, *xs, p)
+                results.append([loss, *torch.autograd.grad(loss, leaves)])
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), name
+    assert {"c", "s", "wc", "probs0", "s0"} <= set(taken)
+
+
 def _cut(v, d):
     return (
         v[..., :d] if isinstance(v, torch.Tensor) and v.ndim == 2 and v.is_floating_point() else v

@@ -85,7 +85,7 @@ from .._inputs import validate
 from .._ops import (
     _NORMALIZE_EPS,
     SPARSE_FRACTION,
-    addmm,
+    addmm_,
     apply,
     count_true,
     fresh,
@@ -389,8 +389,8 @@ def _reuses(kind, x: Tensor, nested, rows: int, chunk: int) -> bool:
     tile, on a CPU in eager mode, outside autograd (an engine Function's forward or backward).
     A tile's buffers are done with when the next one begins: its gradient's products are
     taken, and CLIP holds its one tile only. A walk of one tile holds nothing (dense CLIP's
-    ``N × N`` tile is freed as soon as its softmaxes are taken). (A nested walk holds K products
-    and softmaxes a tile; reusing them one a width measured no faster.)"""
+    ``N × N`` tile is freed as soon as its softmaxes are taken). A nested walk takes its
+    buffers from its :class:`_Prefixes` (one a width where a width's tile outlives it)."""
     plain = nested is None and not isinstance(kind, Retrieval) and x.ndim == 2 and rows > chunk
     return plain and readable(x) and not torch.is_grad_enabled()
 
@@ -780,10 +780,12 @@ def walk_forward(
             tiles = ((0, _logits(x, y, r0, r1, factor, bias, out)),)
             if kind in ("ntxent", "supcon"):  # the kinds whose fold takes a softmax
                 memo["probs"] = scratch.take("probs", r1 - r0, m, x)
-        else:
-            tiles = nested.tiles(r0, r1)
+        else:  # a width's logits die in its fold unless they become its gradient (SigLIP's)
+            tiles = nested.tiles(r0, r1, held=grads is not None and kind == "siglip")
         for k, s in tiles:
             sink = grads if nested is None or grads is None else grads.width(k)
+            if nested is not None and grads is not None and kind in ("ntxent", "supcon"):
+                memo["probs"] = nested.take(f"probs{k}", r1 - r0)  # the width's gradient
             if sink is None:
                 _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, memo=memo)
             elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
@@ -1590,6 +1592,25 @@ class _Scaled(_FirstOrder):
     backward = staticmethod(_tiled_not_twice)
 
 
+def _wanted_grads(formed_needs, wanted, x, ys, scale, bias, g, formed, recompute) -> list:
+    """The engine Functions' backward (:class:`_TiledLoss`, :class:`_NestedLoss`): the gradients
+    autograd ``wanted`` (:func:`_slots` order, ``None`` where not), the forward walk's
+    ``formed`` ones times the cotangent (:class:`_Scaled`) where it formed every one wanted
+    (``formed_needs``: what it formed, ``None``: nothing), else ``recompute()`` (the tiles
+    walked again: a Function's outputs, one a wanted slot)."""
+    if formed_needs is not None and all(
+        f or not w for f, w in zip(_slots(formed_needs), wanted, strict=True)
+    ):
+        grads = iter(
+            apply(_Scaled, x, *ys, scale, bias, g, formed_needs, *_padded(formed, MAX_FORMED))
+        )
+        out = [next(grads) if f else None for f in _slots(formed_needs)]
+    else:
+        grads = iter(recompute())
+        out = [next(grads) if w else None for w in wanted]
+    return [o if w else None for o, w in zip(out, wanted, strict=True)]
+
+
 def column_stats(kind: Kind) -> tuple[str, ...]:
     """The statistics ``kind`` keeps per column (:func:`block_forward`'s ``col_*`` entries; the
     ring carries them with their block): CLIP's, the retrieval kind's positives' log-sum-exp
@@ -1711,25 +1732,15 @@ class _TiledLoss(torch.autograd.Function):
         if not any(_slots(needs)) or g is None:  # g None: the loss itself is not differentiated
             return (None,) * len(nig)
         scale = ctx.scale_float if scale is None else scale
-        wanted = _slots(needs)
-        if ctx.needs is not None and all(
-            f or not w for f, w in zip(_slots(ctx.needs), wanted, strict=True)
-        ):
-            ys = _padded(segments, MAX_SEGMENTS)
-            formed_ = _padded(formed, MAX_FORMED)
-            grads = iter(apply(_Scaled, x, *ys, scale, bias, g, ctx.needs, *formed_))
-            out = [next(grads) if f else None for f in _slots(ctx.needs)]
-        else:
-            padded = (*stats, *(None,) * (6 - len(stats)))
-            grads = iter(
-                apply(
-                    _TiledGrads, x, *_padded(segments, MAX_SEGMENTS), rows, cols, scale, bias,
-                    *padded, g, ctx.chunk, ctx.kind, needs, ctx.unit,
-                )
-            )  # fmt: skip
-            out = [next(grads) if w else None for w in wanted]
-        out = [o if w else None for o, w in zip(out, wanted, strict=True)]
-        gx, *g_segments, g_scale, g_bias = out
+        ys = _padded(segments, MAX_SEGMENTS)
+        padded = (*stats, *(None,) * (6 - len(stats)))
+        gx, *g_segments, g_scale, g_bias = _wanted_grads(
+            ctx.needs, _slots(needs), x, ys, scale, bias, g, formed,
+            lambda: apply(
+                _TiledGrads, x, *ys, rows, cols, scale, bias, *padded, g, ctx.chunk, ctx.kind,
+                needs, ctx.unit,
+            ),
+        )  # fmt: skip
         g_ys = _padded(g_segments, MAX_SEGMENTS)
         return (gx, *g_ys, None, None, g_scale, g_bias, None, None, None, None, None)
 
@@ -1813,37 +1824,53 @@ class _Prefixes:
     mode, ``x``), the widths' blocks ``bounds`` (``dims`` ascending), their weights ``(K,)``
     and, when ``unit``, each prefix's norms and inverse norms (``F.normalize``'s ``1 / max(‖·‖,
     ε)``), ``(K, N)`` and ``(K, M)``. :meth:`tiles` yields a tile's logits a width; ``c``, the
-    latest width's unscaled product, is the caller's until the next (the next width's is made
-    before it is handed out: the caller may use its buffer)."""
+    latest width's unscaled product, is the caller's to read until it asks for the next width,
+    which is accumulated into the same buffer (no copy of the tile a width).
 
-    def __init__(self, x, y, dims, unit, scale, bias, weights):
+    ``reuse``: the walks' tile buffers (``c``, the logits, the callers' softmaxes and
+    ``W ⊙ C``, :attr:`scratch`) are taken from tile to tile where :class:`_Scratch` may (a CPU
+    in eager mode, outside autograd: an engine Function's forward); they are the buffers a walk
+    of fresh tiles holds at its peak (a tile's K gradients wait for its products), so the
+    memory is the same."""
+
+    def __init__(self, x, y, dims, unit, scale, bias, weights, reuse: bool = False):
         self.x, self.self_mode = x, y is None
         self.y = x if y is None else y
         self.bounds = list(zip((0, *dims[:-1]), dims, strict=True))
         self.unit, self.scale, self.bias, self.weights = unit, scale, bias, weights
         self.c: Tensor | None = None
+        on = reuse and x.ndim == 2 and readable(x) and not torch.is_grad_enabled()
+        self.scratch = _Scratch(on)
         if unit:
             self.na, self.a = _inverse_norms(self.x, dims)
             self.nb, self.b = (self.na, self.a) if y is None else _inverse_norms(self.y, dims)
 
-    def tiles(self, r0: int, r1: int):
-        """``(k, S_k)`` for rows ``r0:r1``, a fresh tile each, from one product a block."""
+    def tiles(self, r0: int, r1: int, held: bool = True):
+        """``(k, S_k)`` for rows ``r0:r1``, a tile each (the caller's to overwrite), from one
+        product a block. ``held``: the caller keeps each width's tile until the tile's last
+        width (its gradient is the logits' buffer), so every width has a buffer of its own;
+        else one buffer serves them all."""
 
         def block(j: int) -> tuple[Tensor, Tensor]:
             lo, hi = self.bounds[j]
             return self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
 
-        after = matmul(*block(0))
+        c = matmul(*block(0), out=self.take("c", r1 - r0))
         for k in range(len(self.bounds)):
-            c = self.c = after
-            if k + 1 < len(self.bounds):
-                after = addmm(c, *block(k + 1))
+            if k:  # the caller is done with C_{k−1}: C_k = C_{k−1} + x_k y_kᵀ in its buffer
+                c = addmm_(c, *block(k))
+            self.c = c
+            out = self.take(f"s{k}" if held else "s", r1 - r0)
             if self.unit:
-                s = c * (self.a[k, r0:r1] * self.scale).unsqueeze(-1)
+                s = torch.mul(c, (self.a[k, r0:r1] * self.scale).unsqueeze(-1), out=out)
                 s = s.mul_(self.b[k])
             else:
-                s = c * self.scale
+                s = torch.mul(c, self.scale, out=out)
             yield k, s if self.bias is None else s.add_(self.bias)
+
+    def take(self, name: str, rows: int) -> Tensor | None:
+        """A reused ``(rows, M)`` buffer of the walk's (:attr:`scratch`), or ``None``."""
+        return self.scratch.take(name, rows, self.y.shape[-2], self.x)
 
 
 def _inverse_norms(x: Tensor, dims) -> tuple[Tensor, Tensor]:
@@ -1895,8 +1922,9 @@ class _NestedSums:
         if self.need_scale or pre.unit:
             if wc is None:
                 c = pre.c
-                assert c is not None  # the width's product, from tiles(): ours to overwrite
-                wc = c.mul_(w)  # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
+                assert c is not None  # the width's product, from tiles(): read only
+                # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
+                wc = torch.mul(c, w, out=pre.take("wc", r1 - r0))
             along = wc.sum(-1)
             if self.need_scale:
                 self.x_dot = along.sum() if self.x_dot is None else self.x_dot + along.sum()
@@ -1995,7 +2023,7 @@ class _NestedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(x, y, rows, cols, scale, bias, weights, chunk, kind, reducer, dims, unit, needs):
-        pre = _Prefixes(x, y, dims, unit, scale, bias, weights)
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True)
         n = x.shape[-2]
         fused = _nested_fused(kind, reducer, needs)
         sums = _NestedSums(pre, needs, reducer) if fused else None
@@ -2048,25 +2076,16 @@ class _NestedLoss(torch.autograd.Function):
         if any(wanted):
             scale = ctx.scale_float if scale is None else scale
             stats, formed = rest[: ctx.n_stats], rest[ctx.n_stats :]
-            ys = _padded(() if y is None else (y,), MAX_SEGMENTS)
-            if ctx.needs is not None and all(
-                f or not w for f, w in zip(_slots(ctx.needs), wanted, strict=True)
-            ):
-                grads = iter(
-                    apply(_Scaled, x, *ys, scale, bias, g, ctx.needs,
-                          *_padded(formed, MAX_FORMED))
-                )  # fmt: skip
-                out = [next(grads) if f else None for f in _slots(ctx.needs)]
-            else:
-                grads = iter(
-                    apply(
-                        _NestedGrads, x, y, rows, cols, scale, bias, weights,
-                        *(*stats, *(None,) * (6 - len(stats))), g, ctx.chunk, ctx.kind, needs,
-                        ctx.dims, ctx.unit,
-                    )
-                )  # fmt: skip
-                out = [next(grads) if w else None for w in wanted]
-        gx, *g_y, g_scale, g_bias = (o if w else None for o, w in zip(out, wanted, strict=True))
+            padded = (*stats, *(None,) * (6 - len(stats)))
+            out = _wanted_grads(
+                ctx.needs, wanted, x, _padded(() if y is None else (y,), MAX_SEGMENTS), scale,
+                bias, g, formed,
+                lambda: apply(
+                    _NestedGrads, x, y, rows, cols, scale, bias, weights, *padded, g, ctx.chunk,
+                    ctx.kind, needs, ctx.dims, ctx.unit,
+                ),
+            )  # fmt: skip
+        gx, *g_y, g_scale, g_bias = out
         gy = g_y[0] if g_y else None
         return (gx, gy, None, None, g_scale, g_bias, g_weights, *(None,) * 6)
 
@@ -2080,7 +2099,7 @@ class _NestedGrads(_FirstOrder):
                 needs, dims, unit):  # fmt: skip
         stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
         split = ROW_STATS[kind]
-        pre = _Prefixes(x, y, dims, unit, scale, bias, weights)
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True)
         gx, gy, x_dot, sum_ds = block_backward(
             kind, x, Columns((pre.y,)), rows, rows if cols is None else cols, scale, bias, chunk,
             stats[:split], stats[split:], needs, diag=True, exclude=pre.self_mode, nested=pre,
