@@ -1839,6 +1839,7 @@ class _Prefixes:
         self.bounds = list(zip((0, *dims[:-1]), dims, strict=True))
         self.unit, self.scale, self.bias, self.weights = unit, scale, bias, weights
         self.c: Tensor | None = None
+        self.held = True  # tiles()'s: whether each width's logits have a buffer of their own
         on = reuse and x.ndim == 2 and readable(x) and not torch.is_grad_enabled()
         self.scratch = _Scratch(on)
         if unit:
@@ -1855,6 +1856,7 @@ class _Prefixes:
             lo, hi = self.bounds[j]
             return self.x[r0:r1, lo:hi], self.y[:, lo:hi].transpose(-1, -2)
 
+        self.held = held
         c = matmul(*block(0), out=self.take("c", r1 - r0))
         for k in range(len(self.bounds)):
             if k:  # the caller is done with C_{k−1}: C_k = C_{k−1} + x_k y_kᵀ in its buffer
@@ -1923,8 +1925,9 @@ class _NestedSums:
             if wc is None:
                 c = pre.c
                 assert c is not None  # the width's product, from tiles(): read only
-                # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's)
-                wc = torch.mul(c, w, out=pre.take("wc", r1 - r0))
+                # W ⊙ C: its row sums are a_k · ∂L/∂a_k (and the scale's); into the logits'
+                # buffer where the widths share one (their fold is done with it)
+                wc = torch.mul(c, w, out=pre.take("wc" if pre.held else "s", r1 - r0))
             along = wc.sum(-1)
             if self.need_scale:
                 self.x_dot = along.sum() if self.x_dot is None else self.x_dot + along.sum()
