@@ -12,7 +12,7 @@
 | :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
-| :func:`matmul`, :func:`einsum`, :func:`addmm`, :func:`addmm_` | in the operands' dtype, also under ``torch.autocast`` (``addmm_``: accumulated in place) |
+| :func:`matmul`, :func:`einsum`, :func:`addmm_` | in the operands' dtype, also under ``torch.autocast`` (``addmm_``: accumulated in place) |
 | :func:`self_product_grad` | the gradient of ``x xᵀ``, one product where the transposed add is cheaper |
 | :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
 | :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "addmm",
     "addmm_",
     "apply",
     "argsort_rows",
@@ -303,22 +302,13 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 
-def addmm(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``c + a @ b`` as one product (``torch.addmm``, a new tensor), autocast off (as
-    :func:`matmul`)."""
-    device = _autocast_device(a)
-    if not _autocast_on(device):
-        return torch.addmm(c, a, b)
-    with torch.autocast(device, enabled=False):
-        return torch.addmm(c, a, b)
-
-
 def addmm_(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``c += a @ b`` in ``c``'s buffer (the product accumulated by the GEMM: no copy of ``c``,
-    no new tensor), autocast off (as :func:`matmul`); out of place (:func:`addmm`) inside
-    ``torch.func`` transforms (as :func:`scatter_`)."""
+    """``c += a @ b`` in ``c``'s buffer (``c`` may be a view with unit stride along its last
+    dim, a block of columns): accumulated by the GEMM (``Tensor.addmm_``: no product tensor,
+    no second pass over ``c``), autocast off (as :func:`matmul`); inside ``torch.func``
+    transforms the product is added to ``c`` (``add_``)."""
     if not torch.compiler.is_compiling() and inside_transform():
-        return addmm(c, a, b)
+        return c.add_(matmul(a, b))
     device = _autocast_device(a)
     if not _autocast_on(device):
         return c.addmm_(a, b)

@@ -1949,10 +1949,11 @@ class _NestedSums:
             if pre.self_mode and self.gx is not None and r1 - r0 == pre.x.shape[-2]:
                 self.gx[:, lo:hi] += self_product_grad(total, pre.x[:, lo:hi])  # all the rows
                 continue
+            # accumulated by the GEMMs: no (M, d) product a tile to add to the columns' block
             if self.gx is not None:
-                self.gx[r0:r1, lo:hi] += matmul(total, pre.y[:, lo:hi])
+                addmm_(self.gx[r0:r1, lo:hi], total, pre.y[:, lo:hi])
             if self.gy is not None:
-                self.gy[:, lo:hi] += matmul(total.transpose(-1, -2), pre.x[r0:r1, lo:hi])
+                addmm_(self.gy[:, lo:hi], total.transpose(-1, -2), pre.x[r0:r1, lo:hi])
         self.pending.clear()
         if self.tile_coef:
             self.row_coef.append(torch.stack(self.tile_coef))
