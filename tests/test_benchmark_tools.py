@@ -685,3 +685,15 @@ def test_class_tiles_dry_run_reports_every_member_and_the_tiles_add_less_memory(
         assert rows[(name, "tiled")]["added_mib"] < rows[(name, "dense")]["added_mib"] / 2
     assert "| 3,000 | arcface | tiled | 256 |" in (tmp_path / "class_tiles.md").read_text()
     assert json.loads((tmp_path / "class_tiles.json").read_text())["rows"] == result["rows"]
+
+
+def test_matryoshka_rounds_time_every_member_in_one_process(monkeypatch, capsys):
+    from benchmarks.cases import bench_matryoshka as M
+
+    monkeypatch.setattr(M, "BATCH", 32)
+    monkeypatch.setattr(M, "DIM", 16)
+    med = M.time_rounds("ntxent", 2, batch=32)
+    assert set(med) == set(M.ROUND_MEMBERS) and all(t > 0 for t in med.values())
+    M.main(["clip", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("clip B=32 D=16: naive ") and "ratio tiled" in out

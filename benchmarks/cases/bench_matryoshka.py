@@ -30,11 +30,20 @@ Timed run::
 
     pytest benchmarks/cases/bench_matryoshka.py --benchmark-only \
         --benchmark-group-by=group --benchmark-columns=min,median,max,rounds
+
+Interleaved rounds in one process (pytest-benchmark times each member in its own block, and
+this machine drifts between blocks): ``python -m benchmarks.cases.bench_matryoshka ntxent
+--rounds 5`` times the four members ``naive``, ``matryoshka``, ``naive-dense`` and
+``matryoshka-dense`` one step each a round (after one untimed step each) and prints their
+medians and the two ratios (no equality check: the pytest run makes it).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import statistics
+import time
 
 import pytest
 import torch
@@ -134,3 +143,51 @@ def bench_matryoshka(benchmark, request, loss: str, batch: int, impl: str) -> No
         loss_value=float(value),
     )  # fmt: skip
     assert value.ndim == 0 and torch.isfinite(value)
+
+
+ROUND_MEMBERS = ("naive", "matryoshka", "naive-dense", "matryoshka-dense")
+
+
+def time_rounds(loss: str, rounds: int, batch: int | None = None) -> dict[str, float]:
+    """Seconds a step, each member's median over ``rounds`` interleaved rounds (one step of
+    each member a round, after one untimed step each) at ``batch`` rows (``BATCH``), at
+    ``THREADS`` threads."""
+    steps = {
+        impl: _round_step(loss, impl, BATCH if batch is None else batch) for impl in ROUND_MEMBERS
+    }
+    samples: dict[str, list[float]] = {impl: [] for impl in ROUND_MEMBERS}
+    with C.set_threads(THREADS):
+        for step in steps.values():
+            step()
+        for _ in range(rounds):
+            for impl, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                samples[impl].append(time.perf_counter() - t0)
+    return {impl: statistics.median(v) for impl, v in samples.items()}
+
+
+def _round_step(loss: str, impl: str, batch: int):
+    leaves, call, fn = *_inputs(loss, batch, torch.float32), _member(loss, impl)
+
+    def step() -> None:
+        xs = [t.detach().requires_grad_() for t in leaves]
+        call(fn, *xs).backward()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("loss", choices=[x for x in LOSSES if x not in PAIR_LOSSES])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    med = time_rounds(args.loss, args.rounds)
+    shown = ", ".join(f"{impl} {t:.3f} s" for impl, t in med.items())
+    tiled = med["matryoshka"] / med["naive"]
+    dense = med["matryoshka-dense"] / med["naive-dense"]
+    print(f"{args.loss} B={BATCH} D={DIM}: {shown}; ratio tiled {tiled:.3f}, dense {dense:.3f}")
+
+
+if __name__ == "__main__":
+    main()
