@@ -115,12 +115,17 @@ def compiled_saved_tensors() -> Iterator[list[list[tuple[torch.Tensor, str]]]]:
 def saved_bool_masks(recorded, rows: int) -> list[tuple[tuple[int, ...], str]]:
     """The boolean tensors of at least ``rows × rows`` entries in :func:`compiled_saved_tensors`'
     record: ``(shape, source line)``. Inductor's CPU code stores such a mask ~20× slower than a
-    float one (``pmlfunc._ops.indicator``), so no loss's compiled graph should save one."""
+    float one (``pmlfunc._ops.indicator``), so no loss's compiled graph should save one. A
+    dimension known only at run time (the width ``K`` of a listing of each row's positive
+    columns, :func:`pmlfunc._ops.label_rows`) is not the grid's: a ``(B, K)`` listing's
+    validity is not such a mask."""
     return [
         (tuple(t.shape), where)
         for graph in recorded
         for t, where in graph
-        if t.dtype == torch.bool and t.ndim >= 2 and min(t.shape[-2:]) >= rows
+        if t.dtype == torch.bool
+        and t.ndim >= 2
+        and all(isinstance(d, int) and d >= rows for d in t.shape[-2:])
     ]
 
 

@@ -10,7 +10,8 @@ import torch
 
 import pmlfunc as pf
 from pmlfunc import _ops
-from pmlfunc._ops import argsort_rows, sparse_rows
+from pmlfunc._ops import argsort_rows, label_rows, sparse_rows
+from pmlfunc.labels import label_masks
 
 
 def test_sparse_rows_lists_each_rows_columns_in_order_then_pads():
@@ -173,6 +174,76 @@ def test_masked_logsumexp_gradient_of_non_finite_rows_stays_in_its_row():
     assert grad[4, 0].abs() < 1e-30 and (grad[5].abs() < 1e-30).all()
     lse = masked_logsumexp(x, keep)
     torch.testing.assert_close(row_softmax(x, keep, lse), grad, equal_nan=True)
+
+
+def _every_listing(mask):
+    """``sparse_rows`` of ``mask`` whatever its density."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_ops, "SPARSE_FRACTION", float("inf"))
+        return sparse_rows(mask)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_label_rows_lists_the_label_masks_positives_as_sparse_rows_does(seed):
+    """Self mode (own column left out) and a reference set, classes of every size (singletons,
+    one class, labels absent from the other side): the same ``(index, valid)`` layout,
+    bit for bit, as listing the mask built from the labels."""
+    g = torch.Generator().manual_seed(seed)
+    rows, classes = (
+        int(torch.randint(1, 40, (1,), generator=g)),
+        int(torch.randint(1, 9, (1,), generator=g)),
+    )
+    labels = torch.randint(0, classes, (rows,), generator=g)
+    ref = torch.randint(
+        0, classes + 2, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g
+    )
+    for ref_labels in (None, ref, ref.int()):
+        want = _every_listing(label_masks(labels, ref_labels).pos)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_ops, "SPARSE_FRACTION", float("inf"))
+            got = label_rows(labels, ref_labels)
+        assert got is not None
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_label_rows_declines_as_sparse_rows_does():
+    """Eager on a CPU: the same density rule as :func:`sparse_rows`; meta tensors and
+    ``torch.func`` transforms: the dense path."""
+    few = torch.arange(64) // 4  # 3 positives a row of 64 columns
+    assert label_rows(few) is not None and label_rows(few, cost=3.0) is None
+    assert label_rows(torch.zeros(16, dtype=torch.long)) is None  # 15 of 16 columns
+    assert label_rows(few.to("meta")) is None
+    seen = []
+    torch.func.vmap(lambda x: seen.append(label_rows(few)) or x.sum())(torch.ones(2, 3))
+    assert seen == [None]
+
+
+@pytest.mark.compile
+def test_compiled_label_rows_lists_any_width_without_recompiling():
+    """Under ``torch.compile`` with ``compiled=True`` the listing's width ``K`` is a size known
+    at run time: batches of 2, 4 and 16 samples a class (K = 1, 3, 15 of 32 columns, past the
+    eager density rule) run one graph, each equal to the dense sum over the label mask; without
+    ``compiled``, no listing."""
+
+    def listed_sum(s, labels):
+        listed = label_rows(labels, compiled=True)
+        assert listed is not None
+        index, valid = listed
+        return torch.where(valid, s.gather(-1, index), 0.0).sum(-1)
+
+    s = torch.randn(32, 32, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(listed_sum, fullgraph=True)
+    compiled(s, torch.arange(32) // 2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for per_class in (2, 4, 16):
+            labels = torch.arange(32) // per_class
+            want = (s * label_masks(labels).pos).sum(-1)
+            torch.testing.assert_close(compiled(s, labels), want)
+    seen = []
+    torch.compile(lambda y: seen.append(label_rows(y)) or y + 1, fullgraph=True)(labels)
+    assert seen == [None]
+    torch._dynamo.reset()
 
 
 def test_sparse_rows_of_a_mask_with_a_nan_takes_the_dense_path():

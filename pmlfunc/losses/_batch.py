@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix, validate
+from .._ops import label_rows, sparse_rows
 from ..distances import Distance, resolve
 from ..labels import PairMasks, any_pairs, label_masks, pair_masks
 from ..reducers import Reducer, Terms, reduce
@@ -243,6 +244,21 @@ class Batch:
         if not self.counts:  # label masks are 0/1 already
             return self.masks
         return PairMasks((pos > 0).to(pos.dtype), (neg > 0).to(neg.dtype))
+
+    def listed(
+        self, pos: Tensor, cost: float = 1.0, compiled: bool = False
+    ) -> tuple[Tensor, Tensor] | None:
+        """Each anchor's positive columns of ``pos`` (this batch's positive mask, counts or
+        0/1) as :func:`~pmlfunc._ops.sparse_rows` lists them, or ``None`` for the dense path.
+        Where the mask comes from the labels alone (no ``indices_tuple``, not a chunk), from
+        the labels (:func:`~pmlfunc._ops.label_rows`: no pass over the mask; ``compiled``:
+        a listing under ``torch.compile`` too)."""
+        labels, ref = self.labels, None if self.ref_emb is None else self.ref_labels
+        if self.indices_tuple is not None or self.rows is not None or labels is None:
+            return sparse_rows(pos, cost)
+        if self.ref_emb is not None and ref is None:
+            return sparse_rows(pos, cost)
+        return label_rows(labels, ref, cost, compiled)
 
     def label_masks(self) -> PairMasks:
         """0/1 masks of this batch's rows from the labels, whatever ``indices_tuple`` says: for

@@ -35,7 +35,6 @@ from .._ops import (
     scalar_like,
     scatter_rows,
     shift,
-    sparse_rows,
 )
 from ..distances import cosine, lp
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean
@@ -161,7 +160,7 @@ def _circle_terms(batch: Batch, *, m, gamma) -> dict[str, Terms]:
     s = batch.mat
     m, gamma = scalar_like(m, s), scalar_like(gamma, s)
     pos, neg = batch.binary_masks()
-    listed = sparse_rows(pos)  # few positives (CPU eager): their term on their columns only
+    listed = batch.listed(pos)  # few positives (CPU): their term on their columns only
     s_p, w_p = (s, pos) if listed is None else (s.gather(-1, listed[0]), listed[1].to(s.dtype))
     alpha_p = F.relu(rshift(1.0 + m, s_p.detach()))  # op − s, op = 1 + m
     alpha_n = F.relu(s.detach() + m)  # s − on, on = −m
@@ -246,7 +245,8 @@ def _lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[str, Terms]:
         other_lse = masked_logsumexp(x_neg.t(), neg.t(), None if keep is None else keep.t())
         other_has = neg.sum(0) > 0
     # the terms on every (anchor, column) entry, or on each anchor's listed positive columns
-    listed = sparse_rows(pos)
+    # (also under torch.compile: the per-pair logaddexp is a pass of its own)
+    listed = batch.listed(pos, compiled=True)
     cols = None if listed is None else listed[0]
 
     def at_columns(x: Tensor) -> Tensor:  # a per-column value at each term's column
@@ -324,7 +324,7 @@ def _generalized_lifted_terms(batch: Batch, *, neg_margin, pos_margin) -> dict[s
     # s·(d − m_pos) and s·(m_neg − d): the constant leaves the log-sum-exp
     sd = d if s > 0 else -d
     has_pos, has_neg = (pos.sum(-1) > 0).to(d.dtype), (neg.sum(-1) > 0).to(d.dtype)
-    listed = sparse_rows(pos)
+    listed = batch.listed(pos)
     if listed is not None:  # few positives (CPU eager): only their columns
         idx, valid = listed
         pos_lse = _lse_or_zero(sd.gather(-1, idx), valid.to(d.dtype))
@@ -397,7 +397,8 @@ def _tuplet_margin_terms(batch: Batch, *, margin, scale) -> dict[str, Terms]:
     scale = scalar_like(scale, s)
     pos, neg = batch.masks
     neg_lse = masked_logsumexp(scale * s, neg, batch.keep(neg)).unsqueeze(-1)  # −finfo.max: none
-    listed = sparse_rows(pos)  # few positives (CPU eager): the terms on their columns only
+    # few positives (CPU, also compiled: the softplus is a pass of its own): their columns only
+    listed = batch.listed(pos, compiled=True)
     s_pos = s if listed is None else s.gather(-1, listed[0])
     shifted = _cos_minus(s_pos, beta)
     # log(1 + e^x) exactly (F.softplus switches to x above its threshold)
