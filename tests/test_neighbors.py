@@ -255,3 +255,22 @@ def test_bad_input(gen):
         manifold(emb, None, manifold_init(D + 1, K), generator=torch.tensor(0))
     with pytest.raises(ValueError, match="num_proxies"):
         manifold_init(D, 0)
+
+
+def test_instance_gradient_with_denormal_softmax_entries_is_the_scaled_one():
+    # γ = 64 puts softmax entries below float32's normal range; the scale goes on ∂S before
+    # the products: the gradient still equals float64's to float32 rounding
+    gen = torch.Generator().manual_seed(1)
+    emb = torch.randn(900, 16, generator=gen)
+    labels = torch.randint(0, 300, (900,), generator=gen)
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.nn.functional.normalize(emb, dim=-1)
+    z = (64 * x @ x.T).requires_grad_()
+    target = torch.unique(labels, return_inverse=True)[1]
+    torch.nn.functional.cross_entropy(z, target).backward()
+    assert ((z.grad != 0) & (z.grad.abs() < tiny)).any()  # the case this covers
+    e32 = emb.clone().requires_grad_()
+    instance(e32, labels, gamma=64).backward()
+    e64 = emb.double().requires_grad_()
+    instance(e64, labels, gamma=64).backward()
+    torch.testing.assert_close(e32.grad, e64.grad.float(), rtol=1e-4, atol=1e-7)

@@ -394,8 +394,15 @@ def _reuses(kind, x: Tensor, nested, rows: int, chunk: int) -> bool:
     taken, and CLIP holds its one tile only. A walk of one tile holds nothing (dense CLIP's
     ``N × N`` tile is freed as soon as its softmaxes are taken). A nested walk takes its
     buffers from its :class:`_Prefixes` (one a width where a width's tile outlives it)."""
-    plain = nested is None and not isinstance(kind, Retrieval) and x.ndim == 2 and rows > chunk
-    return plain and readable(x) and not torch.is_grad_enabled()
+    plain = nested is None and not isinstance(kind, Retrieval) and rows > chunk
+    return plain and _may_reuse(x)
+
+
+def _may_reuse(x: Tensor) -> bool:
+    """Whether a walk over rows ``x`` may take its tile buffers from tile to tile at all
+    (:class:`_Scratch`): a 2-D ``x`` on a CPU in eager mode (:func:`readable`), outside
+    autograd (an engine Function's forward or backward), where nothing else holds a tile."""
+    return x.ndim == 2 and readable(x) and not torch.is_grad_enabled()
 
 
 def _logits(x: Tensor, y: Columns, r0: int, r1: int, factor, bias, out=None) -> Tensor:
@@ -1843,8 +1850,7 @@ class _Prefixes:
         self.unit, self.scale, self.bias, self.weights = unit, scale, bias, weights
         self.c: Tensor | None = None
         self.held = True  # tiles()'s: whether each width's logits have a buffer of their own
-        on = reuse and x.ndim == 2 and readable(x) and not torch.is_grad_enabled()
-        self.scratch = _Scratch(on)
+        self.scratch = _Scratch(reuse and _may_reuse(x))
         if unit:
             self.na, self.a = _inverse_norms(self.x, dims)
             self.nb, self.b = (self.na, self.a) if y is None else _inverse_norms(self.y, dims)
