@@ -492,7 +492,9 @@ def _label_rows_op(labels: Tensor, ref_labels: Tensor | None) -> tuple[Tensor, T
 @_label_rows_op.register_fake
 def _(labels: Tensor, ref_labels: Tensor | None) -> tuple[Tensor, Tensor]:
     m = labels.shape[0] if ref_labels is None else ref_labels.shape[0]
-    k = torch.library.get_ctx().new_dynamic_size(min=1, max=max(m, 1))
+    # a bound only where the width is static (a graph made dynamic in the rows has none)
+    bound = max(m, 1) if isinstance(m, int) else None
+    k = torch.library.get_ctx().new_dynamic_size(min=1, max=bound)
     shape = (labels.shape[0], k)
     return labels.new_empty(shape, dtype=torch.long), labels.new_empty(shape, dtype=torch.bool)
 

@@ -179,3 +179,25 @@ def test_chunked_value_and_grad(name, gen):
 )
 def test_no_pair_by_pair_or_triplet_buffers(name, ref, gen):
     assert_no_pair_by_pair_or_triplet_buffers(name, gen, ref=ref)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("loss", [lifted_structure, tuplet_margin])
+def test_compiled_listing_of_label_positives_equals_eager_across_sizes_and_reference_sets(loss):
+    """Compiled, these losses list each anchor's positives from the labels with a run-time
+    width (``pmlfunc::label_rows``): batches of three sizes (the graph turns dynamic in the
+    rows), with and without a reference set holding labels the queries lack, give eager's
+    value and gradient."""
+    gen = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    for rows, refs in ((24, 30), (16, 40), (20, 50)):
+        emb = torch.randn(rows, 8, generator=gen, dtype=F64)
+        ref = torch.randn(refs, 8, generator=gen, dtype=F64)
+        labels = torch.randint(0, 5, (rows,), generator=gen)
+        ref_labels = torch.randint(0, 7, (refs,), generator=gen)
+        for kwargs in ({}, {"ref_emb": ref, "ref_labels": ref_labels}):
+            want = value_and_grads(lambda e, y=labels, kw=kwargs: loss(e, y, **kw), emb)
+            got = value_and_grads(lambda e, y=labels, kw=kwargs: compiled(e, y, **kw), emb)
+            assert_same(got, want, rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
