@@ -1714,7 +1714,10 @@ def _whitened(x: Tensor, eps: float | Tensor) -> Tensor:
     eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
     chol, info = torch.linalg.cholesky_ex((1 - eps) * cov + eps * eye)
     chol = torch.where((info == 0)[..., None, None], chol, torch.nan)
-    return torch.linalg.solve_triangular(chol.transpose(-1, -2), xc, upper=True, left=False)
+    # Z = Xc L^{-T} as (L^{-1} Xcᵀ)ᵀ on contiguous operands: the right-sided solve on the
+    # transposed factor aborted (or gave a wrong gradient) in a compiled backward on CPU
+    zt = torch.linalg.solve_triangular(chol, xc.transpose(-1, -2).contiguous(), upper=False)
+    return zt.transpose(-1, -2)
 
 
 def _wmse_views(embeddings: object) -> Tensor:
