@@ -687,13 +687,13 @@ def test_class_tiles_dry_run_reports_every_member_and_the_tiles_add_less_memory(
     assert json.loads((tmp_path / "class_tiles.json").read_text())["rows"] == result["rows"]
 
 
-def test_matryoshka_rounds_time_every_member_in_one_process(monkeypatch, capsys):
-    from benchmarks.cases import bench_matryoshka as M
-
-    monkeypatch.setattr(M, "BATCH", 32)
-    monkeypatch.setattr(M, "DIM", 16)
-    med = M.time_rounds("ntxent", 2, batch=32)
-    assert set(med) == set(M.ROUND_MEMBERS) and all(t > 0 for t in med.values())
-    M.main(["clip", "--rounds", "1"])
-    out = capsys.readouterr().out
-    assert out.startswith("clip B=32 D=16: naive ") and "ratio tiled" in out
+def test_matryoshka_cases_time_every_member_checked_against_the_naive_sum(tmp_path):
+    out = tmp_path / "m.json"
+    argv = ["--batch-size", "32", "--dimensions", "16", "--repeats", "1", "--warmup", "0"]
+    run.main([*argv, "--case", "matryoshka-ntxent,matryoshka-clip", "--output", str(out),
+              "--quiet"])  # fmt: skip
+    results = {(r["case"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    assert len(results) == 10 and all(r["status"] == "ok" for r in results.values())
+    for case in ("matryoshka-ntxent", "matryoshka-clip"):
+        assert results[(case, "pmlfunc-matryoshka")]["checked_against"] == "pmlfunc-naive-dense"
+        assert results[(case, "pmlfunc-naive")]["stats"]["median"] > 0

@@ -21,6 +21,9 @@ Case files, each collected by pytest (the normal test run calls every body once,
 - ``bench_peers``: the peer libraries (open_clip, sentence-transformers, lightly, optax) beside
   the pmlfunc member doing the same loss and the floor, each checked equal before it is timed
   (optional: ``.[bench-peers]``; a member whose package is absent is skipped with the reason);
+- ``bench_matryoshka``: ``pf.transforms.matryoshka`` of NT-Xent and CLIP (one blocked product)
+  beside the naive sum of one call a width, tiled and dense (its pytest groups at their own
+  batch and widths; its registry cases at the runner's);
 - ``bench_chunked_ntxent``: chunked vs full NT-Xent at 8,192 rows and more, with memory (its
   own batch sizes, so not in :func:`registry`);
 - ``bench_compile_and_cudagraph``: the pmlfunc and floor members of every registry case,
@@ -149,6 +152,7 @@ def registry() -> dict[str, Case]:
         bench_anchor_batched,
         bench_core_losses,
         bench_given_triplets,
+        bench_matryoshka,
         bench_miners,
         bench_other_losses,
         bench_peers,
@@ -167,6 +171,7 @@ def registry() -> dict[str, Case]:
         bench_peers,
         bench_given_triplets,
         bench_retrieval,
+        bench_matryoshka,
     )
     return {name: case for module in modules for name, case in module.CASES.items()}
 

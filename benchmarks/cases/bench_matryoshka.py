@@ -32,18 +32,20 @@ Timed run::
         --benchmark-group-by=group --benchmark-columns=min,median,max,rounds
 
 Interleaved rounds in one process (pytest-benchmark times each member in its own block, and
-this machine drifts between blocks): ``python -m benchmarks.cases.bench_matryoshka ntxent
---rounds 5`` times the four members ``naive``, ``matryoshka``, ``naive-dense`` and
-``matryoshka-dense`` one step each a round (after one untimed step each) and prints their
-medians and the two ratios (no equality check: the pytest run makes it).
+this machine drifts between blocks): the cases ``matryoshka-ntxent`` and ``matryoshka-clip`` of
+:func:`benchmarks.cases.registry` hold the members ``pmlfunc-naive``, ``pmlfunc-matryoshka``,
+``pmlfunc-naive-dense``, ``pmlfunc-matryoshka-dense`` and ``floor`` at the runner's batch and
+dimensions (widths ``D, D/2, ..., D/16``), each checked equal to ``pmlfunc-naive-dense`` (loss
+and every gradient, float32 rounding) before ``benchmarks.run`` times them one step each a
+round::
+
+    python -m benchmarks.run --case matryoshka-ntxent --batch-size 4096 --dimensions 768 \
+        --repeats 5 --warmup 1
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import statistics
-import time
 
 import pytest
 import torch
@@ -51,6 +53,7 @@ import torch
 import pmlfunc as pf
 
 from .. import common as C
+from . import FLOOR, Case, Member, by_name
 
 BATCH = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_BATCH", 4096)
 DIM = C.env_int("PMLFUNC_BENCH_MATRYOSHKA_DIM", 768)
@@ -96,19 +99,21 @@ def _inputs(loss: str, batch: int, dtype: torch.dtype):
     return [emb, other.to(dtype), scale], lambda fn, a, b, t: fn(a, b, {"logit_scale": t})
 
 
-def _member(loss: str, impl: str):
+def _member(loss: str, impl: str, dim: int = DIM):
+    """``impl``'s loss function at embedding width ``dim``: the positional arguments of
+    ``loss`` (CLIP: two sets and its params)."""
     base = getattr(pf.losses, loss)
     chunk = None if impl.endswith("dense") else CHUNK
     fn = base if loss in PAIR_LOSSES else functools.partial(base, chunk_size=chunk)
     if impl.startswith("matryoshka"):
-        return pf.transforms.matryoshka(fn, widths(DIM))
+        return pf.transforms.matryoshka(fn, widths(dim))
     if impl == "single":
         return fn
     cut = (0, 1) if loss == "clip" else (0,)  # the embedding arguments' positions
 
     def naive(*args):
         total = None
-        for d in widths(DIM):
+        for d in widths(dim):
             part = fn(*(a[:, :d] if i in cut else a for i, a in enumerate(args)))
             total = part if total is None else total + part
         return total
@@ -145,49 +150,31 @@ def bench_matryoshka(benchmark, request, loss: str, batch: int, impl: str) -> No
     assert value.ndim == 0 and torch.isfinite(value)
 
 
+def _case_member(loss: str, impl: str) -> Member:
+    """``impl`` as a registry member: NT-Xent on the runner's embeddings and labels, CLIP on
+    them and their paired set (``benchmarks.common.make_paired``) with a learnable scale."""
+
+    def make(emb, labels):
+        fn = _member(loss, impl, emb.shape[1])
+        if loss != "clip":
+            return fn, []
+        other = C.make_paired(emb).requires_grad_()
+        scale = pf.losses.clip_init(dtype=emb.dtype)["logit_scale"].to(emb.device)
+        scale.requires_grad_()
+        return (lambda e, y: fn(e, other, {"logit_scale": scale})), [other, scale]
+
+    return Member(make)
+
+
 ROUND_MEMBERS = ("naive", "matryoshka", "naive-dense", "matryoshka-dense")
-
-
-def time_rounds(loss: str, rounds: int, batch: int | None = None) -> dict[str, float]:
-    """Seconds a step, each member's median over ``rounds`` interleaved rounds (one step of
-    each member a round, after one untimed step each) at ``batch`` rows (``BATCH``), at
-    ``THREADS`` threads."""
-    steps = {
-        impl: _round_step(loss, impl, BATCH if batch is None else batch) for impl in ROUND_MEMBERS
-    }
-    samples: dict[str, list[float]] = {impl: [] for impl in ROUND_MEMBERS}
-    with C.set_threads(THREADS):
-        for step in steps.values():
-            step()
-        for _ in range(rounds):
-            for impl, step in steps.items():
-                t0 = time.perf_counter()
-                step()
-                samples[impl].append(time.perf_counter() - t0)
-    return {impl: statistics.median(v) for impl, v in samples.items()}
-
-
-def _round_step(loss: str, impl: str, batch: int):
-    leaves, call, fn = *_inputs(loss, batch, torch.float32), _member(loss, impl)
-
-    def step() -> None:
-        xs = [t.detach().requires_grad_() for t in leaves]
-        call(fn, *xs).backward()
-
-    return step
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("loss", choices=[x for x in LOSSES if x not in PAIR_LOSSES])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args(argv)
-    med = time_rounds(args.loss, args.rounds)
-    shown = ", ".join(f"{impl} {t:.3f} s" for impl, t in med.items())
-    tiled = med["matryoshka"] / med["naive"]
-    dense = med["matryoshka-dense"] / med["naive-dense"]
-    print(f"{args.loss} B={BATCH} D={DIM}: {shown}; ratio tiled {tiled:.3f}, dense {dense:.3f}")
-
-
-if __name__ == "__main__":
-    main()
+CASES = by_name(
+    *(
+        Case(
+            f"matryoshka-{loss}",
+            {**{f"pmlfunc-{m}": _case_member(loss, m) for m in ROUND_MEMBERS}, "floor": FLOOR},
+            extra={"chunk_size": CHUNK, "widths": "D, D/2, D/4, D/8, D/16"},
+            reference="pmlfunc-naive-dense",
+        )
+        for loss in ("ntxent", "clip")
+    )
+)
