@@ -651,6 +651,57 @@ def test_listed_tiles_equal_the_masked_tiles_and_build_no_mask(gen, name, mode, 
         assert torch.isnan(STREAMING[name](emb, labels, ref_emb=ref, ref_labels=ref_labels))
 
 
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("mode", ["self", "ref"])
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_path(
+    gen, name, mode, chunk, monkeypatch
+):
+    """Where ``|S| ≤ 40`` is known from the rows' norms (a float temperature, no bias, a CPU in
+    eager mode), the listed walk that forms the gradient takes ``E = 2^(S log₂e)`` with no row
+    maximum and hands the sums a row-scaled tile (``_tiled.RowScaled``); the loss and every
+    gradient equal the masks' path (maxima, softmax) for every reducer, with the cosine and the
+    unnormalised dot distance, a row without positives and a row without negatives. Past the
+    bound (temperature 0.01) or with a tensor temperature the walk takes the softmax."""
+    n, m = 40, 36
+    emb = torch.randn(n, 6, generator=gen, dtype=F64)
+    ref = torch.randn(m, 6, generator=gen, dtype=F64) if mode == "ref" else None
+    labels = torch.randint(0, 14, (n,), generator=gen)
+    labels[-1] = 99  # a row without positives
+    ref_labels = torch.randint(0, 14, (m,), generator=gen) if mode == "ref" else None
+    fold = getattr(_tiled, f"_{name}_base2_fold_")
+    calls = []
+    monkeypatch.setattr(_tiled, f"_{name}_base2_fold_", lambda *a: calls.append(1) or fold(*a))
+
+    def both(temperature, **kw):
+        got = _value_and_grads(STREAMING[name], emb, labels, ref, ref_labels, temperature, **kw)
+        with monkeypatch.context() as m_:
+            m_.setattr(_tiled, "_label_listing", lambda *a: None)
+            want = _value_and_grads(
+                STREAMING[name], emb, labels, ref, ref_labels, temperature, **kw
+            )
+        return got, want
+
+    for reducer in REDUCERS[name]:
+        # |S| ≤ max‖x‖ max‖y‖ / temperature: 1 / 0.3 with the cosine, about 4 · 4 with the dot
+        for distance, temperature in ((pfd.cosine(), 0.3), (pfd.dot(), 1.0)):
+            kw = {"chunk_size": chunk, "reducer": _reducer(reducer), "distance": distance}
+            got, want = both(temperature, **kw)
+            assert calls
+            calls.clear()
+            _assert_same(got, want)
+    if mode == "ref":  # rows whose every reference is a positive: no negatives
+        ref_labels = torch.full((m,), 7)
+        labels = torch.where(torch.arange(n) < 3, 7, labels)
+        _assert_same(*both(0.3, chunk_size=chunk))
+        assert calls
+        calls.clear()
+    got, want = both(0.01, chunk_size=chunk)  # |S| up to 100: past the bound
+    _assert_same(got, want)
+    both(torch.tensor(0.3, dtype=F64), chunk_size=chunk)
+    assert not calls
+
+
 # ---------------------------------------------------------------------------------------------
 # Every kind of the engine on its own: values and full gradients against float64 references
 # ---------------------------------------------------------------------------------------------
