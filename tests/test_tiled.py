@@ -16,6 +16,7 @@ without positives or negatives, transforms, compile), and no tensor larger than
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -699,6 +700,47 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
     got, want = both(0.01, chunk_size=chunk)  # |S| up to 100: past the bound
     _assert_same(got, want)
     both(torch.tensor(0.3, dtype=F64), chunk_size=chunk)
+    assert not calls
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("labelled", [False, True])
+def test_siglip_with_bounded_logits_takes_one_exponential_and_equals_the_plain_path(
+    gen, labelled, chunk, monkeypatch
+):
+    """SigLIP where ``|S| ≤ 80`` is known from the rows' norms, the scale and the bias (a CPU in
+    eager mode): each tile's terms and gradient come from one ``exp2`` pass (``log1p(t)``, ``t /
+    (1 + t)``), aligned sets (the diagonal's correction) and labels; the loss and the gradients
+    of both sets, the scale and the bias equal the plain path's (``softplus``, ``sigmoid``) for
+    every reducer. Past the bound (a scale of 100 and a bias of −10) the plain path runs."""
+    n = 13
+    a = torch.randn(n, 5, generator=gen, dtype=F64)
+    b = torch.randn(n, 5, generator=gen, dtype=F64)
+    labels = torch.randint(0, 4, (n,), generator=gen) if labelled else None
+    fold = _tiled._siglip_base2_fold_
+    calls = []
+    monkeypatch.setattr(_tiled, "_siglip_base2_fold_", lambda *x: calls.append(1) or fold(*x))
+
+    def value_and_grads(params, **kw):
+        leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        loss = pfl.siglip(leaves[0], leaves[1], p, labels=labels, chunk_size=chunk, **kw)
+        return loss, torch.autograd.grad(loss, [*leaves, *p.values()])
+
+    def both(params, **kw):
+        got = value_and_grads(params, **kw)
+        with monkeypatch.context() as m_:
+            m_.setattr(_tiled, "_logit_bound", lambda *x: None)
+            want = value_and_grads(params, **kw)
+        return got, want
+
+    default = pfl.siglip_init(dtype=F64)
+    for reducer in _tiled.KINDS["siglip"]:  # the first, "batch", is the default (None)
+        red = None if reducer == _tiled.KINDS["siglip"][0] else _reducer(reducer)
+        _assert_same(*both(default, reducer=red))
+        assert calls
+        calls.clear()
+    _assert_same(*both(pfl.siglip_init(math.log(100.0), dtype=F64)))
     assert not calls
 
 

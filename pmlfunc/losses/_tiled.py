@@ -49,7 +49,11 @@ exponentials as ``2^s`` with no shift: no row maximum, one ``exp2`` pass (on an 
 ``exp``'s time) and one row sum, against the softmax's three passes, two maxima and the
 gradient's row scaling; the gradient goes to the sums as ``diag(w) · E`` (:class:`RowScaled`),
 whose row scale multiplies the ``(r, D)`` operands (tiled NT-Xent at ``N = 2,048``, ``D = 128``,
-one thread, against the floor: 1.21–1.27× → 1.14–1.18×, SupCon 1.26× → 1.19×).
+one thread, against the floor: 1.21–1.27× → 1.14–1.18×, SupCon 1.26× → 1.19×). SigLIP,
+where ``|S| ≤ 80`` (:data:`_SIGLIP_BOUND`, the scale and bias included), takes ``t = e^{−zS}``
+from one ``exp2`` pass and its terms and gradient as ``log1p(t)`` and ``t / (1 + t)``
+(:func:`_siglip_base2_fold_`), where ``softplus`` and ``sigmoid`` took three transcendental
+passes (the same: 1.45–1.48× → 1.33–1.35×).
 
 Tile buffers: on a CPU in eager mode a plain walk writes each tile's product and NT-Xent's and
 SupCon's softmax into buffers reused from tile to tile
@@ -657,23 +661,36 @@ class RowScaled(NamedTuple):
 
 # |S| up to this bound: 2^(S log₂e) neither overflows a row's float32 sum nor underflows
 _BASE2_BOUND = 40.0
+# SigLIP's terms log1p(e^{±S}) and e^{±S} / (1 + e^{±S}): e^{±80} is a normal float32
+_SIGLIP_BOUND = 80.0
 _LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
+
+
+def _logit_bound(x: Tensor, y: Columns, factor, bias) -> float | None:
+    """A bound on ``|S|`` from the rows' norms, ``max|factor| · max‖x_i‖ · max‖y_j‖ + max|bias|``,
+    where reading it is free (a 2-D float32 or float64 CPU tensor in eager mode, :func:`readable`),
+    else ``None``; NaN where an input is (every comparison with it fails). ``O((N + M) D)``."""
+    if x.ndim != 2 or x.dtype not in (torch.float32, torch.float64) or not readable(x):
+        return None
+    if not x.numel() or any(not seg.numel() for seg in y.segments):
+        return None
+    x_norm = float(torch.linalg.vector_norm(x, dim=-1).amax())
+    y_norm = max(float(torch.linalg.vector_norm(seg, dim=-1).amax()) for seg in y.segments)
+    f = float(factor.abs().amax()) if isinstance(factor, Tensor) else abs(factor)
+    b = 0.0 if bias is None else float(bias.abs().amax()) if isinstance(bias, Tensor) else abs(bias)
+    return f * x_norm * y_norm + b
 
 
 def _base2_factor(x: Tensor, y: Columns, factor, bias) -> float | None:
     """``factor · log₂e`` where a walk may take its exponentials as ``2^(S log₂e)`` with no
-    shift (:func:`_ntxent_base2_fold_`), else ``None``: a CPU tensor in eager mode, a float
-    factor, no bias, and ``|S| ≤ factor · max‖x_i‖ · max‖y_j‖ ≤`` :data:`_BASE2_BOUND` (unit
-    rows and ``temperature ≥ 0.025``; NaN norms fail it), so no row needs its maximum: one
-    pass of ``exp2`` (on an AVX2 CPU 0.6× ``exp``'s time) and one of the row sums, against the
-    softmax's three passes and the maxima's two. The bound costs ``O((N + M) D)``."""
-    if not isinstance(factor, float) or bias is not None or x.ndim != 2 or not readable(x):
+    shift (:func:`_ntxent_base2_fold_`), else ``None``: a float factor, no bias, and ``|S| ≤``
+    :data:`_BASE2_BOUND` (:func:`_logit_bound`; unit rows and ``temperature ≥ 0.025``), so no
+    row needs its maximum: one pass of ``exp2`` (on an AVX2 CPU 0.6× ``exp``'s time) and one of
+    the row sums, against the softmax's three passes and the maxima's two."""
+    if not isinstance(factor, float) or bias is not None:
         return None
-    norms = [torch.linalg.vector_norm(t, dim=-1).amax() for t in (x, *y.segments) if t.numel()]
-    if len(norms) < 1 + len(y.segments):
-        return None
-    bound = abs(factor) * float(norms[0]) * float(torch.stack(norms[1:]).amax())
-    return factor * _LOG2E if bound <= _BASE2_BOUND else None
+    bound = _logit_bound(x, y, factor, bias)
+    return factor * _LOG2E if bound is not None and bound <= _BASE2_BOUND else None
 
 
 def _base2_exp_(s: Tensor, memo: dict, positives: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -785,6 +802,34 @@ def _siglip_fold_(s: Tensor, pos, eye: int | None, grad: bool):
     return total, ds
 
 
+def _siglip_base2_fold_(s: Tensor, pos, eye: int | None, grad: bool, out: Tensor | None = None):
+    """:func:`_siglip_fold_` on a tile of base-2 logits ``S log₂e`` with ``|S| ≤``
+    :data:`_SIGLIP_BOUND` (:func:`_logit_bound`): one exponential ``t = e^{−zS}`` (``exp2``)
+    gives both ``softplus(−zS) = log1p(t)`` and ``σ(−zS) = t / (1 + t)``, where ``softplus`` and
+    ``sigmoid`` took two and one transcendental passes (on an AVX2 CPU ``softplus`` alone costs
+    four times ``sigmoid``'s). ``out``: a buffer of the walk's for the terms (:class:`_Scratch`)."""
+    sign = None
+    if eye is None:  # labels: z = ±1 read from the mask
+        sign = torch.where(pos, -1.0, 1.0)  # −z
+        s = s.mul_(sign)
+        d = None
+    else:  # the positives' S; every other pair is a negative: t = e^S
+        d = s.diagonal(offset=eye, dim1=-2, dim2=-1).mul(_LN2)
+    t = s.exp2_()
+    terms = torch.log1p(t) if out is None else torch.log1p(t, out=out)
+    total = terms.sum()
+    if d is not None:
+        total = total - F.softplus(d).sum() + F.softplus(-d).sum()
+    if not grad:
+        return total, None
+    ds = t.div_(torch.add(t, 1.0, out=terms))
+    if sign is not None:
+        return total, ds.mul_(sign)
+    assert d is not None and eye is not None  # the diagonal's: −σ(−S)
+    ds.diagonal(offset=eye, dim1=-2, dim2=-1).copy_(torch.sigmoid(-d).neg_())
+    return total, ds
+
+
 def _sigmoid_fold_(s: Tensor, keep: Tensor | None, at: int | None, grad: bool):
     """One tile of the ``sigmoid`` retrieval kind (:class:`Retrieval`), destroying ``s``
     ``(r, M)``: ``(Σ softplus(−z S) over the kept entries, their number, ∂L/∂S or None)``, with
@@ -850,6 +895,11 @@ def walk_forward(
     scratch = _Scratch(_reuses(kind, x, nested, n // roles, chunk))
     fused_listed = kind in ("ntxent", "supcon") and grads is not None and listing is not None
     base2 = _base2_factor(x, y, factor, bias) if fused_listed and nested is None else None
+    if kind == "siglip" and nested is None and lse is None:
+        bound = _logit_bound(x, y, factor, bias)
+        siglip2 = bound is not None and bound <= _SIGLIP_BOUND
+    else:
+        siglip2 = False
     for r0, r1 in _tiles(n // roles, chunk):
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             s = _logits(x, y, r0 * roles, r1 * roles, factor, bias)
@@ -885,6 +935,11 @@ def walk_forward(
             out = scratch.take("logits", r1 - r0, m, x)
             tiles = ((0, y.product(x[r0:r1] * base2, out)),)
             memo["base2"] = True
+        elif siglip2:  # S log₂e
+            b2 = None if bias is None else bias * _LOG2E
+            out = scratch.take("logits", r1 - r0, m, x)
+            tiles = ((0, _logits(x, y, r0, r1, factor * _LOG2E, b2, out)),)
+            memo["base2"], memo["probs"] = True, scratch.take("probs", r1 - r0, m, x)
         elif nested is None:
             out = scratch.take("logits", r1 - r0, m, x)
             tiles = ((0, _logits(x, y, r0, r1, factor, bias, out)),)
@@ -992,7 +1047,10 @@ def _fold_tile_(
     parts = acc.parts
     grad = local is not None
     if kind == "siglip":  # Σ softplus(−z·S), z = ±1
-        t, ds = _siglip_fold_(s, pos, where.eye, grad)
+        if memo is not None and memo.get("base2"):
+            t, ds = _siglip_base2_fold_(s, pos, where.eye, grad, memo.get("probs"))
+        else:
+            t, ds = _siglip_fold_(s, pos, where.eye, grad)
         acc.total = acc.total + t
         cells = where.cells if where.cells is not None else count_true(pos) + count_true(neg)
         acc.count = acc.count + cells
