@@ -8,7 +8,9 @@ non-zero terms for ``avg_nonzero()``, of all terms for ``mean()``, ...). After t
 the summed shares and gradients are divided by the summed normaliser: a reducer's value is
 linear in its share (:meth:`pmlfunc.reducers.Reducer.divide`), and the normaliser, a count, has
 no gradient. In eager mode each chunk is differentiated by plain autograd, inside ``torch.func``
-transforms and under ``torch.compile`` by ``torch.func.vjp``.
+transforms and under ``torch.compile`` by ``torch.func.vjp``. In eager mode a call that the tiled
+engine runs (NT-Xent and SupCon with labels) is the engine's, in tiles of ``chunk_size`` rows: one
+walk that forms each tile's gradient, the same numbers and memory (:func:`_engine`).
 
 The result equals the full-batch loss and gradient to rounding, and no autograd graph larger than
 one ``chunk × M`` block of the distance matrix is alive at once. Feed the gradient into an encoder
@@ -321,11 +323,14 @@ def _pieces(
     return [(r0, r1, a0 <= r0 and r1 <= a1) for r0, r1 in itertools.pairwise(cuts)]
 
 
-def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
+def _whole(
+    call: LossCall, names: tuple[str, ...], loss_of: Callable[[LossCall], Tensor] = LossCall.loss
+) -> tuple[Tensor, Any]:
     """One chunk holds every anchor: the whole loss and its gradient by plain autograd (eager
     mode), through the loss's own whole-batch path (the same value and gradient; at batch 128
     and 512 on one CPU thread, ~1.2-1.3x faster than one chunk of the chunked path: the
-    self-similarity's backward takes both sides from one product)."""
+    self-similarity's backward takes both sides from one product). ``loss_of``: the loss of
+    the call on the leaves (:func:`_engine`'s: the tiled engine)."""
     x = call.embeddings.detach().requires_grad_(True)
     ref = None if call.ref_emb is None else call.ref_emb.detach().requires_grad_(True)
     hyper = [n for n in names if n not in _WRT]
@@ -335,11 +340,46 @@ def _whole(call: LossCall, names: tuple[str, ...]) -> tuple[Tensor, Any]:
         leaves["ref_emb"] = ref
     with torch.enable_grad():
         whole = _with_hyper(call, hyper, [leaves[n] for n in hyper])
-        loss = dataclasses.replace(whole, embeddings=x, ref_emb=ref).loss()
+        loss = loss_of(dataclasses.replace(whole, embeddings=x, ref_emb=ref))
         wrt = [leaves[n] for n in names]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     out = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True))
     return loss.detach(), (out[0] if len(names) == 1 else out)
+
+
+_ENGINE_KINDS = ("ntxent", "supcon")
+
+
+def _engine(call: LossCall, names: tuple[str, ...], chunk_size: int) -> tuple[Tensor, Any] | None:
+    """The call's value and gradient by the tiled engine in tiles of ``chunk_size`` rows
+    (:func:`pmlfunc.losses._tiled.tiled_loss`), where the engine runs it (NT-Xent and SupCon
+    with labels, no ``indices_tuple``, ``cosine()`` or ``dot()``, a reducer it supports:
+    :func:`~pmlfunc.losses._tiled.dense_runs`) in eager mode, else ``None``. The same numbers
+    and the same ``O(chunk × M)`` memory as the chunks, in one walk that forms each tile's
+    gradient as it goes (three products a tile, no masks with few positives), where each
+    chunk's autograd graph kept its masked softmax for a backward."""
+    from .losses import _tiled
+
+    kind = call.spec.name
+    inputs = {
+        "ref_emb": call.ref_emb, "ref_labels": call.ref_labels, "distance": call.distance,
+        "reducer": call.reducer, "embedding_regularizer": call.embedding_regularizer,
+        "embedding_reg_weight": call.embedding_reg_weight,
+    }  # fmt: skip
+    pairs = {"indices_tuple": call.indices_tuple, "mat": call.mat}  # the engine takes neither
+    if kind not in _ENGINE_KINDS or _traced():
+        return None
+    if not _tiled.dense_runs(kind, call.labels, {**inputs, **pairs}):
+        return None
+
+    def loss_of(c: LossCall) -> Tensor:
+        given = {**inputs, "ref_emb": c.ref_emb}
+        t = c.hyper["temperature"]
+        return _tiled.run_local(
+            _tiled.softmax_call(kind, c.embeddings, c.labels, t, chunk_size, given)
+        )
+
+    return _whole(call, names, loss_of)
 
 
 @dataclasses.dataclass
@@ -383,6 +423,9 @@ def _chunked(
     assert reducer is not None  # split_call refuses a call without one (unchunkable)
     _checks.embeddings(embeddings)
     batch_size = embeddings.shape[0]
+    engine = None if anchor_rows is not None else _engine(call, names, chunk_size)
+    if engine is not None:
+        return engine
     if anchor_rows is None and batch_size <= chunk_size and not _traced():
         return _whole(call, names)
     want_x, want_ref = "embeddings" in names, "ref_emb" in names

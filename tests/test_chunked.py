@@ -226,6 +226,46 @@ def test_eager_chunks_take_plain_autograd_not_torch_func(monkeypatch):
     _assert_equal(got, _full(fn, emb, labels, wrt, **kw))
 
 
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_the_engines_losses_take_the_tiled_engine_in_tiles_of_the_chunk(
+    name, with_ref, monkeypatch
+):
+    """In eager mode a call the tiled engine runs (labels, no ``indices_tuple``, ``cosine()`` or
+    ``dot()``, a reducer of its own) is computed by the engine in tiles of ``chunk_size`` rows,
+    one walk that forms each tile's gradient: the loss and the gradients (embeddings, reference
+    set, a learnable temperature) equal the chunks' path for every reducer and both distances,
+    with an embedding regularizer too; a call with an ``indices_tuple`` takes the chunks."""
+    from pmlfunc import chunked
+    from pmlfunc.losses import _tiled
+
+    emb, labels, kw = _data(seed=12, with_ref=with_ref)
+    kw["temperature"] = torch.tensor(0.3, dtype=F64)
+    wrt = ("embeddings", *(("ref_emb",) if with_ref else ()), "temperature")
+    run_local = _tiled.run_local
+    chunks: list[int | None] = []
+    monkeypatch.setattr(_tiled, "run_local", lambda c: chunks.append(c.chunk) or run_local(c))
+    reducers = {"ntxent": ("mean", "sum"), "supcon": ("avg_nonzero", "mean", "sum")}[name]
+    for reducer in reducers:
+        for distance in (pf.distances.cosine(), pf.distances.dot()):
+            for regularizer in (None, pf.regularizers.lp):
+                fn = functools.partial(
+                    LOSSES[name], reducer=getattr(pf.reducers, reducer)(), distance=distance,
+                    embedding_regularizer=regularizer,
+                )  # fmt: skip
+                got = pf.chunked.value_and_grad(fn, 4, wrt=wrt)(emb, labels, **kw)
+                assert chunks == [4]
+                chunks.clear()
+                with monkeypatch.context() as m:
+                    m.setattr(chunked, "_engine", lambda *a: None)
+                    want = pf.chunked.value_and_grad(fn, 4, wrt=wrt)(emb, labels, **kw)
+                _assert_equal(got, (want[0], want[1]))
+    pairs = pf.miners.pair_margin(emb, labels) if not with_ref else None
+    if pairs is not None:
+        pf.chunked.value_and_grad(LOSSES[name], 4)(emb, labels, indices_tuple=pairs)
+        assert chunks == []
+
+
 def test_eager_results_carry_no_autograd_graph():
     """Whatever the embeddings' own graph: the gradient goes into it by emb.backward(grad)."""
     emb, labels, _ = _data(seed=10)

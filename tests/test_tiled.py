@@ -615,6 +615,18 @@ def test_the_label_listing_is_the_masks_nonzero(excluded):
     assert _tiled._label_listing("clip", x, rows, cols, excluded) is None
 
 
+def _listed_inputs(gen, mode):
+    """40 rows in 14 classes (a few positives a row: listed) and one row without positives;
+    ``mode="ref"``: 36 references in the same classes. ``(emb, ref, labels, ref_labels)``."""
+    n, m = 40, 36
+    emb = torch.randn(n, 6, generator=gen, dtype=F64)
+    ref = torch.randn(m, 6, generator=gen, dtype=F64) if mode == "ref" else None
+    labels = torch.randint(0, 14, (n,), generator=gen)
+    labels[-1] = 99  # a row without positives
+    ref_labels = torch.randint(0, 14, (m,), generator=gen) if mode == "ref" else None
+    return emb, ref, labels, ref_labels
+
+
 @pytest.mark.parametrize("chunk", [3, None])
 @pytest.mark.parametrize("mode", ["self", "ref"])
 @pytest.mark.parametrize("name", ["ntxent", "supcon"])
@@ -624,12 +636,7 @@ def test_listed_tiles_equal_the_masked_tiles_and_build_no_mask(gen, name, mode, 
     loss and every gradient (embeddings, reference set, learnable temperature) equal the masks'
     path, which compiled and transformed calls take, for every reducer; a NaN among the
     negatives still gives NaN."""
-    n, m = 40, 36
-    emb = torch.randn(n, 6, generator=gen, dtype=F64)
-    ref = torch.randn(m, 6, generator=gen, dtype=F64) if mode == "ref" else None
-    labels = torch.randint(0, 14, (n,), generator=gen)
-    labels[-1] = 99  # a row without positives
-    ref_labels = torch.randint(0, 14, (m,), generator=gen) if mode == "ref" else None
+    emb, ref, labels, ref_labels = _listed_inputs(gen, mode)
     temperature = torch.tensor(0.3, dtype=F64)
     masks = _tiled._masks
     calls = []
@@ -664,12 +671,7 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
     gradient equal the masks' path (maxima, softmax) for every reducer, with the cosine and the
     unnormalised dot distance, a row without positives and a row without negatives. Past the
     bound (temperature 0.01) or with a tensor temperature the walk takes the softmax."""
-    n, m = 40, 36
-    emb = torch.randn(n, 6, generator=gen, dtype=F64)
-    ref = torch.randn(m, 6, generator=gen, dtype=F64) if mode == "ref" else None
-    labels = torch.randint(0, 14, (n,), generator=gen)
-    labels[-1] = 99  # a row without positives
-    ref_labels = torch.randint(0, 14, (m,), generator=gen) if mode == "ref" else None
+    emb, ref, labels, ref_labels = _listed_inputs(gen, mode)
     fold = getattr(_tiled, f"_{name}_base2_fold_")
     calls = []
     monkeypatch.setattr(_tiled, f"_{name}_base2_fold_", lambda *a: calls.append(1) or fold(*a))
@@ -692,8 +694,8 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
             calls.clear()
             _assert_same(got, want)
     if mode == "ref":  # rows whose every reference is a positive: no negatives
-        ref_labels = torch.full((m,), 7)
-        labels = torch.where(torch.arange(n) < 3, 7, labels)
+        ref_labels = torch.full_like(ref_labels, 7)
+        labels = torch.where(torch.arange(len(labels)) < 3, 7, labels)
         _assert_same(*both(0.3, chunk_size=chunk))
         assert calls
         calls.clear()
