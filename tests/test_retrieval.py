@@ -111,6 +111,47 @@ def test_equals_the_float64_reference_on_values_and_every_gradient(name, chunk):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("k", [0, K])
+def test_plain_query_rows_with_bounded_logits_take_unshifted_base2_exponentials(
+    k, chunk, monkeypatch
+):
+    """Query rows that read every document (no ids, no guide, no hardness, no queue; a CPU in
+    eager mode) with ``|S| ≤ 40`` known from the rows' norms and the scale take ``E = 2^(S log₂e)``
+    with no row maximum and hand the sums a row-scaled tile: the loss and every gradient (the
+    three sets, a learnable scale) equal the softmax path's. With the scale at 100 (past the
+    bound) or a masked layout (symmetric directions, ids) the softmax runs."""
+    from pmlfunc.losses import _tiled
+
+    q, p, n = _batch(k)
+    fold = _tiled._retrieval_base2_fold_
+    calls = []
+    monkeypatch.setattr(_tiled, "_retrieval_base2_fold_", lambda *a: calls.append(1) or fold(*a))
+
+    def value_and_grads(params, **kw):
+        leaves = [t.detach().clone().requires_grad_() for t in ((q, p, n) if k else (q, p))]
+        pr = {name: v.clone().requires_grad_() for name, v in params.items()}
+        loss = mnrl(*leaves[:2], leaves[2] if k else None, pr, chunk_size=chunk, **kw)
+        return loss, torch.autograd.grad(loss, [*leaves, *pr.values()])
+
+    def same(params, **kw):
+        got = value_and_grads(params, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(_tiled, "_logit_bound", lambda *a: None)
+            want = value_and_grads(params, **kw)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+    same(pf.losses.multiple_negatives_ranking_init(dtype=F64))
+    assert calls
+    calls.clear()
+    same(pf.losses.multiple_negatives_ranking_init(100.0, dtype=F64))
+    same(pf.losses.multiple_negatives_ranking_init(dtype=F64), directions=SYM)
+    same(pf.losses.multiple_negatives_ranking_init(dtype=F64), anchor_ids=ANCHOR_IDS)
+    assert not calls
+
+
 @pytest.mark.parametrize("name", ["plain", "gte", "symmetric"])
 def test_a_learnable_scale_gets_the_gradient_of_the_reference(name):
     q, p, n = _batch()
