@@ -50,6 +50,19 @@ def value_and_grads(fn, *tensors):
     return out.detach(), grads
 
 
+def with_and_without_bound(monkeypatch, fn, *tensors):
+    """``(got, want)``: :func:`value_and_grads` of ``fn`` as the tiled engine computes it (the
+    unshifted base-2 exponentials where its bound on the logits allows) and with no bound known
+    (``_tiled._logit_bound`` patched to ``None``: the softmax and plain paths)."""
+    from pmlfunc.losses import _tiled
+
+    got = value_and_grads(fn, *tensors)
+    with monkeypatch.context() as m:
+        m.setattr(_tiled, "_logit_bound", lambda *a: None)
+        want = value_and_grads(fn, *tensors)
+    return got, want
+
+
 def assert_same(got, want, **tol):
     """Two ``(value, grads)`` results equal (``want`` cast to ``got``'s dtypes)."""
     (gv, gg), (wv, wg) = got, want

@@ -10,7 +10,13 @@ import math
 
 import pytest
 import torch
-from helpers import GivenEmbeddings, retrieval_calls, sentence_transformers_losses
+from helpers import (
+    GivenEmbeddings,
+    assert_same,
+    retrieval_calls,
+    sentence_transformers_losses,
+    with_and_without_bound,
+)
 from reference import retrieval as ref
 
 import pmlfunc as pf
@@ -128,20 +134,13 @@ def test_plain_query_rows_with_bounded_logits_take_unshifted_base2_exponentials(
     calls = []
     monkeypatch.setattr(_tiled, "_retrieval_base2_fold_", lambda *a: calls.append(1) or fold(*a))
 
-    def value_and_grads(params, **kw):
-        leaves = [t.detach().clone().requires_grad_() for t in ((q, p, n) if k else (q, p))]
-        pr = {name: v.clone().requires_grad_() for name, v in params.items()}
-        loss = mnrl(*leaves[:2], leaves[2] if k else None, pr, chunk_size=chunk, **kw)
-        return loss, torch.autograd.grad(loss, [*leaves, *pr.values()])
-
     def same(params, **kw):
-        got = value_and_grads(params, **kw)
-        with monkeypatch.context() as m:
-            m.setattr(_tiled, "_logit_bound", lambda *a: None)
-            want = value_and_grads(params, **kw)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-        for a, b in zip(got[1], want[1], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        def loss(q_, p_, n_, *values):
+            given = dict(zip(params, values, strict=True))
+            return mnrl(q_, p_, n_ if k else None, given, chunk_size=chunk, **kw)
+
+        got, want = with_and_without_bound(monkeypatch, loss, q, p, n, *params.values())
+        assert_same(got, want, rtol=1e-10, atol=1e-12)
 
     same(pf.losses.multiple_negatives_ranking_init(dtype=F64))
     assert calls

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from helpers import loss_dtype
+from helpers import loss_dtype, with_and_without_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tracking import LargestTensor
@@ -723,18 +723,12 @@ def test_siglip_with_bounded_logits_takes_one_exponential_and_equals_the_plain_p
     calls = []
     monkeypatch.setattr(_tiled, "_siglip_base2_fold_", lambda *x: calls.append(1) or fold(*x))
 
-    def value_and_grads(params, **kw):
-        leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
-        p = {k: v.clone().requires_grad_() for k, v in params.items()}
-        loss = pfl.siglip(leaves[0], leaves[1], p, labels=labels, chunk_size=chunk, **kw)
-        return loss, torch.autograd.grad(loss, [*leaves, *p.values()])
-
     def both(params, **kw):
-        got = value_and_grads(params, **kw)
-        with monkeypatch.context() as m_:
-            m_.setattr(_tiled, "_logit_bound", lambda *x: None)
-            want = value_and_grads(params, **kw)
-        return got, want
+        def loss(a_, b_, *values):
+            given = dict(zip(params, values, strict=True))
+            return pfl.siglip(a_, b_, given, labels=labels, chunk_size=chunk, **kw)
+
+        return with_and_without_bound(monkeypatch, loss, a, b, *params.values())
 
     default = pfl.siglip_init(dtype=F64)
     for reducer in _tiled.KINDS["siglip"]:  # the first, "batch", is the default (None)
