@@ -110,17 +110,19 @@ FEW_POSITIVES = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # one positive
 @pytest.mark.parametrize("layout", [FEW_POSITIVES, UNEVEN])
 def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monkeypatch):
     """In CPU eager mode, with few positive pairs, the terms come from the listed pairs (one row
-    dot product each); under a torch.func transform (as under compile or on an accelerator)
-    from the static Gram matmul. Both equal PML."""
-    import pmlfunc.losses.neighbors as nb
+    dot product each; listed from the labels, ``Batch.listed``); under a torch.func transform
+    (as under compile or on an accelerator) from the static Gram matmul. Both equal PML."""
+    from pmlfunc.losses._batch import Batch
 
     emb, labels = data(gen, layout)
     ref, ref_labels = (
         (randn(gen, len(REF_LABELS), D), lab(REF_LABELS)) if with_ref else (None, None)
     )
     listed = []
-    real = nb.sparse_rows
-    monkeypatch.setattr(nb, "sparse_rows", lambda pos: listed.append(real(pos)) or listed[-1])
+    real = Batch.listed
+    monkeypatch.setattr(
+        Batch, "listed", lambda self, *a, **k: listed.append(real(self, *a, **k)) or listed[-1]
+    )
     eager = run_pf("angular", emb, labels, ref, ref_labels)
     other = labels if ref is None else ref_labels
     same = labels[:, None] == other[None, :]

@@ -31,7 +31,6 @@ from .._ops import (
     readable,
     scalar_like,
     scatter_rows,
-    sparse_rows,
 )
 from ..distances import Distance, _Lp, cosine, lp, resolve
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
@@ -345,7 +344,7 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts} = (A Bᵀ)_{ap}
     a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
     b = torch.exp(v - v_max)
-    listed = sparse_rows(pos)
+    listed = batch.listed(pos)  # the labels' listing where pos is theirs
     if listed is None:  # every entry by one matmul (the static path)
         w = matmul(a, b.transpose(-1, -2))
         keep = has_neg.to(cd) * indicator(pos)
