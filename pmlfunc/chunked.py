@@ -361,22 +361,17 @@ def _engine(call: LossCall, names: tuple[str, ...], chunk_size: int) -> tuple[Te
     from .losses import _tiled
 
     kind = call.spec.name
-    inputs = {
-        "ref_emb": call.ref_emb, "ref_labels": call.ref_labels, "distance": call.distance,
-        "reducer": call.reducer, "embedding_regularizer": call.embedding_regularizer,
-        "embedding_reg_weight": call.embedding_reg_weight,
-    }  # fmt: skip
-    pairs = {"indices_tuple": call.indices_tuple, "mat": call.mat}  # the engine takes neither
-    if kind not in _ENGINE_KINDS or _traced():
-        return None
-    if not _tiled.dense_runs(kind, call.labels, {**inputs, **pairs}):
+    if (
+        kind not in _ENGINE_KINDS
+        or _traced()
+        or not _tiled.dense_runs(kind, call.labels, call.inputs())
+    ):
         return None
 
     def loss_of(c: LossCall) -> Tensor:
-        given = {**inputs, "ref_emb": c.ref_emb}
         t = c.hyper["temperature"]
         return _tiled.run_local(
-            _tiled.softmax_call(kind, c.embeddings, c.labels, t, chunk_size, given)
+            _tiled.softmax_call(kind, c.embeddings, c.labels, t, chunk_size, c.inputs())
         )
 
     return _whole(call, names, loss_of)

@@ -4,7 +4,7 @@ Three pytest-benchmark groups, ``matryoshka-ntxent-b{B}``, ``matryoshka-clip-b{B
 ``matryoshka-multi_similarity-b{B}``, forward + backward at ``B`` rows and ``D`` dimensions
 (``PMLFUNC_BENCH_MATRYOSHKA_BATCH``, 4,096; ``PMLFUNC_BENCH_MATRYOSHKA_DIM``, 768), widths ``(D,
 D/2, D/4, D/8, D/16)``, float32, one thread. NT-Xent and multi-similarity: four samples per class;
-CLIP: two aligned sets (the second the first plus noise), a learnable ``logit_scale``. Members:
+CLIP: two aligned sets (the second from the next seed), a learnable ``logit_scale``. Members:
 
 - ``single``: the base loss at full width, ``chunk_size=256``;
 - ``naive``: the sum of the five calls on the prefixes, written out, ``chunk_size=256``;
@@ -94,9 +94,14 @@ def _inputs(loss: str, batch: int, dtype: torch.dtype):
     emb, labels = C.make_inputs(batch, DIM, dtype=dtype, seed=C.SEED)
     if loss != "clip":
         return [emb], lambda fn, e: fn(e, labels)
-    other = emb + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
-    scale = pf.losses.clip_init(dtype=dtype)["logit_scale"]
-    return [emb, other.to(dtype), scale], lambda fn, a, b, t: fn(a, b, {"logit_scale": t})
+    return [emb, *_clip_leaves(emb)], lambda fn, a, b, t: fn(a, b, {"logit_scale": t})
+
+
+def _clip_leaves(emb: torch.Tensor) -> list[torch.Tensor]:
+    """CLIP's other leaves for the set ``emb``: its paired set (``benchmarks.common.make_paired``)
+    and a learnable ``logit_scale``, both requiring gradients."""
+    scale = pf.losses.clip_init(dtype=emb.dtype)["logit_scale"].to(emb.device)
+    return [C.make_paired(emb).requires_grad_(), scale.requires_grad_()]
 
 
 def _member(loss: str, impl: str, dim: int = DIM):
@@ -158,10 +163,8 @@ def _case_member(loss: str, impl: str) -> Member:
         fn = _member(loss, impl, emb.shape[1])
         if loss != "clip":
             return fn, []
-        other = C.make_paired(emb).requires_grad_()
-        scale = pf.losses.clip_init(dtype=emb.dtype)["logit_scale"].to(emb.device)
-        scale.requires_grad_()
-        return (lambda e, y: fn(e, other, {"logit_scale": scale})), [other, scale]
+        other, scale = leaves = _clip_leaves(emb)
+        return (lambda e, y: fn(e, other, {"logit_scale": scale})), leaves
 
     return Member(make)
 

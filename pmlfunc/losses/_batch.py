@@ -399,6 +399,16 @@ class LossCall:
             ties=self.spec.exact_ties,
         )
 
+    def inputs(self) -> dict[str, Any]:
+        """The call's keyword inputs other than its hyper-parameters, as the public loss names
+        them (``ref_emb=``, ``distance=``, ...)."""
+        return {
+            "ref_emb": self.ref_emb, "ref_labels": self.ref_labels,
+            "indices_tuple": self.indices_tuple, "mat": self.mat, "distance": self.distance,
+            "reducer": self.reducer, "embedding_regularizer": self.embedding_regularizer,
+            "embedding_reg_weight": self.embedding_reg_weight,
+        }  # fmt: skip
+
     def terms(self, batch: Batch) -> dict[str, Terms]:
         return self.spec.terms(batch, **self.hyper)
 

@@ -43,7 +43,7 @@ ms, tiles of 256 rows 91–97 → 54–62 ms, floor 40–43). Elsewhere (compile
 accelerator, many positives) each tile builds its boolean masks.
 
 Bounded logits: where ``|S| ≤ 40`` is known from the rows' norms (a float temperature, no
-bias, a CPU in eager mode: :func:`_base2_factor`), the listed NT-Xent and SupCon walks that form
+bias, a CPU in eager mode: :func:`_base2_units`), the listed NT-Xent and SupCon walks that form
 the gradient take each tile as ``S log₂e`` (the GEMM scales the tile's rows) and its
 exponentials as ``2^s`` with no shift: no row maximum, one ``exp2`` pass (on an AVX2 CPU 0.6×
 ``exp``'s time) and one row sum, against the softmax's three passes, two maxima and the
@@ -425,9 +425,11 @@ def _logits(x: Tensor, y: Columns, r0: int, r1: int, factor, bias, out=None) -> 
     """``S = scale · x[r0:r1] ŷᵀ + bias``, one fresh ``(r1 − r0, M)`` tile (or ``out``)
     updated in place (``ŷ``: the columns, normalised where ``y.inv`` says; ``factor``:
     :func:`_tile_factor`)."""
-    s = y.product(x[r0:r1], out)
-    if not (isinstance(factor, float) and factor == 1.0):
-        s = s.mul_(factor)
+    xt = x[r0:r1]
+    if isinstance(factor, float):  # a float scales the (r, D) rows, not the (r, M) tile
+        s = y.product(xt if factor == 1.0 else xt * factor, out)
+    else:
+        s = y.product(xt, out).mul_(factor)
     return s if bias is None else s.add_(bias)
 
 
@@ -688,20 +690,35 @@ def _logit_bound(x: Tensor, y: Columns, factor, bias) -> float | None:
     return x_norm * fy + b
 
 
-def _base2_factor(x: Tensor, y: Columns, factor, bias) -> float | None:
-    """``factor · log₂e`` where a walk may take its exponentials as ``2^(S log₂e)`` with no
-    shift (:func:`_ntxent_base2_fold_`), else ``None``: a float factor, no bias, and ``|S| ≤``
-    :data:`_BASE2_BOUND` (:func:`_logit_bound`; unit rows and ``temperature ≥ 0.025``), so no
-    row needs its maximum: one pass of ``exp2`` (on an AVX2 CPU 0.6× ``exp``'s time) and one of
-    the row sums, against the softmax's three passes and the maxima's two."""
-    if not isinstance(factor, float) or bias is not None:
+def _base2_units(kind, x: Tensor, y: Columns, factor, bias, *, listed: bool, fused: bool):
+    """``(factor · log₂e, bias · log₂e)`` where a walk of ``kind`` takes its tiles as base-2
+    logits ``S log₂e`` (the factor applied by :func:`_logits`) and their exponentials as
+    ``2^s`` with no row maximum, else ``None``. ``|S|`` must be known bounded
+    (:func:`_logit_bound`): by :data:`_BASE2_BOUND` for the softmax kinds (no row's float32 sum
+    overflows or underflows), :data:`_SIGLIP_BOUND` for SigLIP; one ``exp2`` pass (on an AVX2
+    CPU 0.6× ``exp``'s time) and one row sum replace the softmax's three passes and two maxima.
+
+    Which walks: NT-Xent and SupCon whose positives are ``listed`` and whose walk forms the
+    gradient (``fused``), with a float factor and no bias (:func:`_ntxent_base2_fold_`,
+    :func:`_supcon_base2_fold_`); the retrieval kind whose query rows read every document
+    (``not masked``, not sigmoid, no document columns) when ``fused``
+    (:func:`_retrieval_base2_fold_`); SigLIP (:func:`_siglip_base2_fold_`)."""
+    if kind in ("ntxent", "supcon"):
+        ok = listed and fused and isinstance(factor, float) and bias is None
+        limit = _BASE2_BOUND
+    elif isinstance(kind, Retrieval):
+        ok = fused and not (kind.masked or kind.sigmoid or kind.doc_columns)
+        limit = _BASE2_BOUND
+    else:
+        ok, limit = kind == "siglip", _SIGLIP_BOUND
+    bound = _logit_bound(x, y, factor, bias) if ok else None
+    if bound is None or not bound <= limit:
         return None
-    bound = _logit_bound(x, y, factor, bias)
-    return factor * _LOG2E if bound is not None and bound <= _BASE2_BOUND else None
+    return factor * _LOG2E, None if bias is None else bias * _LOG2E
 
 
 def _base2_exp_(s: Tensor, memo: dict, positives: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(E, Σ E, ln Σ E)`` of a tile of base-2 logits ``S log₂e`` (:func:`_base2_factor`), in
+    """``(E, Σ E, ln Σ E)`` of a tile of base-2 logits ``S log₂e`` (:func:`_base2_units`), in
     ``s``'s buffer: ``E = 2^s`` with the self pairs and, if ``positives``, the listed positives
     left out (:func:`_leave_out_`). A row with nothing kept gets ``lse = −finfo.max``, as
     :func:`_row_lse_`."""
@@ -900,21 +917,14 @@ def walk_forward(
     # the plain walk's tile and softmax reused from tile to tile (a tile's buffers are done
     # with when the next begins: its gradient's products are taken, CLIP holds one tile only)
     scratch = _Scratch(_reuses(kind, x, nested, n // roles, chunk))
-    fused_listed = kind in ("ntxent", "supcon") and grads is not None and listing is not None
-    base2 = _base2_factor(x, y, factor, bias) if fused_listed and nested is None else None
-    retrieval2 = None  # the plain retrieval kind's logits in base-2 units (factor, bias)
-    if isinstance(kind, Retrieval) and not (kind.masked or kind.sigmoid or kind.doc_columns):
-        bound = _logit_bound(x, y, factor, bias) if grads is not None and nested is None else None
-        if bound is not None and bound <= _BASE2_BOUND:
-            retrieval2 = (factor * _LOG2E, None if bias is None else bias * _LOG2E)
-    if kind == "siglip" and nested is None and lse is None:
-        bound = _logit_bound(x, y, factor, bias)
-        siglip2 = bound is not None and bound <= _SIGLIP_BOUND
-    else:
-        siglip2 = False
+    base2 = None  # the tiles' factor and bias in base-2 units: (S log₂e), or None
+    if nested is None:
+        base2 = _base2_units(
+            kind, x, y, factor, bias, listed=listing is not None, fused=grads is not None
+        )
+    f, b = (factor, bias) if base2 is None else base2
     for r0, r1 in _tiles(n // roles, chunk):
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
-            f, b = (factor, bias) if retrieval2 is None else retrieval2
             s = _logits(x, y, r0 * roles, r1 * roles, f, b)
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, n, r0, diag)
@@ -931,7 +941,7 @@ def walk_forward(
             if kind.doc_columns:  # the raw logits, down the positives' columns (online)
                 c0, c1 = kind.positive_span(m)
                 acc.fold_columns(s[..., c0:c1], col_keep)
-            if retrieval2 is not None:
+            if base2 is not None:
                 tile_lse, target, ds = _retrieval_base2_fold_(s, pos_at)
             else:
                 tile_lse, target, ds = _retrieval_fold_(
@@ -947,19 +957,11 @@ def walk_forward(
             rows, cols, r0, r1, m, x.device, diag, exclude, at, listing
         )
         tile_lse = None if lse is None else lse[r0:r1]
-        if nested is None and base2 is not None:  # S log₂e: the GEMM scales the tile's rows
-            out = scratch.take("logits", r1 - r0, m, x)
-            tiles = ((0, y.product(x[r0:r1] * base2, out)),)
-            memo["base2"] = True
-        elif siglip2:  # S log₂e
-            b2 = None if bias is None else bias * _LOG2E
-            out = scratch.take("logits", r1 - r0, m, x)
-            tiles = ((0, _logits(x, y, r0, r1, factor * _LOG2E, b2, out)),)
-            memo["base2"], memo["probs"] = True, scratch.take("probs", r1 - r0, m, x)
-        elif nested is None:
-            out = scratch.take("logits", r1 - r0, m, x)
-            tiles = ((0, _logits(x, y, r0, r1, factor, bias, out)),)
-            if kind in ("ntxent", "supcon"):  # the kinds whose fold takes a softmax
+        if nested is None:
+            tiles = ((0, _logits(x, y, r0, r1, f, b, scratch.take("logits", r1 - r0, m, x))),)
+            memo["base2"] = base2 is not None
+            # a second buffer: the softmax's (NT-Xent, SupCon), the base-2 terms' (SigLIP)
+            if kind in ("ntxent", "supcon") if base2 is None else kind == "siglip":
                 memo["probs"] = scratch.take("probs", r1 - r0, m, x)
         else:  # a width's logits die in its fold unless they become its gradient (SigLIP's)
             tiles = nested.tiles(r0, r1, held=grads is not None and kind == "siglip")
@@ -1279,7 +1281,7 @@ def _retrieval_fold_(opt: Retrieval, s: Tensor, keep, pen, strength, scale, at, 
 def _retrieval_base2_fold_(s: Tensor, at: int | None):
     """:func:`_retrieval_fold_` with the gradient, where every entry of a query row is a
     candidate and there is no hardness term (``not opt.masked``, one role), on a tile of base-2
-    logits (:func:`_base2_factor`'s bound): ``E = 2^s``, ``lse = ln Σ E`` and ``∂L/∂S =
+    logits (:func:`_base2_units`): ``E = 2^s``, ``lse = ln Σ E`` and ``∂L/∂S =
     diag(1 / Σ E) · E − [positive]`` as a :class:`RowScaled` (the positive's ``−1`` written into
     ``E`` as ``−Σ E``), where the softmax took three passes and two row maxima."""
     r = s.shape[0]
@@ -1564,11 +1566,15 @@ class _GradSums:
     def add(self, ds: Tensor | RowScaled, r0: int, r1: int) -> None:
         need_rows, need_cols, need_scale, need_bias = self.needs
         x, y = self.x, self.y
+        # self mode, one tile of every row: ∂S x + ∂Sᵀ x, one product where cheaper
+        whole_self = (
+            self.into is not None and need_rows and r1 - r0 == x.shape[-2] and y.segments[0] is x
+        )
         w = None
         if isinstance(ds, RowScaled):
             scaled = ds
             ds, w = scaled.tile, scaled.row.unsqueeze(-1)
-            if need_bias or (self.into is not None and r1 - r0 == x.shape[-2]):
+            if need_bias or whole_self:
                 ds, w = ds.mul_(w), None  # the bias's sum, the self product: the tile itself
         if need_bias:
             part = ds.sum()
@@ -1577,9 +1583,9 @@ class _GradSums:
             ds = ds.mul_(y.inv)  # S = scale · (x yᵀ) ⊙ inv: ∂S ⊙ inv meets the raw columns
         xt = x[r0:r1] if w is None else x[r0:r1] * w  # ∂Sᵀ x = Eᵀ (diag(w) x)
         whole = len(y.segments) == 1
-        into = self.gy[0] if self.into is not None else None
-        if into is not None and need_rows and r1 - r0 == x.shape[-2] and y.segments[0] is x:
-            # self mode, one tile of every row: ∂S x + ∂Sᵀ x, one product where cheaper
+        if whole_self:
+            into = self.gy[0]
+            assert into is not None  # self mode: the rows' and columns' buffer
             h = self_product_grad(ds, x)
             if need_scale:  # Σ ∂S ⊙ x xᵀ = ½ Σ h ⊙ x
                 dot = 0.5 * (h * x).sum()
