@@ -740,6 +740,43 @@ def test_siglip_with_bounded_logits_takes_one_exponential_and_equals_the_plain_p
     assert not calls
 
 
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("labelled", [False, True])
+def test_clip_with_bounded_logits_takes_unshifted_exponentials_and_equals_the_softmax_path(
+    gen, labelled, chunk, monkeypatch
+):
+    """CLIP where ``|S| ≤ 40`` is known from the rows' norms and the scale (a CPU in eager
+    mode): each tile's row and column log-sum-exps are the sums of one ``exp2`` pass, with no
+    maxima nor online rescaling, and its gradient ``E ⊙ (u_i + v_j)`` minus the positives'
+    terms, in tiles of rows (a forward walk, every tile recomputed in the backward) and in the
+    dense call's one tile (the gradient formed in the forward); aligned sets and labels, every
+    reducer, a learnable scale and a bias: the loss and every gradient equal the softmax path's.
+    Past the bound (a scale of 100) the softmax path runs."""
+    n = 13
+    a = torch.randn(n, 5, generator=gen, dtype=F64)
+    b = torch.randn(n, 5, generator=gen, dtype=F64)
+    labels = torch.randint(0, 4, (n,), generator=gen) if labelled else None
+    exp_ds = _tiled._clip_exp_ds
+    calls = []
+    monkeypatch.setattr(_tiled, "_clip_exp_ds", lambda *x: calls.append(1) or exp_ds(*x))
+
+    def both(params, **kw):
+        def loss(a_, b_, *values):
+            given = dict(zip(params, values, strict=True))
+            return pfl.clip(a_, b_, given, labels=labels, chunk_size=chunk, **kw)
+
+        return with_and_without_bound(monkeypatch, loss, a, b, *params.values())
+
+    for params in (pfl.clip_init(dtype=F64), pfl.clip_init(logit_bias=-2.0, dtype=F64)):
+        for reducer in _tiled.KINDS["clip"]:  # the first, "mean", is the default (None)
+            red = None if reducer == _tiled.KINDS["clip"][0] else _reducer(reducer)
+            _assert_same(*both(params, reducer=red))
+            assert calls
+            calls.clear()
+    _assert_same(*both(pfl.clip_init(math.log(100.0), dtype=F64)))
+    assert not calls
+
+
 # ---------------------------------------------------------------------------------------------
 # Every kind of the engine on its own: values and full gradients against float64 references
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import with_and_without_bound
 
 import pmlfunc as pf
 from pmlfunc.losses._tiled import nested_call
@@ -189,6 +190,34 @@ def test_one_product_equals_the_naive_sum_values_and_every_gradient(name, monkey
         weights[k] * call(base, *[x[..., :d] for x in want_in], params) for k, d in enumerate(DIMS)
     )
     _assert_same((got, got_grads), (want, _grads(want, [*want_in, *leaves])))
+
+
+@pytest.mark.parametrize("name", [n for n in ONE_PRODUCT if n.startswith(("clip", "siglip"))])
+def test_one_product_with_bounded_logits_equals_the_softmax_path(name, monkeypatch):
+    """CLIP and SigLIP where every width's ``|S|`` is known bounded (normalised prefixes and
+    the scale): the nested walks take each width's tile as ``S log₂e`` (unshifted base-2
+    exponentials, CLIP's recomputed tiles too); the loss and every gradient equal those with no
+    bound known (the softmax and plain paths)."""
+    base, call, inputs, params = _one_product_case(name)
+    nested = T.matryoshka(base, DIMS, torch.tensor([1.0, 0.5, 0.25], dtype=F64))
+    prefixes = pf.losses._tiled._Prefixes
+    tiles, units = prefixes.tiles, []
+
+    def spy(self, *a, **k):
+        units.append(self.base2)
+        return tiles(self, *a, **k)
+
+    monkeypatch.setattr(prefixes, "tiles", spy)
+
+    def run(*xs):
+        given = dict(zip(params, xs[len(inputs) :], strict=True))
+        return call(nested, *xs[: len(inputs)], given)
+
+    leaves = [*inputs, *(v.detach() for v in params.values())]
+    got, want = with_and_without_bound(monkeypatch, run, *leaves)
+    assert units and all(units[: len(units) // 2])  # bounded first, then not
+    assert not any(units[len(units) // 2 :])
+    _assert_same(got, want)
 
 
 @pytest.mark.parametrize("name", ["ntxent-dense", "ntxent-ref-3", "clip-labels-3", "siglip-16"])

@@ -56,7 +56,11 @@ from one ``exp2`` pass and its terms and gradient as ``log1p(t)`` and ``t / (1 +
 passes (the same: 1.45–1.48× → 1.33–1.35×). The retrieval kind whose query rows read every
 document (no ids, guide, hardness or queue: :attr:`Retrieval.masked` false) takes the base-2
 exponentials too (:func:`_retrieval_base2_fold_`; ``multiple_negatives_ranking`` at 2,048 ×
-128 with no hard negatives 1.20× → 1.14×, with seven 477 → 446 ms).
+128 with no hard negatives 1.20× → 1.14×, with seven 477 → 446 ms). CLIP's walks, forward and
+recomputed, read ``E = 2^s`` whose row and column sums are the log-sum-exps (no maxima, no
+online rescaling) and form ``∂L/∂S = E ⊙ (u_i + v_j)`` minus the positives' terms
+(:func:`_clip_fold_`, :func:`_clip_exp_ds`; dense CLIP at 2,048 × 128 1.71× → 1.19–1.24× the
+floor, tiled 1.98–2.07× → 1.56–1.61×); so do the nested walks' CLIP and SigLIP widths.
 
 Tile buffers: on a CPU in eager mode a plain walk writes each tile's product and NT-Xent's and
 SupCon's softmax into buffers reused from tile to tile
@@ -664,6 +668,8 @@ class RowScaled(NamedTuple):
     row: Tensor
 
 
+# the kinds whose backward's recomputed tiles (_tile_ds_) take base-2 logits where bounded
+_BASE2_RECOMPUTED = ("clip",)
 # |S| up to this bound: 2^(S log₂e) neither overflows a row's float32 sum nor underflows
 _BASE2_BOUND = 40.0
 # SigLIP's terms log1p(e^{±S}) and e^{±S} / (1 + e^{±S}): e^{±80} is a normal float32
@@ -671,16 +677,19 @@ _SIGLIP_BOUND = 80.0
 _LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 
 
-def _logit_bound(x: Tensor, y: Columns, factor, bias) -> float | None:
+def _logit_bound(x: Tensor, y: Columns, factor, bias, unit: bool = False) -> float | None:
     """A bound on ``|S|`` from the rows' norms, ``max‖x_i‖ · max_j |factor_j| ‖y_j‖ + max|bias|``,
     where reading it is free (a 2-D float32 or float64 CPU tensor in eager mode, :func:`readable`),
-    else ``None``; NaN where an input is (every comparison with it fails). ``O((N + M) D)``."""
+    else ``None``; NaN where an input is (every comparison with it fails). ``O((N + M) D)``.
+    ``unit``: the rows are normalised before the product (norms at most 1; NaN still read)."""
     if x.ndim != 2 or x.dtype not in (torch.float32, torch.float64) or not readable(x):
         return None
     if not x.numel() or any(not seg.numel() for seg in y.segments):
         return None
     x_norm = float(torch.linalg.vector_norm(x, dim=-1).amax())
     y_norm = torch.cat([torch.linalg.vector_norm(seg, dim=-1) for seg in y.segments])
+    if unit:  # ‖x̂‖ ≤ 1 (0 below ε), NaN kept
+        x_norm, y_norm = min(x_norm, 1.0) if x_norm == x_norm else x_norm, y_norm.clamp_max(1.0)
     if isinstance(factor, Tensor) and factor.shape == y_norm.shape:  # a column's own factor
         fy = float((factor.abs() * y_norm).amax())  # (normalised columns: the scale)
     else:
@@ -690,7 +699,9 @@ def _logit_bound(x: Tensor, y: Columns, factor, bias) -> float | None:
     return x_norm * fy + b
 
 
-def _base2_units(kind, x: Tensor, y: Columns, factor, bias, *, listed: bool, fused: bool):
+def _base2_units(
+    kind, x: Tensor, y: Columns, factor, bias, *, listed: bool, fused: bool, unit: bool = False
+):
     """``(factor · log₂e, bias · log₂e)`` where a walk of ``kind`` takes its tiles as base-2
     logits ``S log₂e`` (the factor applied by :func:`_logits`) and their exponentials as
     ``2^s`` with no row maximum, else ``None``. ``|S|`` must be known bounded
@@ -702,19 +713,30 @@ def _base2_units(kind, x: Tensor, y: Columns, factor, bias, *, listed: bool, fus
     gradient (``fused``), with a float factor and no bias (:func:`_ntxent_base2_fold_`,
     :func:`_supcon_base2_fold_`); the retrieval kind whose query rows read every document
     (``not masked``, not sigmoid, no document columns) when ``fused``
-    (:func:`_retrieval_base2_fold_`); SigLIP (:func:`_siglip_base2_fold_`)."""
+    (:func:`_retrieval_base2_fold_`); SigLIP (:func:`_siglip_base2_fold_`); CLIP
+    (:func:`_clip_fold_`, :func:`_clip_whole_`; its recomputed tiles too, :data:`_BASE2_RECOMPUTED`).
+    ``unit``: the rows are normalised before the product (a nested walk's prefixes)."""
     if kind in ("ntxent", "supcon"):
         ok = listed and fused and isinstance(factor, float) and bias is None
         limit = _BASE2_BOUND
+    elif kind == "clip":
+        ok, limit = True, _BASE2_BOUND
     elif isinstance(kind, Retrieval):
         ok = fused and not (kind.masked or kind.sigmoid or kind.doc_columns)
         limit = _BASE2_BOUND
     else:
         ok, limit = kind == "siglip", _SIGLIP_BOUND
-    bound = _logit_bound(x, y, factor, bias) if ok else None
+    bound = _logit_bound(x, y, factor, bias, unit) if ok else None
     if bound is None or not bound <= limit:
         return None
     return factor * _LOG2E, None if bias is None else bias * _LOG2E
+
+
+def _log_total(total: Tensor) -> Tensor:
+    """``ln Σ E`` of unshifted exponentials' sums ``Σ E`` (:func:`_base2_units`), ``−finfo.max``
+    where a sum is 0 (nothing kept, as :func:`_row_lse_`)."""
+    has = total > 0
+    return torch.where(has, torch.log(torch.where(has, total, 1.0)), -torch.finfo(total.dtype).max)
 
 
 def _base2_exp_(s: Tensor, memo: dict, positives: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -722,11 +744,9 @@ def _base2_exp_(s: Tensor, memo: dict, positives: bool) -> tuple[Tensor, Tensor,
     ``s``'s buffer: ``E = 2^s`` with the self pairs and, if ``positives``, the listed positives
     left out (:func:`_leave_out_`). A row with nothing kept gets ``lse = −finfo.max``, as
     :func:`_row_lse_`."""
-    low = -torch.finfo(s.dtype).max
-    e = _leave_out_(s, memo, positives, low).exp2_()
+    e = _leave_out_(s, memo, positives, -torch.finfo(s.dtype).max).exp2_()
     total = e.sum(-1)
-    has = total > 0
-    return e, total, torch.where(has, torch.log(torch.where(has, total, 1.0)), low)
+    return e, total, _log_total(total)
 
 
 def _row_scaled_(e: Tensor, row: Tensor, at: tuple[Tensor, Tensor], value: Tensor, add: bool):
@@ -965,6 +985,7 @@ def walk_forward(
                 memo["probs"] = scratch.take("probs", r1 - r0, m, x)
         else:  # a width's logits die in its fold unless they become its gradient (SigLIP's)
             tiles = nested.tiles(r0, r1, held=grads is not None and kind == "siglip")
+            memo["base2"] = nested.base2
         for k, s in tiles:
             sink = grads if nested is None or grads is None else grads.width(k)
             if nested is not None and grads is not None and kind in ("ntxent", "supcon"):
@@ -972,7 +993,8 @@ def walk_forward(
             if sink is None:
                 _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, memo=memo)
             elif kind == "clip":  # one tile: its ∂L/∂S needs the columns' complete statistics
-                sink.held = (*_clip_whole_(s, pos, at.eye, accs[k]), pos, at.eye)
+                held = _clip_whole_(s, pos, at.eye, accs[k], memo["base2"])
+                sink.held = (*held, pos, at.eye)
             else:
                 local = functools.partial(_row_weight, kind, sink.reducer)
                 ds = _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, local, memo)
@@ -1011,6 +1033,12 @@ class _Partials:
             part = part.masked_fill_(keep.logical_not(), 0.0)
         self.col_sum = self.col_sum * (self.col_max - new_max).clamp_min(-80.0).exp() + part.sum(0)
         self.col_max = new_max
+
+    def fold_column_sums(self, e: Tensor) -> None:
+        """Fold a tile's unshifted exponentials ``E = e^S`` (:func:`_base2_units`: every tile
+        of the walk so) into the columns' sums, their shift 0."""
+        self.col_max = torch.zeros_like(self.col_max)
+        self.col_sum = self.col_sum + e.sum(0)
 
     def column_lse(self) -> Tensor:
         """The columns' log-sum-exps folded so far (``−finfo.max`` for a column that read
@@ -1096,23 +1124,40 @@ def _fold_tile_(
         parts["row_pos"].append(n_pos)
         parts["row_pos_sum"].append(pos_sum)
         return ds
-    # clip: every entry is a candidate, along rows and along columns (online)
-    eye_pos = None if where.eye is None else s.diagonal(offset=where.eye, dim1=-2, dim2=-1).clone()
+    return _clip_fold_(s, pos, where.eye, acc, memo is not None and memo.get("base2", False))
+
+
+def _clip_positives(s: Tensor, pos, eye: int | None, acc: _Partials, unit: float) -> None:
+    """A CLIP tile's positives into ``acc``, ``s`` read only: their number and the sum of
+    their logits along each row and each column (``s`` times ``unit``: ``ln 2`` for base-2
+    logits). ``eye``: one positive a row, on this diagonal (no mask)."""
+    parts = acc.parts
+    if eye is not None:
+        d = s.diagonal(offset=eye, dim1=-2, dim2=-1) * unit
+        ones, pad = torch.ones_like(d), (eye, s.shape[-1] - eye - d.shape[-1])
+        n_r, sum_r, n_c, sum_c = ones, d, F.pad(ones, pad), F.pad(d, pad)
+    else:
+        n_r, n_c = count_true(pos, -1).to(s.dtype), count_true(pos, 0)
+        on = torch.where(pos, s, 0.0)  # the positives' logits
+        sum_r, sum_c = on.sum(-1) * unit, on.sum(0) * unit
+    parts["row_pos"].append(n_r)
+    parts["row_pos_sum"].append(sum_r)
+    acc.col_pos, acc.col_pos_sum = acc.col_pos + n_c, acc.col_pos_sum + sum_c
+
+
+def _clip_fold_(s: Tensor, pos, eye: int | None, acc: _Partials, base2: bool) -> None:
+    """One CLIP tile into ``acc``, destroying ``s``: every entry is a candidate along its row
+    and its column (the columns' log-sum-exps online). ``base2``: ``s`` holds ``S log₂e`` with
+    ``|S|`` bounded (:func:`_base2_units`): one ``exp2`` pass and the row and column sums of
+    ``E = e^S``, where the softmax took two maxima, a shift and an exponential each way."""
+    _clip_positives(s, pos, eye, acc, _LN2 if base2 else 1.0)
+    if base2:
+        e = s.exp2_()
+        acc.parts["row_lse"].append(_log_total(e.sum(-1)))
+        acc.fold_column_sums(e)
+        return
     acc.fold_columns(s, None)
-    parts["row_lse"].append(torch.logsumexp(s, -1))
-    if eye_pos is not None and where.eye is not None:  # one positive a row, the diagonal
-        c0, c1 = where.eye, where.eye + eye_pos.shape[-1]
-        parts["row_pos"].append(torch.ones_like(eye_pos))
-        parts["row_pos_sum"].append(eye_pos)
-        acc.col_pos = acc.col_pos + F.pad(torch.ones_like(eye_pos), (c0, s.shape[-1] - c1))
-        acc.col_pos_sum = acc.col_pos_sum + F.pad(eye_pos, (c0, s.shape[-1] - c1))
-        return None
-    acc.col_pos = acc.col_pos + count_true(pos, 0)
-    parts["row_pos"].append(count_true(pos, -1).to(s.dtype))
-    s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
-    parts["row_pos_sum"].append(s.sum(-1))
-    acc.col_pos_sum = acc.col_pos_sum + s.sum(0)
-    return None
+    acc.parts["row_lse"].append(torch.logsumexp(s, -1))
 
 
 def _positives_count(pos, memo) -> int | Tensor:
@@ -1120,36 +1165,59 @@ def _positives_count(pos, memo) -> int | Tensor:
     return memo["listed"][0].shape[0] if pos is None else count_true(pos)
 
 
-def _clip_whole_(s: Tensor, pos, eye: int | None, acc: _Partials) -> tuple[Tensor, Tensor]:
+def _clip_whole_(
+    s: Tensor, pos, eye: int | None, acc: _Partials, base2: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """CLIP over one tile that holds the whole matrix (every row and column complete),
     destroying ``s``: its statistics into ``acc``, and its row and its column softmax (one
-    fused kernel each, :func:`_row_softmax`) for :func:`_clip_whole_ds_`."""
+    fused kernel each, :func:`_row_softmax`) for :func:`_clip_whole_ds_`. ``base2`` (``s``
+    holds ``S log₂e``, :func:`_base2_units`): ``E = e^S`` from one ``exp2`` pass, whose row and
+    column sums give both log-sum-exps, held alone (``(E, None)``: one tile, not two)."""
+    _clip_positives(s, pos, eye, acc, _LN2 if base2 else 1.0)
+    if base2:
+        e = s.exp2_()
+        acc.parts["row_lse"].append(_log_total(e.sum(-1)))
+        acc.col_lse = _log_total(e.sum(0))
+        return e, None
     lse_r, p_r = _row_softmax(s, None, -1)
     lse_c, p_c = _row_softmax(s, None, 0)
-    if eye is not None:  # aligned sets: one positive a row and a column, on the diagonal
-        pos_r = pos_c = s.diagonal(offset=eye, dim1=-2, dim2=-1).clone()
-        n_r, n_c = torch.ones_like(lse_r), torch.ones_like(lse_c)
-    else:
-        n_r, n_c = count_true(pos, -1).to(s.dtype), count_true(pos, 0).to(s.dtype)
-        s = s.masked_fill_(pos.logical_not(), 0.0)  # the positives' logits
-        pos_r, pos_c = s.sum(-1), s.sum(0)
     acc.parts["row_lse"].append(lse_r)
-    acc.parts["row_pos"].append(n_r)
-    acc.parts["row_pos_sum"].append(pos_r)
-    acc.col_lse, acc.col_pos, acc.col_pos_sum = lse_c, n_c, pos_c
+    acc.col_lse = lse_c
     return p_r, p_c
 
 
-def _clip_whole_ds_(p_r: Tensor, p_c: Tensor, pos, eye: int | None, row, col) -> Tensor:
-    """CLIP's ``∂L/∂S`` over its one whole tile from its two softmaxes (destroyed):
-    ``c_i softmax_row + c_j softmax_col − [P](c_i/|P(i)| + c_j/|P(j)|)``."""
-    (_, row_pos, row_coef), (_, col_pos, col_coef) = row, col
-    ds = p_r.mul_(row_coef.unsqueeze(-1)).add_(p_c.mul_(col_coef.unsqueeze(0)))
+def _clip_whole_ds_(p_r: Tensor, p_c: Tensor | None, pos, eye: int | None, row, col) -> Tensor:
+    """CLIP's ``∂L/∂S`` over its one whole tile from its two softmaxes (destroyed), or from
+    ``E`` alone (``p_c`` ``None``: :func:`_clip_whole_`'s ``base2``)."""
+    (row_lse, row_pos, row_coef), (col_lse, col_pos, col_coef) = row, col
+    if p_c is None:
+        ds = _clip_exp_ds(p_r, row_lse, row_coef, col_lse, col_coef)
+    else:
+        ds = p_r.mul_(row_coef.unsqueeze(-1)).add_(p_c.mul_(col_coef.unsqueeze(0)))
+    return _clip_positives_ds_(ds, pos, eye, row_pos, row_coef, col_pos, col_coef)
+
+
+def _clip_exp_ds(e: Tensor, row_lse, row_coef, col_lse, col_coef, out=None) -> Tensor:
+    """CLIP's softmax terms of ``∂L/∂S``, ``c_i softmax_row + c_j softmax_col``, from a tile's
+    unshifted exponentials ``E = e^S`` (read only; :func:`_base2_units`' bound): ``E ⊙ (u_i +
+    v_j)`` with ``u = c_row e^{−lse_row}``, ``v = c_col e^{−lse_col}``, two passes (into
+    ``out``, a buffer of the walk's, or a fresh tile) where the shifted softmaxes took ten."""
+    u = (row_coef * torch.exp(-row_lse)).unsqueeze(-1)
+    v = col_coef * torch.exp(-col_lse)
+    return torch.mul(e, v, out=out).addcmul_(e, u)
+
+
+def _clip_positives_ds_(ds: Tensor, pos, eye, row_pos, row_coef, col_pos, col_coef, buf=None):
+    """``ds`` (a tile's softmax terms) minus CLIP's positives' terms, in place:
+    ``[P](c_i / |P(i)| + c_j / |P(j)|)`` (``row_*``: the tile's rows'; ``eye``: one positive a
+    row and a column, on this diagonal, no mask). ``buf``: a free tile for the masks' weights."""
     if eye is not None:
-        ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(row_coef + col_coef)
+        r = ds.shape[-2]
+        ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(row_coef + col_coef[eye : eye + r])
         return ds
-    w = (row_coef / row_pos.clamp_min(1.0)).unsqueeze(-1) + col_coef / col_pos.clamp_min(1.0)
-    return ds.sub_(torch.where(pos, w, 0.0))
+    w_r = (row_coef / row_pos.clamp_min(1.0)).unsqueeze(-1)
+    w = torch.add(w_r, col_coef / col_pos.clamp_min(1.0), out=buf)
+    return ds.sub_(w.masked_fill_(pos.logical_not(), 0.0))
 
 
 @dataclass(frozen=True)
@@ -1285,14 +1353,13 @@ def _retrieval_base2_fold_(s: Tensor, at: int | None):
     diag(1 / Σ E) · E − [positive]`` as a :class:`RowScaled` (the positive's ``−1`` written into
     ``E`` as ``−Σ E``), where the softmax took three passes and two row maxima."""
     r = s.shape[0]
-    low = -torch.finfo(s.dtype).max
     target = s.new_zeros(r) if at is None else s[:, at : at + r].diagonal().mul(_LN2)
     e = s.exp2_()
     total = e.sum(-1)
-    has = total > 0
-    lse = torch.where(has, torch.log(torch.where(has, total, 1.0)), low)
+    lse = _log_total(total)
     if at is not None:  # w E_pp − 1 = w (E_pp − Σ E)
         e[:, at : at + r].diagonal().sub_(total)
+    has = total > 0
     scale = torch.where(has, 1.0 / torch.where(has, total, 1.0), 0.0)
     return lse.unsqueeze(-1), target, RowScaled(e, scale)
 
@@ -1525,16 +1592,14 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None, memo=None) -> Tenso
         assert pos is not None  # not listed: the masks' path
         return soft.mul_(w_soft).add_(torch.where(pos, w_pos, 0.0))
     (row_lse, row_pos, row_coef), (col_lse, col_pos, col_coef) = row, col
-    cr, cc = row_coef[r0:r1].unsqueeze(-1), col_coef.unsqueeze(0)
-    ds = _exp_(s - row_lse[r0:r1].unsqueeze(-1), 0.0).mul_(cr)
-    ds = ds.add_(_exp_(s, col_lse.unsqueeze(0)).mul_(cc))  # s is free after this
-    if eye is not None:  # one positive a row and a column, on the diagonal
-        ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(
-            cr.squeeze(-1) + col_coef[eye : eye + r1 - r0]
-        )
-        return ds
-    w_pos = s.copy_(cr / row_pos[r0:r1].clamp_min(1.0).unsqueeze(-1) + cc / col_pos.clamp_min(1.0))
-    return ds.sub_(w_pos.masked_fill_(pos.logical_not(), 0.0))
+    cr, lse_r, n_r = row_coef[r0:r1], row_lse[r0:r1], row_pos[r0:r1]
+    if memo is not None and memo.get("base2"):  # S log₂e, bounded: E = 2^s read twice
+        e = s.exp2_()
+        ds = _clip_exp_ds(e, lse_r, cr, col_lse, col_coef, memo.get("probs"))
+        return _clip_positives_ds_(ds, pos, eye, n_r, cr, col_pos, col_coef, None)
+    ds = _exp_(s - lse_r.unsqueeze(-1), 0.0).mul_(cr.unsqueeze(-1))
+    ds = ds.add_(_exp_(s, col_lse.unsqueeze(0)).mul_(col_coef.unsqueeze(0)))  # s is free after
+    return _clip_positives_ds_(ds, pos, eye, n_r, cr, col_pos, col_coef, s)
 
 
 # a walk's gradient sums: (∂x, (∂segment, ...), ∂scale, ∂bias), None where not asked for
@@ -1659,6 +1724,7 @@ def block_backward(
             pos, neg, memo = _tile_positives(
                 rows, cols, r0, r1, m, x.device, diag, exclude, at, listing
             )
+            memo["base2"] = nested.base2
             for k, s in nested.tiles(r0, r1):
                 row_k, col_k = tuple(t[k] for t in row), tuple(t[k] for t in col)
                 widths.width(k).add(
@@ -1669,9 +1735,14 @@ def block_backward(
     sums = _GradSums(x, y, (need_x, need_cols, need_scale, need_bias), into)
     roles = _roles(kind)
     scratch = _Scratch(_reuses(kind, x, nested, x.shape[-2] // roles, chunk))
+    # the recomputed tiles in base-2 units: CLIP's (_tile_ds_), where the forward's may be
+    base2 = None
+    if kind in _BASE2_RECOMPUTED:
+        base2 = _base2_units(kind, x, y, factor, bias, listed=False, fused=False)
+    f, b = (factor, bias) if base2 is None else base2
     for r0, r1 in _tiles(x.shape[-2] // roles, chunk):
         out = scratch.take("logits", (r1 - r0) * roles, m, x)
-        s = _logits(x, y, r0 * roles, r1 * roles, factor, bias, out)
+        s = _logits(x, y, r0 * roles, r1 * roles, f, b, out)
         if isinstance(kind, Retrieval):
             keep, pen, col_keep = _retrieval_masks(kind, rows, cols, r0, r1, m, diag)
             pos_at = _positive_at(kind, x.shape[-2], r0, diag)
@@ -1691,6 +1762,8 @@ def block_backward(
         pos, neg, memo = _tile_positives(
             rows, cols, r0, r1, m, x.device, diag, exclude, at, listing
         )
+        if base2 is not None:
+            memo["base2"], memo["probs"] = True, scratch.take("probs", r1 - r0, m, x)
         ds = _tile_ds_(kind, s, pos, neg, r0, r1, row, col, at.eye, memo)
         del s, pos, neg
         sums.add(ds, r0, r1)
@@ -2048,11 +2121,20 @@ class _Prefixes:
     of fresh tiles holds at its peak (a tile's K gradients wait for its products), so the
     memory is the same."""
 
-    def __init__(self, x, y, dims, unit, scale, bias, weights, reuse: bool = False):
+    def __init__(self, x, y, dims, unit, scale, bias, weights, reuse: bool = False, base2=None):
         self.x, self.self_mode = x, y is None
         self.y = x if y is None else y
         self.bounds = list(zip((0, *dims[:-1]), dims, strict=True))
         self.unit, self.scale, self.bias, self.weights = unit, scale, bias, weights
+        # base2 (a kind): its tiles as S log₂e where :func:`_base2_units` allows, at every width
+        # (a prefix's norm is at most its row's; 1 where normalised)
+        units = None
+        if base2 is not None:
+            cols = Columns((self.y,))
+            units = _base2_units(base2, x, cols, scale, bias, listed=False, fused=False, unit=unit)
+        self.base2 = units is not None
+        if units is not None:
+            self.scale, self.bias = units
         self.c: Tensor | None = None
         self.held = True  # tiles()'s: whether each width's logits have a buffer of their own
         self.scratch = _Scratch(reuse and _may_reuse(x))
@@ -2241,9 +2323,10 @@ class _NestedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(x, y, rows, cols, scale, bias, weights, chunk, kind, reducer, dims, unit, needs):
-        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True)
-        n = x.shape[-2]
         fused = _nested_fused(kind, reducer, needs)
+        base2 = kind if (kind == "siglip" and fused) or kind in _BASE2_RECOMPUTED else None
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True, base2=base2)
+        n = x.shape[-2]
         sums = _NestedSums(pre, needs, reducer) if fused else None
         sts = walk_forward(
             kind, x, Columns((pre.y,)), rows, rows if cols is None else cols, scale, bias, chunk,
@@ -2317,7 +2400,8 @@ class _NestedGrads(_FirstOrder):
                 needs, dims, unit):  # fmt: skip
         stats = tuple(v for v in (s0, s1, s2, s3, s4, s5) if v is not None)
         split = ROW_STATS[kind]
-        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True)
+        base2 = kind if kind in _BASE2_RECOMPUTED else None
+        pre = _Prefixes(x, y, dims, unit, scale, bias, weights, reuse=True, base2=base2)
         gx, gy, x_dot, sum_ds = block_backward(
             kind, x, Columns((pre.y,)), rows, rows if cols is None else cols, scale, bias, chunk,
             stats[:split], stats[split:], needs, diag=True, exclude=pre.self_mode, nested=pre,
