@@ -705,75 +705,58 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
     assert not calls
 
 
-@pytest.mark.parametrize("chunk", [3, None])
-@pytest.mark.parametrize("labelled", [False, True])
-def test_siglip_with_bounded_logits_takes_one_exponential_and_equals_the_plain_path(
-    gen, labelled, chunk, monkeypatch
-):
-    """SigLIP where ``|S| ≤ 80`` is known from the rows' norms, the scale and the bias (a CPU in
-    eager mode): each tile's terms and gradient come from one ``exp2`` pass (``log1p(t)``, ``t /
-    (1 + t)``), aligned sets (the diagonal's correction) and labels; the loss and the gradients
-    of both sets, the scale and the bias equal the plain path's (``softplus``, ``sigmoid``) for
-    every reducer. Past the bound (a scale of 100 and a bias of −10) the plain path runs."""
-    n = 13
-    a = torch.randn(n, 5, generator=gen, dtype=F64)
-    b = torch.randn(n, 5, generator=gen, dtype=F64)
-    labels = torch.randint(0, 4, (n,), generator=gen) if labelled else None
-    fold = _tiled._siglip_base2_fold_
-    calls = []
-    monkeypatch.setattr(_tiled, "_siglip_base2_fold_", lambda *x: calls.append(1) or fold(*x))
-
-    def both(params, **kw):
-        def loss(a_, b_, *values):
-            given = dict(zip(params, values, strict=True))
-            return pfl.siglip(a_, b_, given, labels=labels, chunk_size=chunk, **kw)
-
-        return with_and_without_bound(monkeypatch, loss, a, b, *params.values())
-
-    default = pfl.siglip_init(dtype=F64)
-    for reducer in _tiled.KINDS["siglip"]:  # the first, "batch", is the default (None)
-        red = None if reducer == _tiled.KINDS["siglip"][0] else _reducer(reducer)
-        _assert_same(*both(default, reducer=red))
-        assert calls
-        calls.clear()
-    _assert_same(*both(pfl.siglip_init(math.log(100.0), dtype=F64)))
-    assert not calls
+# kind -> (loss, params within the bound (with and without a bias), params past it, the helper
+# that only the bounded path calls)
+BOUNDED_TWO_SET = {
+    "siglip": (
+        pfl.siglip, [pfl.siglip_init(dtype=F64)], pfl.siglip_init(math.log(100.0), dtype=F64),
+        "_siglip_base2_fold_",
+    ),
+    "clip": (
+        pfl.clip, [pfl.clip_init(dtype=F64), pfl.clip_init(logit_bias=-2.0, dtype=F64)],
+        pfl.clip_init(math.log(100.0), dtype=F64), "_clip_exp_ds",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("chunk", [3, None])
 @pytest.mark.parametrize("labelled", [False, True])
-def test_clip_with_bounded_logits_takes_unshifted_exponentials_and_equals_the_softmax_path(
-    gen, labelled, chunk, monkeypatch
+@pytest.mark.parametrize("kind", list(BOUNDED_TWO_SET))
+def test_two_set_losses_with_bounded_logits_take_one_exponential_and_equal_the_unbounded_path(
+    gen, kind, labelled, chunk, monkeypatch
 ):
-    """CLIP where ``|S| ≤ 40`` is known from the rows' norms and the scale (a CPU in eager
-    mode): each tile's row and column log-sum-exps are the sums of one ``exp2`` pass, with no
-    maxima nor online rescaling, and its gradient ``E ⊙ (u_i + v_j)`` minus the positives'
-    terms, in tiles of rows (a forward walk, every tile recomputed in the backward) and in the
-    dense call's one tile (the gradient formed in the forward); aligned sets and labels, every
-    reducer, a learnable scale and a bias: the loss and every gradient equal the softmax path's.
-    Past the bound (a scale of 100) the softmax path runs."""
+    """SigLIP where ``|S| ≤ 80``, CLIP where ``|S| ≤ 40`` is known from the rows' norms, the
+    scale and the bias (a CPU in eager mode): SigLIP's terms and gradient come from one ``exp2``
+    pass (``log1p(t)``, ``t / (1 + t)``); CLIP's row and column log-sum-exps are the sums of
+    one ``exp2`` pass (no maxima, no online rescaling) and its gradient ``E ⊙ (u_i + v_j)``
+    minus the positives' terms, in tiles of rows (a forward walk, every tile recomputed in the
+    backward) and in the dense call's one tile (the gradient formed in the forward). Aligned
+    sets (the diagonal's correction) and labels, every reducer: the loss and the gradients of
+    both sets, the scale and the bias equal the unbounded path's (``softplus`` and ``sigmoid``;
+    the shifted softmaxes). Past the bound (a scale of 100) the unbounded path runs."""
+    loss_fn, within, past, helper = BOUNDED_TWO_SET[kind]
     n = 13
     a = torch.randn(n, 5, generator=gen, dtype=F64)
     b = torch.randn(n, 5, generator=gen, dtype=F64)
     labels = torch.randint(0, 4, (n,), generator=gen) if labelled else None
-    exp_ds = _tiled._clip_exp_ds
+    bounded = getattr(_tiled, helper)
     calls = []
-    monkeypatch.setattr(_tiled, "_clip_exp_ds", lambda *x: calls.append(1) or exp_ds(*x))
+    monkeypatch.setattr(_tiled, helper, lambda *x: calls.append(1) or bounded(*x))
 
     def both(params, **kw):
         def loss(a_, b_, *values):
             given = dict(zip(params, values, strict=True))
-            return pfl.clip(a_, b_, given, labels=labels, chunk_size=chunk, **kw)
+            return loss_fn(a_, b_, given, labels=labels, chunk_size=chunk, **kw)
 
         return with_and_without_bound(monkeypatch, loss, a, b, *params.values())
 
-    for params in (pfl.clip_init(dtype=F64), pfl.clip_init(logit_bias=-2.0, dtype=F64)):
-        for reducer in _tiled.KINDS["clip"]:  # the first, "mean", is the default (None)
-            red = None if reducer == _tiled.KINDS["clip"][0] else _reducer(reducer)
+    for params in within:
+        for reducer in _tiled.KINDS[kind]:  # the first is the default (None)
+            red = None if reducer == _tiled.KINDS[kind][0] else _reducer(reducer)
             _assert_same(*both(params, reducer=red))
             assert calls
             calls.clear()
-    _assert_same(*both(pfl.clip_init(math.log(100.0), dtype=F64)))
+    _assert_same(*both(past))
     assert not calls
 
 
