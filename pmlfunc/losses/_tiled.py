@@ -430,9 +430,9 @@ def _logits(x: Tensor, y: Columns, r0: int, r1: int, factor, bias, out=None) -> 
     updated in place (``ŷ``: the columns, normalised where ``y.inv`` says; ``factor``:
     :func:`_tile_factor`)."""
     xt = x[r0:r1]
-    if isinstance(factor, float):  # a float scales the (r, D) rows, not the (r, M) tile
-        s = y.product(xt if factor == 1.0 else xt * factor, out)
-    else:
+    if isinstance(factor, float) or factor.ndim == 0:  # scales the (r, D) rows, not the tile
+        s = y.product(xt if isinstance(factor, float) and factor == 1.0 else xt * factor, out)
+    else:  # a column's own factor
         s = y.product(xt, out).mul_(factor)
     return s if bias is None else s.add_(bias)
 
