@@ -669,8 +669,9 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
     eager mode), the listed walk that forms the gradient takes ``E = 2^(S log₂e)`` with no row
     maximum and hands the sums a row-scaled tile (``_tiled.RowScaled``); the loss and every
     gradient equal the masks' path (maxima, softmax) for every reducer, with the cosine and the
-    unnormalised dot distance, a row without positives and a row without negatives. Past the
-    bound (temperature 0.01) or with a tensor temperature the walk takes the softmax."""
+    unnormalised dot distance, a row without positives and a row without negatives, and a
+    learnable (0-d tensor) temperature with its gradient. Past the bound (temperature 0.01) the
+    walk takes the softmax."""
     emb, ref, labels, ref_labels = _listed_inputs(gen, mode)
     fold = getattr(_tiled, f"_{name}_base2_fold_")
     calls = []
@@ -699,9 +700,12 @@ def test_bounded_logits_take_unshifted_base2_exponentials_and_equal_the_masks_pa
         _assert_same(*both(0.3, chunk_size=chunk))
         assert calls
         calls.clear()
+    _assert_same(*both(torch.tensor(0.3, dtype=F64), chunk_size=chunk))  # and its gradient
+    assert calls
+    calls.clear()
     got, want = both(0.01, chunk_size=chunk)  # |S| up to 100: past the bound
     _assert_same(got, want)
-    both(torch.tensor(0.3, dtype=F64), chunk_size=chunk)
+    both(torch.tensor(0.01, dtype=F64), chunk_size=chunk)
     assert not calls
 
 

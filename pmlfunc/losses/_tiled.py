@@ -42,9 +42,9 @@ binary search, ``O(M log M + |P|)``) and each tile reads its positives by index 
 ms, tiles of 256 rows 91–97 → 54–62 ms, floor 40–43). Elsewhere (compiled, transformed, an
 accelerator, many positives) each tile builds its boolean masks.
 
-Bounded logits: where ``|S| ≤ 40`` is known from the rows' norms (a float temperature, no
-bias, a CPU in eager mode: :func:`_base2_units`), the listed NT-Xent and SupCon walks that form
-the gradient take each tile as ``S log₂e`` (the GEMM scales the tile's rows) and its
+Bounded logits: where ``|S| ≤ 40`` is known from the rows' norms (one temperature, a float or
+0-d, no bias, a CPU in eager mode: :func:`_base2_units`), the listed NT-Xent and SupCon walks
+that form the gradient take each tile as ``S log₂e`` (the GEMM scales the tile's rows) and its
 exponentials as ``2^s`` with no shift: no row maximum, one ``exp2`` pass (on an AVX2 CPU 0.6×
 ``exp``'s time) and one row sum, against the softmax's three passes, two maxima and the
 gradient's row scaling; the gradient goes to the sums as ``diag(w) · E`` (:class:`RowScaled`),
@@ -710,15 +710,16 @@ def _base2_units(
     CPU 0.6× ``exp``'s time) and one row sum replace the softmax's three passes and two maxima.
 
     Which walks: NT-Xent and SupCon whose positives are ``listed`` and whose walk forms the
-    gradient (``fused``), with a float factor and no bias (:func:`_ntxent_base2_fold_`,
+    gradient (``fused``), with one factor (a float or a 0-d tensor: a learnable temperature's
+    gradient is the sums' ``Σ ∂S ⊙ x yᵀ``, whatever the tile's units) and no bias (:func:`_ntxent_base2_fold_`,
     :func:`_supcon_base2_fold_`); the retrieval kind whose query rows read every document
     (``not masked``, not sigmoid, no document columns) when ``fused``
     (:func:`_retrieval_base2_fold_`); SigLIP (:func:`_siglip_base2_fold_`); CLIP
     (:func:`_clip_fold_`, :func:`_clip_whole_`; its recomputed tiles too, :data:`_BASE2_RECOMPUTED`).
     ``unit``: the rows are normalised before the product (a nested walk's prefixes)."""
-    if kind in ("ntxent", "supcon"):
-        ok = listed and fused and isinstance(factor, float) and bias is None
-        limit = _BASE2_BOUND
+    if kind in ("ntxent", "supcon"):  # one factor for all (a float or 0-d temperature)
+        one = isinstance(factor, float) or factor.ndim == 0
+        ok, limit = listed and fused and one and bias is None, _BASE2_BOUND
     elif kind == "clip":
         ok, limit = True, _BASE2_BOUND
     elif isinstance(kind, Retrieval):
