@@ -1034,11 +1034,11 @@ class _Partials:
         self.col_sum = self.col_sum * (self.col_max - new_max).clamp_min(-80.0).exp() + part.sum(0)
         self.col_max = new_max
 
-    def fold_column_sums(self, e: Tensor) -> None:
-        """Fold a tile's unshifted exponentials ``E = e^S`` (:func:`_base2_units`: every tile
-        of the walk so) into the columns' sums, their shift 0."""
-        self.col_max = torch.zeros_like(self.col_max)
-        self.col_sum = self.col_sum + e.sum(0)
+    def fold_column_sums(self, sums: Tensor) -> None:
+        """Fold the column sums of a tile's unshifted exponentials ``E = e^S``
+        (:func:`_base2_units`: every tile of the walk so) into the columns', their shift 0."""
+        self.col_max = self.col_max.zero_()
+        self.col_sum = self.col_sum + sums
 
     def column_lse(self) -> Tensor:
         """The columns' log-sum-exps folded so far (``−finfo.max`` for a column that read
@@ -1152,12 +1152,18 @@ def _clip_fold_(s: Tensor, pos, eye: int | None, acc: _Partials, base2: bool) ->
     ``E = e^S``, where the softmax took two maxima, a shift and an exponential each way."""
     _clip_positives(s, pos, eye, acc, _LN2 if base2 else 1.0)
     if base2:
-        e = s.exp2_()
-        acc.parts["row_lse"].append(_log_total(e.sum(-1)))
-        acc.fold_column_sums(e)
+        acc.fold_column_sums(_clip_exp_(s, acc)[1])
         return
     acc.fold_columns(s, None)
     acc.parts["row_lse"].append(torch.logsumexp(s, -1))
+
+
+def _clip_exp_(s: Tensor, acc: _Partials) -> tuple[Tensor, Tensor]:
+    """A tile of base-2 CLIP logits ``S log₂e`` made ``E = e^S`` in place (:func:`_base2_units`),
+    its rows' log-sum-exps ``ln Σ_j E`` into ``acc``: ``E`` and its column sums."""
+    e = s.exp2_()
+    acc.parts["row_lse"].append(_log_total(e.sum(-1)))
+    return e, e.sum(0)
 
 
 def _positives_count(pos, memo) -> int | Tensor:
@@ -1175,9 +1181,8 @@ def _clip_whole_(
     column sums give both log-sum-exps, held alone (``(E, None)``: one tile, not two)."""
     _clip_positives(s, pos, eye, acc, _LN2 if base2 else 1.0)
     if base2:
-        e = s.exp2_()
-        acc.parts["row_lse"].append(_log_total(e.sum(-1)))
-        acc.col_lse = _log_total(e.sum(0))
+        e, down = _clip_exp_(s, acc)
+        acc.col_lse = _log_total(down)
         return e, None
     lse_r, p_r = _row_softmax(s, None, -1)
     lse_c, p_c = _row_softmax(s, None, 0)
