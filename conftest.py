@@ -3,6 +3,9 @@ the `slow` mark that `python -m pytest -m "not slow"` (the quick subset) leaves 
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from fnmatch import fnmatchcase
 
 import pytest
@@ -33,7 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
 #
 # Tests that take seconds each on a 2-core CPU carry the ``slow`` mark (CI runs them all): every
 # test that compiles (the ``compile`` mark, or "compile" in its name: a cold inductor compile per
-# test, 1-60 s), and the node ids below, each with why. Patterns are ``fnmatch`` patterns of node
+# test, 1-60 s), every test whose body spawns ranks (calls ``spawn_ranks(`` or
+# ``check_distributed(``: gloo process groups, each rank importing torch, 3-40 s), and the node
+# ids below, each with why. Patterns are ``fnmatch`` patterns of node
 # ids (``[[]`` is a literal ``[``: a parameter id's bracket); a test module may also mark its own
 # tests ``@pytest.mark.slow``.
 SLOW_TESTS: dict[str, str] = {
@@ -67,6 +72,8 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_docs.py::test_the_site_loads_nothing_from_the_network": "built site",
     # examples and tools run as scripts
     "tests/test_examples.py::test_clip_pairs_example_*": "trains two towers, 5-30 s",
+    "tests/test_examples.py::test_self_supervised_example_*": "trains two views, ~23 s",
+    "tests/test_examples.py::test_two_tower_retrieval_example_*": "trains two towers, 9-10 s",
     "tests/test_gradcache_example.py::test_gradcache_example_runs": "runs the example, ~10 s",
     "tests/test_gradcache_example.py::test_compare_helper_and_train_step": "~5 s",
     "tests/test_gpu_check.py::test_dry_run_runs_the_whole_plan_on_cpu": "~15 s of subprocesses",
@@ -104,9 +111,24 @@ SLOW_TESTS: dict[str, str] = {
 }
 
 
+_SPAWNS = re.compile(r"\b(?:spawn_ranks|check_distributed)\(")
+
+
+@functools.cache
+def _spawns_ranks(fn) -> bool:
+    """Whether a test function's own source calls ``spawn_ranks(`` or ``check_distributed(``."""
+    try:
+        return _SPAWNS.search(inspect.getsource(fn)) is not None
+    except (OSError, TypeError):
+        return False
+
+
 def _slow_reason(item: pytest.Item) -> str | None:
     if item.get_closest_marker("compile") or "compile" in getattr(item, "originalname", item.name):
         return "torch.compile"
+    fn = getattr(item, "function", None)
+    if fn is not None and _spawns_ranks(fn):
+        return "spawns ranks"
     return next((why for pat, why in SLOW_TESTS.items() if fnmatchcase(item.nodeid, pat)), None)
 
 
