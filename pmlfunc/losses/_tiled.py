@@ -1626,7 +1626,7 @@ def _tile_ds_(kind, s, pos, neg, r0, r1, row, col, eye=None, memo=None) -> Tenso
         return soft.mul_(w_soft).add_(torch.where(pos, w_pos, 0.0))
     (row_lse, row_pos, row_coef), (col_lse, col_pos, col_coef) = row, col
     cr, lse_r, n_r = row_coef[r0:r1], row_lse[r0:r1], row_pos[r0:r1]
-    if memo is not None and memo.get("base2"):  # S log₂e, bounded: E = 2^s read twice
+    if memo is not None and memo.get("base2"):  # S log₂e, bounded: E = 2^s, ∂S written over it
         e = s.exp2_()
         ds = _clip_exp_ds_(e, lse_r, cr, col_lse, col_coef)
         return _clip_positives_ds_(ds, pos, eye, n_r, cr, col_pos, col_coef, None)
