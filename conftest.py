@@ -37,12 +37,12 @@ def pytest_configure(config: pytest.Config) -> None:
 # Tests that take seconds each on a 2-core CPU carry the ``slow`` mark (CI runs them all): every
 # test that compiles (the ``compile`` mark, or "compile" in its name: a cold inductor compile per
 # test, 1-60 s), every test whose body spawns ranks (calls ``spawn_ranks(`` or
-# ``check_distributed(``: gloo process groups, each rank importing torch, 3-40 s), and the node
+# ``check_distributed(``: gloo process groups forked from a fork server, 0.1-10 s), and the node
 # ids below, each with why. Patterns are ``fnmatch`` patterns of node
 # ids (``[[]`` is a literal ``[``: a parameter id's bracket); a test module may also mark its own
 # tests ``@pytest.mark.slow``.
 SLOW_TESTS: dict[str, str] = {
-    # gloo process groups: ranks spawned per test, each importing torch (3-17 s a test)
+    # gloo process groups: ranks forked per test, and the torchrun examples (2-16 s a test)
     "tests/test_distributed.py::test_global_objective_*": "spawns gloo ranks",
     "tests/test_distributed.py::test_ring_and_gather_*": "spawns gloo ranks",
     "tests/test_distributed.py::test_chunked_global_value_and_grad": "spawns gloo ranks",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import sys
 import time
@@ -243,10 +244,38 @@ def test_spawn_ranks_names_a_rank_that_dies_without_a_result():
 
 
 def test_spawn_ranks_names_the_ranks_still_running_at_its_timeout():
-    # 15 s: rank 0 must start (import torch, join the group) and return within it on a loaded
-    # 2-core machine (with 3 s it was sometimes still starting, and was named too)
-    with pytest.raises(TimeoutError, match=r"within 15 s: rank\(s\) \[1\] still running"):
-        pf.testing.spawn_ranks(_slow_on_rank_1, world_size=2, timeout=15)
+    # 8 s: rank 0 must start (the fork server may import torch first, 2 s) and return within
+    # it on a loaded 2-core machine (with 3 s it was sometimes still starting, and was named too)
+    with pytest.raises(TimeoutError, match=r"within 8 s: rank\(s\) \[1\] still running"):
+        pf.testing.spawn_ranks(_slow_on_rank_1, world_size=2, timeout=8)
+
+
+def _environment_and_parent(name: str) -> tuple[str | None, int]:
+    print(f"rank {dist.get_rank()} writes here")
+    return os.environ.get(name), os.getppid()
+
+
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server here"
+)
+def test_spawn_ranks_forks_every_call_from_one_server_with_the_callers_environment_and_output(
+    monkeypatch, capfd
+):
+    """The ranks of two calls have one parent that is not the caller (the fork server, which
+    imported torch once), see the caller's environment as it is at each call, and write to
+    the caller's standard output as it is at the call (here pytest's capture)."""
+    with capfd.disabled():  # a fork server started now writes outside the capture
+        pf.testing.spawn_ranks(dist.get_rank, timeout=120)
+    monkeypatch.setenv("PMLFUNC_PROBE", "first")
+    first = pf.testing.spawn_ranks(_environment_and_parent, "PMLFUNC_PROBE", timeout=120)
+    monkeypatch.setenv("PMLFUNC_PROBE", "second")
+    second = pf.testing.spawn_ranks(_environment_and_parent, "PMLFUNC_PROBE", timeout=120)
+    assert [env for env, _ in first] == ["first", "first"]
+    assert [env for env, _ in second] == ["second", "second"]
+    parents = {parent for _, parent in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # spawned ranks: the caller
+    out = capfd.readouterr().out
+    assert out.count("rank 0 writes here") == 2 and out.count("rank 1 writes here") == 2
 
 
 @pytest.mark.slow
