@@ -252,6 +252,7 @@ def test_spawn_ranks_names_the_ranks_still_running_at_its_timeout():
 
 def _environment_and_parent(name: str) -> tuple[str | None, int]:
     print(f"rank {dist.get_rank()} writes here")
+    print(f"rank {dist.get_rank()} warns here", file=sys.stderr)
     return os.environ.get(name), os.getppid()
 
 
@@ -263,7 +264,7 @@ def test_spawn_ranks_forks_every_call_from_one_server_with_the_callers_environme
 ):
     """The ranks of two calls have one parent that is not the caller (the fork server, which
     imported torch once), see the caller's environment as it is at each call, and write to
-    the caller's standard output as it is at the call (here pytest's capture)."""
+    the caller's standard output and error as they are at the call (here pytest's capture)."""
     with capfd.disabled():  # a fork server started now writes outside the capture
         pf.testing.spawn_ranks(dist.get_rank, timeout=120)
     monkeypatch.setenv("PMLFUNC_PROBE", "first")
@@ -274,8 +275,9 @@ def test_spawn_ranks_forks_every_call_from_one_server_with_the_callers_environme
     assert [env for env, _ in second] == ["second", "second"]
     parents = {parent for _, parent in first + second}
     assert len(parents) == 1 and os.getpid() not in parents  # spawned ranks: the caller
-    out = capfd.readouterr().out
+    out, err = capfd.readouterr()
     assert out.count("rank 0 writes here") == 2 and out.count("rank 1 writes here") == 2
+    assert err.count("rank 0 warns here") == 2 and err.count("rank 1 warns here") == 2
 
 
 @pytest.mark.slow
