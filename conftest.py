@@ -1,10 +1,12 @@
-"""Repository-wide pytest set-up: benchmark bodies run untimed unless timing is asked for, and
-the `slow` mark that `python -m pytest -m "not slow"` (the quick subset) leaves out."""
+"""Repository-wide pytest set-up: the whole suite on every core (pytest-xdist), benchmark bodies
+run untimed unless timing is asked for, and the `slow` mark that `python -m pytest -m "not slow"`
+(the quick subset) leaves out."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from fnmatch import fnmatchcase
 
@@ -20,6 +22,40 @@ _TIMED = (
 )
 
 
+# --- the whole suite on every core: ``python -m pytest`` -----------------------------------------
+#
+# A run of the whole suite (no test paths named, ``-m`` and ``-k`` allowed) spreads its tests over
+# one pytest-xdist worker per core (at most MAX_WORKERS; work stealing: a worker that runs out
+# takes tests from another's queue), each worker with its share of the cores' threads. A run
+# that names files or tests, collects only, times benchmarks (pytest-benchmark disables itself
+# under xdist) or says ``-n`` itself runs as told: in this process unless ``-n`` says otherwise
+# (``-n 0``: never in workers; ``-p no:xdist``: without the plugin).
+MAX_WORKERS = 8
+
+
+def _whole_suite_workers(config: pytest.Config) -> int:
+    """How many xdist workers a plain run gets: 0 (in this process) unless it runs the whole
+    suite, untimed, and more than one core is there."""
+    option = config.option
+    if getattr(option, "numprocesses", 0) is not None:  # -n given, or no xdist plugin
+        return 0
+    if config.args_source is not pytest.Config.ArgsSource.TESTPATHS:
+        return 0  # test paths or node ids were named (or pytest ran outside the root)
+    if option.collectonly or option.usepdb or any(getattr(option, k, None) for k in _TIMED):
+        return 0
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Sets ``-n`` and ``--dist worksteal`` for a run of the whole suite
+    (:func:`_whole_suite_workers`), before xdist reads them."""
+    workers = _whole_suite_workers(config)
+    if workers > 1:
+        config.option.numprocesses = workers
+        config.option.dist = "worksteal"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """A plain ``pytest`` runs every benchmark body once, untimed (its parity check), and
@@ -30,6 +66,21 @@ def pytest_configure(config: pytest.Config) -> None:
     option = config.option
     if hasattr(option, "benchmark_disable") and not any(getattr(option, k, None) for k in _TIMED):
         option.benchmark_disable = True
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """In an xdist worker, torch (and the processes the tests start) use the worker's share of
+    the cores' threads, not all of them: two workers on two cores with two threads each wait on
+    one another's threads."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    threads = str(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
+    import torch
+
+    torch.set_num_threads(int(threads))
 
 
 # --- the quick subset: ``python -m pytest -m "not slow"`` ---------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from unittest import mock
 
@@ -184,3 +185,12 @@ def retrieval_calls(option: dict, guide=None) -> tuple[dict, dict]:
     if "reducer" in opt:
         ours["reducer"] = pf.reducers.sum()
     return ours, theirs
+
+
+def fresh_pytest_env(**extra: str) -> dict[str, str]:
+    """The environment for a nested ``python -m pytest`` that a test starts: this one's without
+    the variables that tell a pytest it runs in an xdist worker (``PYTEST_XDIST_*``; under them
+    pytest-benchmark disables its timing) or in a test (``PYTEST_CURRENT_TEST``), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return {**env, **extra}

@@ -9,6 +9,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from helpers import fresh_pytest_env
 
 from benchmarks import capacity, memory_report, ratios, report, run
 
@@ -249,13 +250,12 @@ def test_capacity_needs_cuda(capsys):
 @pytest.mark.compile
 def test_compiled_members_join_the_pytest_benchmark_groups():
     """``PMLFUNC_BENCH_MODES=compile`` adds ``<impl>-compile`` bodies (run untimed here)."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PMLFUNC_BENCH_MODES": "compile,cudagraph", "PMLFUNC_BENCH_BATCH": "16"}
+    env = fresh_pytest_env(PMLFUNC_BENCH_MODES="compile,cudagraph", PMLFUNC_BENCH_BATCH="16")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "contrastive-",
          "benchmarks/cases/bench_compile_and_cudagraph.py"],
@@ -329,7 +329,10 @@ def test_pytest_benchmark_options_work_as_typed(flags, timed):
     # the three members of one group (proxy-b512): normalized-softmax's
     cmd += ["benchmarks/cases/bench_proxy_losses.py", "-k", "proxy-", "--benchmark-max-time=0.01"]
     cmd += flags
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        cmd, cwd=root, env=fresh_pytest_env(), capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "3 passed" in out.stdout
     assert ("benchmark 'proxy-b" in out.stdout) is timed, out.stdout[-3000:]

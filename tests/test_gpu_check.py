@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import fresh_pytest_env
 
 from benchmarks import capacity
 from benchmarks import gpu_check as G
@@ -233,11 +234,10 @@ def test_dry_run_runs_the_whole_plan_on_cpu(tmp_path):
 def test_the_cuda_tests_pass_on_cpu_with_a_simulated_graph():
     """The bodies of tests/test_cuda.py, run on CPU with a stand-in for the captured graph
     (``PMLFUNC_SIMULATE_CUDA_GRAPHS=1``): the GPU run must not fail for a reason a CPU finds."""
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "PMLFUNC_SIMULATE_CUDA_GRAPHS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = fresh_pytest_env(PMLFUNC_SIMULATE_CUDA_GRAPHS="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q",
          "-p", "no:cacheprovider"],

@@ -1,4 +1,5 @@
-"""The quick subset, ``python -m pytest -m "not slow"``: the root conftest.py marks what is slow."""
+"""The root conftest.py: what the quick subset, ``python -m pytest -m "not slow"``, leaves out
+(the tests it marks slow), and the whole suite spread over the cores."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import sys
 import tempfile
 from fnmatch import fnmatchcase
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from helpers import fresh_pytest_env
 
 import pmlfunc.testing as pf_testing
 
@@ -23,7 +26,7 @@ def _collected() -> dict[str, tuple[bool, bool]]:
     and whether ``compile``: one collection of the whole suite (tests/_collected_marks.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         listing = Path(tmp) / "marks.tsv"
-        env = {**os.environ, "PMLFUNC_MARKS_OUT": str(listing)}
+        env = fresh_pytest_env(PMLFUNC_MARKS_OUT=str(listing))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
         out = subprocess.run(
@@ -80,3 +83,77 @@ def test_a_test_whose_body_spawns_ranks_is_slow():
         return "spawn_ranks"
 
     assert spawns(spawning) and spawns(checking) and not spawns(naming)
+
+
+def _config(source: str = "TESTPATHS", **option) -> SimpleNamespace:
+    """What the root conftest's hooks read of a ``pytest.Config``: a plain ``python -m pytest``
+    in the repository root unless told otherwise."""
+    plain = {"numprocesses": None, "collectonly": False, "usepdb": False, "dist": "no"}
+    return SimpleNamespace(
+        option=SimpleNamespace(**{**plain, **option}),
+        args_source=getattr(pytest.Config.ArgsSource, source),
+    )
+
+
+@pytest.mark.parametrize("cores, workers", [(1, 0), (2, 2), (4, 4), (64, 8)])
+def test_the_whole_suite_runs_in_a_worker_a_core_with_work_stealing(monkeypatch, cores, workers):
+    root_conftest = _root_conftest()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    config = _config()
+    root_conftest.pytest_cmdline_main(config)
+    assert config.option.numprocesses == (workers or None)  # one core: left to run in-process
+    assert config.option.dist == ("worksteal" if workers else "no")
+
+
+@pytest.mark.parametrize(
+    "source, option",
+    [
+        ("ARGS", {}),  # files or node ids named
+        ("INVOCATION_DIR", {}),  # run outside the root: no testpaths
+        ("TESTPATHS", {"collectonly": True}),
+        ("TESTPATHS", {"usepdb": True}),
+        ("TESTPATHS", {"benchmark_only": True}),
+        ("TESTPATHS", {"benchmark_json": "run.json"}),
+        ("TESTPATHS", {"numprocesses": 0}),  # -n 0
+        ("TESTPATHS", {"numprocesses": 3}),  # -n 3: xdist's own
+    ],
+    ids=["named", "outside", "collect-only", "pdb", "benchmark-only", "benchmark-json", "n0", "n3"],
+)
+def test_a_run_that_names_tests_collects_debugs_times_or_says_n_is_left_as_told(
+    monkeypatch, source, option
+):
+    root_conftest = _root_conftest()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    config = _config(source, **option)
+    before = vars(config.option).copy()
+    root_conftest.pytest_cmdline_main(config)
+    assert vars(config.option) == before
+
+
+def test_without_the_xdist_plugin_the_suite_runs_in_process(monkeypatch):
+    root_conftest = _root_conftest()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    config = _config()
+    del config.option.numprocesses  # -p no:xdist: the option does not exist
+    assert root_conftest._whole_suite_workers(config) == 0
+
+
+def test_a_worker_takes_its_share_of_the_cores_threads(monkeypatch):
+    """Two workers on four cores: two threads each, for torch and for the processes it starts."""
+    import torch
+
+    root_conftest = _root_conftest()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        root_conftest._share_the_cores()
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    root_conftest._share_the_cores()  # not a worker: nothing changes
+    assert torch.get_num_threads() == threads and os.environ["OMP_NUM_THREADS"] == "5"
