@@ -37,6 +37,8 @@ def _whole_suite_workers(config: pytest.Config) -> int:
     """How many xdist workers a plain run gets: 0 (in this process) unless it runs the whole
     suite, untimed, and more than one core is there."""
     option = config.option
+    if hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ:
+        return 0  # an xdist worker: it runs the tests it is sent (this hook runs there too)
     if getattr(option, "numprocesses", 0) is not None:  # -n given, or no xdist plugin
         return 0
     if config.args_source is not pytest.Config.ArgsSource.TESTPATHS:

@@ -85,6 +85,14 @@ def test_a_test_whose_body_spawns_ranks_is_slow():
     assert spawns(spawning) and spawns(checking) and not spawns(naming)
 
 
+def _host(monkeypatch, cores: int = 4):
+    """The root conftest, on a machine of ``cores`` cores, outside any xdist worker (this test
+    may run in one)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    return _root_conftest()
+
+
 def _config(source: str = "TESTPATHS", **option) -> SimpleNamespace:
     """What the root conftest's hooks read of a ``pytest.Config``: a plain ``python -m pytest``
     in the repository root unless told otherwise."""
@@ -97,8 +105,7 @@ def _config(source: str = "TESTPATHS", **option) -> SimpleNamespace:
 
 @pytest.mark.parametrize("cores, workers", [(1, 0), (2, 2), (4, 4), (64, 8)])
 def test_the_whole_suite_runs_in_a_worker_a_core_with_work_stealing(monkeypatch, cores, workers):
-    root_conftest = _root_conftest()
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    root_conftest = _host(monkeypatch, cores)
     config = _config()
     root_conftest.pytest_cmdline_main(config)
     assert config.option.numprocesses == (workers or None)  # one core: left to run in-process
@@ -122,17 +129,27 @@ def test_the_whole_suite_runs_in_a_worker_a_core_with_work_stealing(monkeypatch,
 def test_a_run_that_names_tests_collects_debugs_times_or_says_n_is_left_as_told(
     monkeypatch, source, option
 ):
-    root_conftest = _root_conftest()
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    root_conftest = _host(monkeypatch)
     config = _config(source, **option)
     before = vars(config.option).copy()
     root_conftest.pytest_cmdline_main(config)
     assert vars(config.option) == before
 
 
+def test_a_worker_runs_the_tests_it_is_sent_and_starts_no_workers(monkeypatch):
+    """xdist runs ``pytest_cmdline_main`` in each worker too: a worker that took the whole
+    suite's settings would start workers of its own, and they theirs."""
+    root_conftest = _host(monkeypatch)
+    config = _config()
+    config.workerinput = {"workerid": "gw0"}  # what xdist sets on a worker's config
+    root_conftest.pytest_cmdline_main(config)
+    assert config.option.numprocesses is None and config.option.dist == "no"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # and in a worker's environment
+    assert root_conftest._whole_suite_workers(_config()) == 0
+
+
 def test_without_the_xdist_plugin_the_suite_runs_in_process(monkeypatch):
-    root_conftest = _root_conftest()
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    root_conftest = _host(monkeypatch)
     config = _config()
     del config.option.numprocesses  # -p no:xdist: the option does not exist
     assert root_conftest._whole_suite_workers(config) == 0
@@ -142,8 +159,7 @@ def test_a_worker_takes_its_share_of_the_cores_threads(monkeypatch):
     """Two workers on four cores: two threads each, for torch and for the processes it starts."""
     import torch
 
-    root_conftest = _root_conftest()
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    root_conftest = _host(monkeypatch)
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
