@@ -45,7 +45,15 @@ def _whole_suite_workers(config: pytest.Config) -> int:
         return 0  # test paths or node ids were named (or pytest ran outside the root)
     if option.collectonly or option.usepdb or any(getattr(option, k, None) for k in _TIMED):
         return 0
-    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    return min(_cores(), MAX_WORKERS)
+
+
+def _cores() -> int:
+    """The cores this process may run on (``os.cpu_count()`` where affinity is not exposed,
+    as on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -78,7 +86,7 @@ def _share_the_cores() -> None:
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None:
         return
-    threads = str(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+    threads = str(max(1, _cores() // int(workers)))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
     import torch
 
