@@ -790,6 +790,61 @@ def test_two_set_losses_with_bounded_logits_take_one_exponential_and_equal_the_u
     assert not calls
 
 
+@pytest.mark.parametrize("width", [1, 2, 7, 64, 65])
+@pytest.mark.parametrize("levels", [0, 1, 2, 3])
+def test_log1p_sum_folds_column_halves_and_equals_the_sum_of_log1p(gen, levels, width):
+    """SigLIP's bounded walk sums its terms ``log1p(t)`` after folding the tile's column halves
+    ``(1 + a)(1 + b) = 1 + (a + b + ab)``: the same sum (float64 to 1e-13, float32 to its
+    rounding) for odd widths too (the odd column on its own), ``t`` left as it was."""
+    for dtype, rtol in ((F64, 1e-13), (torch.float32, 2e-6)):
+        t = torch.exp(torch.randn(5, width, generator=gen, dtype=F64) * 8).to(dtype)
+        before = t.clone()
+        got = _tiled._log1p_sum(t, levels, torch.empty_like(t))
+        torch.testing.assert_close(got, torch.log1p(t.double()).sum().to(dtype), rtol=rtol, atol=0)
+        assert torch.equal(t, before)
+
+
+@pytest.mark.parametrize("bound", [0.0, 5.0, 10.0, 20.0, 40.0, 80.0])
+def test_log1p_levels_fold_as_many_factors_as_float32_holds(bound):
+    """``2^levels`` factors ``(1 + e^bound)`` multiply to a finite float32, and one fold more
+    would not (or the cap is reached): SigLIP's default ``|S| ≤ 20`` folds twice, a scale of
+    100 (``|S|`` up to 80 with its bias) not at all."""
+    levels = _tiled._log1p_levels(bound)
+    log_factor = math.log1p(math.exp(bound))
+    assert 2**levels * log_factor < math.log(torch.finfo(torch.float32).max)
+    assert levels == _tiled._MAX_LOG1P_LEVELS or 2 ** (levels + 1) * (bound + math.log(2)) > 88
+    t = torch.full((2, 2**levels), math.exp(bound), dtype=torch.float32)
+    assert torch.isfinite(_tiled._log1p_sum(t, levels, torch.empty_like(t)))
+    assert {20.0: 2, 80.0: 0}.get(bound, levels) == levels
+
+
+def test_siglip_bounded_walk_folds_its_terms_as_its_bound_allows(gen, monkeypatch):
+    """The default SigLIP (``|S| ≤ 20``: scale 10, bias −10, unit rows) takes two folds a
+    tile in eager mode on a CPU, tiled and dense, and equals the float64 loss computed without
+    them (``levels`` 0)."""
+    a = torch.randn(40, 8, generator=gen)
+    b = torch.randn(40, 8, generator=gen)
+    params = pfl.siglip_init()
+    plain = _tiled._log1p_sum
+    seen = []
+    monkeypatch.setattr(
+        _tiled, "_log1p_sum", lambda t, lv, out: seen.append(lv) or plain(t, lv, out)
+    )
+    for chunk in (7, None):
+        got = pfl.siglip(a, b, params, chunk_size=chunk)
+        assert seen and set(seen) == {2}
+        seen.clear()
+        monkeypatch.setattr(_tiled, "_log1p_levels", lambda bound: 0)
+        want = pfl.siglip(a.double(), b.double(), {k: v.double() for k, v in params.items()})
+        monkeypatch.setattr(_tiled, "_log1p_levels", _LEVELS)
+        assert seen and set(seen) == {0}
+        seen.clear()
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+
+
+_LEVELS = _tiled._log1p_levels
+
+
 # ---------------------------------------------------------------------------------------------
 # Every kind of the engine on its own: values and full gradients against float64 references
 # ---------------------------------------------------------------------------------------------
