@@ -25,8 +25,10 @@ relative).
 
 On a CPU the recomputed entries are those with ratio below ``NEAR_RATIO`` (¼), at most
 ``exact_budget`` a row (the smallest), and when no entry is below it no per-row ``topk`` runs
-(half a matmul at B = 512): eagerly, and under ``torch.compile`` and ``torch.func`` transforms
-as the custom operator ``pmlfunc::near_columns``. Every other entry then has ``r ≥ ¼``, where
+(half a matmul at B = 512): eagerly; under ``torch.compile`` inside the in-place custom
+operator ``pmlfunc::exact_entries_`` (the eager code, with the clamp and the tie merge:
+:func:`_exact_in_place`); inside ``torch.func`` transforms as the custom operator
+``pmlfunc::near_columns``. Every other entry then has ``r ≥ ¼``, where
 the expansion's relative error, ``≤ 4·√D·eps``, is of the order of the direct difference's;
 the recomputed entries are the same values an accelerator's per-row ``topk`` recomputes.
 """
@@ -179,14 +181,39 @@ def _expansion(
     d2 = _ops.matmul(x, y.transpose(-1, -2)).mul_(-2.0).add_(sq_x).add_(sq_y)
     n_cols = d2.shape[-1]
     k = min(budget, n_cols - 1 if self_mode else n_cols)
+    key = None
     if k > 0:
         # Rank entries by d² / (‖a‖² + ‖b‖²): the relative size of the cancellation error.
         # Unit-norm rows have a constant denominator, so d² itself ranks them (its diagonal is
         # set to +inf here and to 0 below).
-        key = d2 if normalized else d2 / (sq_x + sq_y).clamp_min_(torch.finfo(d2.dtype).tiny)
+        if not normalized:
+            key = d2 / (sq_x + sq_y).clamp_min_(torch.finfo(d2.dtype).tiny)
         if self_mode:
-            key.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
-        idx, valid = _near_columns(key, k, 2.0 * NEAR_RATIO if normalized else NEAR_RATIO)
+            (d2 if key is None else key).diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    threshold = 2.0 * NEAR_RATIO if normalized else NEAR_RATIO
+    if _exact_in_place(d2):
+        _exact_entries_op(d2, key, x, y, k, threshold, self_mode, ties)
+        return d2
+    return _exact_entries(d2, key, x, y, k, threshold, self_mode, ties)
+
+
+def _exact_entries(
+    d2: Tensor,
+    key: Tensor | None,
+    x: Tensor,
+    y: Tensor,
+    budget: int,
+    threshold: float,
+    self_mode: bool,
+    ties: bool,
+) -> Tensor:
+    """The expansion ``d2`` made exact where it matters, in place where the transforms allow:
+    each row's near entries (:func:`_near_columns` of ``key``, ``None``: ``d2`` itself; none if
+    ``budget`` is 0) recomputed from the differences (in self mode written to both halves:
+    symmetric bitwise), negatives clamped to 0, the self-matrix's diagonal 0, and (``ties``)
+    the rows and columns of duplicated embeddings bitwise equal (:func:`_merge_ties_`)."""
+    if budget > 0:
+        idx, valid = _near_columns(d2 if key is None else key, budget, threshold)
         if valid is None or not _ops.readable(valid) or bool(valid.any()):
             # (B, k, D) rows of y: the static per-row budget (index_select: far faster than y[idx])
             near_y = y.index_select(-2, idx.reshape(-1)).view(*idx.shape, y.shape[-1])
@@ -204,6 +231,37 @@ def _expansion(
         return d2
     rows = _ties(x)
     return _merge_ties_(d2, rows, rows if self_mode else _ties(y))
+
+
+def _exact_in_place(d2: Tensor) -> bool:
+    """Whether :func:`_expansion` makes its entries exact through the in-place operator
+    ``pmlfunc::exact_entries_`` (:func:`_exact_entries`, run eagerly): a CPU matrix under
+    ``torch.compile``, outside ``torch.func`` transforms. The static path's scatters and
+    index copies are functionalised there into copies of the whole matrix (four in a
+    self-distance), and its ties' search into about twenty small ops, where the eager code
+    reads the keys' minimum and the rows' sorted sums and, with nothing near and no duplicate
+    (the common case), writes nothing."""
+    return d2.device.type == "cpu" and torch.compiler.is_compiling() and not _ops.inside_transform()
+
+
+@torch.library.custom_op("pmlfunc::exact_entries_", mutates_args=("d2",), device_types="cpu")
+def _exact_entries_op(
+    d2: Tensor,
+    key: Tensor | None,
+    x: Tensor,
+    y: Tensor,
+    budget: int,
+    threshold: float,
+    self_mode: bool,
+    ties: bool,
+) -> None:
+    out = _exact_entries(d2, key, x, y, budget, threshold, self_mode, ties)
+    assert out.data_ptr() == d2.data_ptr()  # in place (eager, outside transforms)
+
+
+@_exact_entries_op.register_fake
+def _(d2, key, x, y, budget, threshold, self_mode, ties) -> None:
+    return None
 
 
 def _euclid_weights(g: Tensor, d: Tensor, squared: bool) -> Tensor:

@@ -342,9 +342,9 @@ def test_cpu_near_columns_take_the_smallest_keys_below_the_threshold():
 
 @pytest.mark.compile
 def test_compiled_euclidean_recomputes_the_near_entries():
-    """Under compile the CPU's choice is the custom operator pmlfunc::near_columns: the near
-    entries are recomputed exactly as in eager (to inductor's rounding of the same differences,
-    where the plain expansion is off by percents)."""
+    """Under compile the CPU's exact entries are the eager code's, run by the in-place operator
+    pmlfunc::exact_entries_: the near entries are recomputed exactly as in eager, where the
+    plain expansion is off by percents."""
     from pmlfunc import distances as dist
 
     x = _case("nearby", torch.float32)
@@ -360,6 +360,50 @@ def test_compiled_euclidean_recomputes_the_near_entries():
     assert not torch.allclose(expansion[near], eager[near], rtol=1e-3)  # the test can fail
     torch.testing.assert_close(compiled[near], eager[near], rtol=1e-5, atol=0)
     torch.testing.assert_close(compiled, eager, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("self_mode", [True, False], ids=["self", "cross"])
+@pytest.mark.parametrize("kind", ["nearby", "duplicate"])
+def test_compiled_euclidean_makes_its_entries_exact_in_place(monkeypatch, kind, self_mode):
+    """Compiled on a CPU, the near entries and the duplicated rows' ties are written into the
+    expansion's own buffer by the operator pmlfunc::exact_entries_, where the static path's
+    scatters and index copies, functionalised, copy the whole matrix (self mode: seven
+    ``B × B`` buffers against three, 2026-12-07): fewer ``B × M`` buffers, the matrix of eager
+    mode and of the static path (the duplicates' rows bitwise equal) and the same gradient."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from pmlfunc import distances as dist
+
+    x = _case(kind, torch.float32)
+    y = None if self_mode else x.flip(0).contiguous()
+    eager = pf.distances.lp().matrix(x, y)
+
+    def compiled():
+        torch._dynamo.reset()
+        e = x.clone().requires_grad_()
+        fn = torch.compile(lambda a: pf.distances.lp()(a, y), fullgraph=True)
+        out, code = run_and_get_code(lambda: fn(e))
+        (g,) = torch.autograd.grad(out.sum(), e)
+        text = "".join(code)
+        shape = rf"empty_strided_cpu\(\({len(x)}, {len(x)}\), [^)]*\), torch\.float32\)"
+        return out, g, len(re.findall(shape, text)), "exact_entries_" in text
+
+    out, g, buffers, in_place = compiled()
+    monkeypatch.setattr(dist, "_exact_in_place", lambda d2: False)
+    out_static, g_static, buffers_static, in_place_static = compiled()
+    torch._dynamo.reset()
+    assert in_place and not in_place_static
+    assert buffers < buffers_static
+    torch.testing.assert_close(out, eager, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(out, out_static, rtol=2e-6, atol=1e-6)
+    if kind == "duplicate":  # every row twice: the copies' rows (and columns) bitwise equal
+        half = len(x) // 2
+        assert torch.equal(out[:half], out[half:])
+        assert torch.equal(out[:, :half], out[:, half:])  # y = x flipped: duplicated too
+    torch.testing.assert_close(g, g_static, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
