@@ -338,7 +338,7 @@ def test_indicator_compiled_keeps_nan():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("b", [6, 800])  # one fused product (in cache), then two products
+@pytest.mark.parametrize("b", [6, 256, 512, 800])  # fused (in cache; 256 and 512: unaliased)
 @pytest.mark.parametrize("scale", [None, 64.0, "tensor"])
 def test_self_product_grad_is_the_scaled_gradient_of_both_sides(b, scale):
     gen = torch.Generator().manual_seed(0)
@@ -346,9 +346,32 @@ def test_self_product_grad_is_the_scaled_gradient_of_both_sides(b, scale):
     x = torch.randn(b, 5, generator=gen, dtype=torch.float64)
     s = torch.tensor(0.3, dtype=torch.float64) if scale == "tensor" else scale
     want = (g @ x + g.T @ x) * (1.0 if s is None else s)
-    torch.testing.assert_close(_ops.self_product_grad(g, x, s), want, rtol=1e-12, atol=1e-12)
+    tol = 1e-12 * b  # sums of b products (entries up to ~64 · √b)
+    torch.testing.assert_close(_ops.self_product_grad(g, x, s), want, rtol=1e-12, atol=tol)
     # the scale batched on its own under vmap: the fused path may not scale the sum in place
     scales = torch.tensor([0.5, 2.0], dtype=torch.float64)
     got = torch.func.vmap(lambda c: _ops.self_product_grad(g, x, c))(scales)
     want = torch.stack([(g @ x + g.T @ x) * c for c in scales])
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=tol)
+
+
+@pytest.mark.parametrize("cols", [256, 512, 384, 7])
+def test_unaliased_spreads_rows_a_multiple_of_256_entries_apart_for_a_transposed_read(cols):
+    """A 2-D CPU tensor whose rows lie a multiple of 256 entries apart is copied with rows 8
+    entries further apart (a column's entries then fall into other cache sets); others, and
+    any inside a torch.func transform or under compile, are returned as they are. The values
+    are the same, and so is the gradient through the copy."""
+    g = torch.randn(5, cols, dtype=torch.float64, requires_grad=True)
+    got = _ops.unaliased(g)
+    assert torch.equal(got, g)
+    if cols % 256:
+        assert got is g
+    else:
+        assert got.stride() == (cols + 8, 1)
+        (grad,) = torch.autograd.grad((got * got).sum(), g)
+        torch.testing.assert_close(grad, 2 * g)
+    inside = torch.func.vmap(lambda t: _ops.unaliased(t).stride(-2) + 0 * t.sum())(g[None])
+    assert inside.item() == g.stride(-2)  # vmap: the batched tensor is read as it is
+    fn = torch.compile(lambda t: _ops.unaliased(t) * 1.0, fullgraph=True)
+    torch.testing.assert_close(fn(g.detach()), g.detach())
+    torch._dynamo.reset()
