@@ -915,8 +915,8 @@ def _log1p_sum(t: Tensor, levels: int, out: Tensor) -> Tensor:
     """``Σ log1p(t)`` over a tile of ``t ≥ 0`` (SigLIP's terms), folding its two column halves
     into one ``levels`` times first, ``(1 + a)(1 + b) = 1 + (a + b + ab)``: each fold costs two
     passes over half the entries, where ``log1p`` costs three ``exp2`` passes an entry on an
-    AVX2 CPU (``levels = 2``: one ``log1p`` an entry in four; 2,048² entries, one thread, 3.5
-    → 1.6 ms with the sum). ``a + b + ab`` is positive and exact to a few ulp, so each term
+    AVX2 CPU (``levels = 2``: one ``log1p`` an entry in four; 2,048² entries, one thread, 3.7
+    → 2.2 ms with the sum). ``a + b + ab`` is positive and exact to a few ulp, so each term
     keeps ``log1p``'s relative accuracy; the caller bounds the products (:func:`_log1p_levels`).
     ``out``: scratch of ``t``'s shape (``t`` is left as it is)."""
     total = t.new_zeros(())
@@ -1002,6 +1002,8 @@ def walk_forward(
             kind, x, y, factor, bias, listed=listing is not None, fused=grads is not None
         )
     f, b = (factor, bias) if base2 is None else (base2.factor, base2.bias)
+    # SigLIP's folds of its terms before their log1p (_log1p_sum), once a walk
+    levels = _log1p_levels(base2.bound) if base2 is not None and kind == "siglip" else 0
     for r0, r1 in _tiles(n // roles, chunk):
         if isinstance(kind, Retrieval):  # rows, cols: the rows' and columns' metadata
             s = _logits(x, y, r0 * roles, r1 * roles, f, b)
@@ -1038,9 +1040,7 @@ def walk_forward(
         tile_lse = None if lse is None else lse[r0:r1]
         if nested is None:
             tiles = ((0, _logits(x, y, r0, r1, f, b, scratch.take("logits", r1 - r0, m, x))),)
-            memo["base2"] = base2 is not None
-            if base2 is not None and kind == "siglip":
-                memo["log1p_levels"] = _log1p_levels(base2.bound)
+            memo["base2"], memo["log1p_levels"] = base2 is not None, levels
             # a second buffer: the softmax's (NT-Xent, SupCon), the base-2 terms' (SigLIP)
             if kind in ("ntxent", "supcon") if base2 is None else kind == "siglip":
                 memo["probs"] = scratch.take("probs", r1 - r0, m, x)
