@@ -27,6 +27,15 @@ timed its loss and every gradient are checked equal to its group's pmlfunc membe
 difference as its reason, and is not timed. optax computes under jax: its peak memory and FLOPs
 are not recorded (``null``). ``environment.peers`` records the peers' versions.
 
+``--toggle MODULE.NAME=V1,V2,...`` (values: Python literals) times every pmlfunc member once
+per value of that module attribute, set before each of its steps (and its checking step), the
+variants (``IMPL@NAME=V``) timed in the same rounds as the other members: an in-process A/B of
+a code path that reads the attribute when called (eager; a compiled graph keeps the value it
+was traced with). The attribute is restored afterwards. E.g. the dense tiles' minimum rows::
+
+    python -m benchmarks.run --case tiled-ntxent --impl pmlfunc-full,floor --batch-size 8192 \
+        --repeats 3 --warmup 1 --toggle pmlfunc.losses._tiled.DENSE_MIN_ROWS=1,256
+
 ``--case distributed`` runs the DDP case of ``benchmarks.distributed`` (one process per device,
 under ``torchrun --standalone --nproc_per_node=2 -m benchmarks.run --case distributed``).
 
@@ -51,7 +60,9 @@ is skipped with its time.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import importlib
 import json
 import platform
 import statistics
@@ -326,6 +337,59 @@ def _failed(record: dict[str, Any], err: Exception) -> dict[str, Any]:
     return {**record, "status": "error", "reason": f"{type(err).__name__}: {err}"[:500]}
 
 
+class Toggle:
+    """One value of ``--toggle``'s module attribute: :meth:`set` puts it, :meth:`restore` puts
+    back the value the attribute had when the option was read."""
+
+    def __init__(self, module: Any, name: str, value: Any):
+        self.module, self.name, self.value = module, name, value
+        self.original = getattr(module, name)
+
+    def set(self) -> None:
+        setattr(self.module, self.name, self.value)
+
+    def restore(self) -> None:
+        setattr(self.module, self.name, self.original)
+
+
+def toggles(spec: str | None) -> list[Toggle]:
+    """``--toggle MODULE.NAME=V1,V2,...`` read: one :class:`Toggle` a value (none without the
+    option); a ``ValueError`` for a module or attribute that does not exist or a value that is
+    not a Python literal."""
+    if spec is None:
+        return []
+    target, sep, values = spec.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name or not name or not values:
+        raise ValueError(f"--toggle takes MODULE.NAME=V1,V2,...; got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+        parsed = [ast.literal_eval(v) for v in values.split(",")]
+    except (ImportError, ValueError, SyntaxError) as err:
+        raise ValueError(f"--toggle {spec!r}: {err}") from err
+    if not hasattr(module, name):
+        raise ValueError(f"--toggle {spec!r}: {module_name} has no attribute {name!r}")
+    return [Toggle(module, name, v) for v in parsed]
+
+
+def toggled(case: Case, impl: str, args, mode: str, toggle: Toggle) -> tuple[dict, Timer | None]:
+    """:func:`prepare` of ``impl`` with ``toggle``'s value set (its checking step included), as
+    the member ``IMPL@NAME=VALUE``, whose every timed step sets the value first."""
+    toggle.set()
+    record, timer = prepare(case, impl, args, mode)
+    record = {**record, "impl": f"{impl}@{toggle.name}={toggle.value!r}"}
+    record["toggle"] = {"attribute": toggle.name, "value": repr(toggle.value)}
+    if timer is None:
+        return record, None
+    measured = timer
+
+    def one() -> tuple[float, float]:
+        toggle.set()
+        return measured()
+
+    return record, one
+
+
 def _timer(step: _Step, replay: Callable[[], Any] | None, device: torch.device) -> Timer:
     def one() -> tuple[float, float]:
         _sync(device)
@@ -441,6 +505,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=60.0,
         help="skip an entry whose first (checking) step takes longer",
     )
+    p.add_argument(
+        "--toggle",
+        default=None,
+        help="MODULE.NAME=V1,V2,...: every pmlfunc member once per value of that attribute",
+    )
     p.add_argument("--output", default=None, help="JSON file to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -448,6 +517,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if any(m not in MODES for m in modes):
         p.error(f"--mode must be a comma-separated list from {MODES}, got {args.mode!r}")
     args.modes = modes
+    try:
+        args.toggles = toggles(args.toggle)
+    except ValueError as err:
+        p.error(str(err))
     if args.batch_size < 2 * args.samples_per_class:
         p.error("--batch-size must hold at least two complete classes")
     return args
@@ -481,7 +554,7 @@ def environment() -> dict[str, Any]:
 
 
 CONFIG_KEYS = ("batch_size", "dimensions", "samples_per_class", "dtype", "threads", "repeats",
-               "warmup", "device", "anchor_batch_size")  # fmt: skip
+               "warmup", "device", "anchor_batch_size", "toggle")  # fmt: skip
 
 
 def run_document(
@@ -526,11 +599,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for n, (case, impl, mode) in enumerate(progress):
             if hasattr(progress, "set_postfix_str"):
                 progress.set_postfix_str(f"{case.name}/{impl}/{mode}")
-            prepared.append(prepare(case, impl, args, mode))
+            if args.toggles and library(impl) == "pmlfunc":
+                prepared += [toggled(case, impl, args, mode, t) for t in args.toggles]
+            else:
+                prepared.append(prepare(case, impl, args, mode))
             following = jobs[n + 1] if n + 1 < len(jobs) else None
             if following is None or (following[0], following[2]) != (case, mode):
                 results += time_rounds(prepared, args)  # a case's members, side by side
                 prepared = []
+    for toggle in args.toggles[:1]:  # every value set the same attribute: its first value's
+        toggle.restore()
     run = run_document(args, results)
     for r in results:
         median = r["stats"]["median"] if r.get("stats") else None

@@ -704,3 +704,44 @@ def test_matryoshka_cases_time_every_member_checked_against_the_naive_sum(tmp_pa
     for case in ("matryoshka-ntxent", "matryoshka-clip"):
         assert results[(case, "pmlfunc-matryoshka")]["checked_against"] == "pmlfunc-naive-dense"
         assert results[(case, "pmlfunc-naive")]["stats"]["median"] > 0
+
+
+def test_toggle_times_each_pmlfunc_member_once_per_value_and_restores_the_attribute(
+    tmp_path, monkeypatch
+):
+    """``--toggle MODULE.NAME=V1,V2``: every pmlfunc member is timed once per value, as
+    ``IMPL@NAME=V``, the value set for each of its steps (the checking step too); the floor once;
+    the attribute is restored after the run."""
+    import pmlfunc.losses._tiled as tiled
+
+    seen = []
+    real = tiled.dense_rows
+
+    def spy(kind, n, m):
+        seen.append(tiled.DENSE_MIN_ROWS)
+        return real(kind, n, m)
+
+    monkeypatch.setattr(tiled, "dense_rows", spy)
+    out = tmp_path / "t.json"
+    toggle = "pmlfunc.losses._tiled.DENSE_MIN_ROWS=1,256"
+    run.main([*TINY, "--case", "tiled-ntxent", "--impl", "pmlfunc-full,floor", "--toggle", toggle,
+              "--output", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    results = {r["impl"]: r for r in doc["results"]}
+    assert set(results) == {"pmlfunc-full@DENSE_MIN_ROWS=1", "pmlfunc-full@DENSE_MIN_ROWS=256",
+                            "floor"}  # fmt: skip
+    assert all(r["status"] == "ok" and len(r["total_ms"]) == 2 for r in results.values())
+    assert results["pmlfunc-full@DENSE_MIN_ROWS=1"]["toggle"] == {
+        "attribute": "DENSE_MIN_ROWS", "value": "1"
+    }  # fmt: skip
+    assert doc["config"]["toggle"] == toggle
+    assert set(seen) == {1, 256} and tiled.DENSE_MIN_ROWS == 256
+
+
+@pytest.mark.parametrize(
+    "spec", ["DENSE_MIN_ROWS=1", "pmlfunc.losses._tiled.NO_SUCH=1", "pmlfunc.no_such_module.X=1",
+             "pmlfunc.losses._tiled.DENSE_MIN_ROWS=two", "pmlfunc.losses._tiled.DENSE_MIN_ROWS="]
+)  # fmt: skip
+def test_toggle_rejects_what_it_cannot_set(spec):
+    with pytest.raises(SystemExit):
+        run.main([*TINY, "--case", "tiled-ntxent", "--toggle", spec])

@@ -1029,6 +1029,26 @@ def test_tile_buffers_reused_from_tile_to_tile_give_the_same_numbers(gen, kind, 
     assert any(taken)
 
 
+def test_dense_tiles_hold_a_fixed_number_of_entries_but_never_fewer_than_256_rows():
+    """A dense call of a row-complete kind walks tiles of ``DENSE_TILE`` entries (2¹⁹), but
+    of at least ``DENSE_MIN_ROWS`` (256) rows of ``x`` once the columns are many (each tile
+    adds its product into the whole ``(M, D)`` column gradient: thin tiles made dense NT-Xent
+    at 8,192 × 512 1.3× slower), never more rows than the batch; a retrieval tile's rows count
+    its roles; CLIP takes one tile."""
+    assert (_tiled.DENSE_TILE, _tiled.DENSE_MIN_ROWS) == (2**19, 256)
+    dense_rows = _tiled.dense_rows
+    assert dense_rows("ntxent", 512, 512) == 512  # 2^19 entries would be 1,024 rows
+    assert dense_rows("ntxent", 4096, 1024) == 512  # 2^19 / 1,024
+    assert dense_rows("supcon", 4096, 2048) == 256  # 2^19 / 2,048
+    assert dense_rows("siglip", 8192, 8192) == 256  # 2^19 / 8,192 = 64, raised to 256
+    assert dense_rows("ntxent", 100, 65536) == 100  # at most the batch
+    assert dense_rows("clip", 8192, 8192) == 8192
+    # a loss row of 8 engine rows (x: 4,096 engine rows, 512 loss rows)
+    retrieval = _tiled.Retrieval(8, (), True, None, (False, False), False)
+    assert dense_rows(retrieval, 4096, 32768) == 32  # 2^22 / (32,768 · 8) = 16: 256 engine rows
+    assert dense_rows(retrieval, 4096, 4096) == 128  # 2^22 / (4,096 · 8)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine's blocks: partial statistics merged across blocks of columns (the ring's walk)
 # ---------------------------------------------------------------------------------------------

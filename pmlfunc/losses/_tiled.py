@@ -69,7 +69,8 @@ SupCon's softmax into buffers reused from tile to tile
 (:class:`_Scratch`), where fresh ``r × M`` buffers cost their page faults every tile (tiled
 NT-Xent at ``N = 2,048``, ``D = 128``, one thread, in-process A/B: 47 ms against 59; SupCon 61
 against 84). A dense call of a row-complete kind therefore walks small tiles, ``2¹⁹`` entries
-(:data:`DENSE_TILE`), rather than one large one.
+(:data:`DENSE_TILE`), rather than one large one, but of at least 256 rows
+(:data:`DENSE_MIN_ROWS`: each tile adds its product into the whole ``(M, D)`` column gradient).
 
 Peak memory: the inputs, their gradients and a few tiles (masks are boolean), whatever ``N`` is.
 Shapes are static and every count is a tensor, so the one-block path (:func:`tiled_loss`) runs
@@ -3172,18 +3173,26 @@ DENSE_TILE = 2**19
 # products into the whole (M, D) column gradient, so that fewer, larger tiles win (4,096 × 768,
 # widths 768 to 48, one thread, in-process: 2**22 0.93-1.08 s, 2**20 1.07-1.24, 2**19 1.34-1.51).
 FRESH_DENSE_TILE = 2**22
+# The fewest rows of x a dense call's tile takes, whatever M: each tile adds its product
+# ∂Sᵀ x_tile into the whole (M, D) column gradient, a GEMM whose inner dimension is the tile's
+# rows, and reads and writes that (M, D) buffer once a tile; below ~256 rows both cost more
+# than the smaller tile saves. Dense NT-Xent, one thread, one process, tiles of 64 rows (2**19
+# entries at M = 8,192) against 256: 8,192 × 128 0.85 against 0.72 of the floor, 8,192 × 512
+# 1.07 against 0.81; 4,096 × 128 (128 rows) 0.74 against 0.70.
+DENSE_MIN_ROWS = 256
 
 
 def dense_rows(kind, n: int, m: int) -> int:
     """Rows a tile for a dense call of ``kind`` over ``n × m`` logits: CLIP takes one tile (its
     columns' statistics are then complete in the forward, which forms the gradient too); the
-    row-complete kinds tiles of at most :data:`DENSE_TILE` entries (the memory of a tiled call,
-    at no cost: no tile is computed twice)."""
+    row-complete kinds tiles of :data:`DENSE_TILE` entries, but at least :data:`DENSE_MIN_ROWS`
+    rows of ``x`` (the memory of a tiled call, at no cost: no tile is computed twice)."""
     if kind == "clip":
         return max(n, 1)
     roles = _roles(kind)  # a retrieval tile: rows × roles of x
     tile = FRESH_DENSE_TILE if isinstance(kind, Retrieval) else DENSE_TILE
-    return max(1, min(n // roles, tile // max(m * roles, 1)))
+    rows = max(tile // max(m * roles, 1), -(-DENSE_MIN_ROWS // roles))
+    return max(1, min(n // roles, rows))
 
 
 def dense_runs(kind: str, labels: Tensor | None, inputs: Mapping) -> bool:

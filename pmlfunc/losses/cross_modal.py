@@ -16,7 +16,7 @@ when ``params`` has none), every loss here reads the ``N × N`` logits
 The positives of row ``i`` are ``P(i) = {j : labels_j = labels_i}`` (``labels=None``: only
 ``j = i``). Both losses run on the tiled engine (:mod:`pmlfunc.losses._tiled`), dense or tiled:
 ``chunk_size=k`` sets its tile (``O(k·N)`` memory in both passes; without it CLIP takes one
-``N × N`` tile, SigLIP tiles of ``2¹⁹`` entries), a plain ``loss.backward()``; the forward forms the
+``N × N`` tile, SigLIP tiles of ``2¹⁹`` entries, at least 256 rows), a plain ``loss.backward()``; the forward forms the
 gradient where autograd will ask for it (CLIP with ``chunk_size``: its backward recomputes the
 tiles), and that gradient is not differentiable again. Float16/bfloat16 embeddings are
 computed in float32 and the loss is float32; the logit scale and bias enter in log space, so a
@@ -153,7 +153,8 @@ def siglip(
         normalize: L2-normalise the rows first (default ``True``).
         max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp``.
         chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
-            ``None``: tiles of ``2¹⁹`` entries (``2²²`` with ``memory=`` or ids).
+            ``None``: tiles of ``2¹⁹`` entries (``2²²`` with ``memory=`` or ids), at least
+            256 rows.
         reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ`` over the number
             of pairs summed, ``N²`` without ids or a queue) or ``sum()``.
         memory: ``None`` or a queue of earlier steps' ``emb_b`` rows

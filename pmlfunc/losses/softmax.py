@@ -11,7 +11,8 @@ r"""Softmax (InfoNCE-style) losses: a positive scored against a log-sum-exp of i
 log-sum-exps only: no positive-pair × negative-pair matrix is built. ``ntxent`` and ``supcon``
 run on the tiled engine (:mod:`pmlfunc.losses._tiled`) whenever it can (labels, no
 ``indices_tuple``/``mat``, ``cosine()``/``dot()``, a reducer it supports): ``chunk_size=`` sets its
-tile (``O(chunk × M)`` memory in both passes; without it, tiles of ``2¹⁹`` entries), the forward
+tile (``O(chunk × M)`` memory in both passes; without it, tiles of ``2¹⁹`` entries and at least
+256 rows), the forward
 forms the gradient and the backward scales it. Other calls take the general batch path.
 """
 
@@ -64,7 +65,8 @@ def ntxent(
             keeping per-row log-sum-exps; the forward forms each ``chunk_size × M`` tile's
             gradient and the backward scales it (a plain ``loss.backward()`` works). Needs
             labels, ``cosine()``/``dot()``, ``mean()``/``sum()``. Without it, calls the engine
-            can run (those) take tiles of ``2¹⁹`` entries; the others the general batch path.
+            can run (those) take tiles of ``2¹⁹`` entries (at least 256 rows); the others the
+            general batch path.
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`); ``distance``:
             default ``cosine()``; ``reducer``: default ``mean()`` over positive pairs.
 
