@@ -220,24 +220,34 @@ class _UnitRows(torch.autograd.Function):
     backward written out: ``(g − y·(y·g)·[‖x‖ ≥ ε]) / max(‖x‖, ε)`` (no projection where the
     norm is below ``ε``, as autograd's). Autograd's composed backward of ``F.normalize`` runs
     a dozen ops and nodes (~0.2 ms fwd+bwd at 128 × 128 on a CPU); this, six (~0.15 ms).
-    Written in differentiable ops on ``x``: higher derivatives work."""
+    The forward's norms are a second output (not differentiable), which a first-order backward
+    reads; where the backward is itself recorded (``create_graph=True``) it recomputes them
+    from ``x`` in differentiable ops: higher derivatives work."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORMALIZE_EPS)
+    def forward(x: Tensor) -> tuple[Tensor, Tensor]:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x / norm.clamp_min(_NORMALIZE_EPS), norm
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         (x,) = inputs
-        ctx.save_for_backward(x, output)
+        y, norm = output
+        ctx.mark_non_differentiable(norm)
+        ctx.set_materialize_grads(False)  # no zeros for the norms' cotangent
+        ctx.save_for_backward(x, y, norm)
 
     @staticmethod
-    def backward(ctx, g):
-        x, y = ctx.saved_tensors
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        along = (y * g).sum(-1, keepdim=True) * indicator(norm - _NORMALIZE_EPS, strict=False)
+    def backward(ctx, g, _):
+        if g is None:  # only the norms' cotangent (a higher-order pass): nothing reaches x
+            return None
+        x, y, norm = ctx.saved_tensors
+        if torch.is_grad_enabled():  # recorded: the norms as a function of x
+            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        # no projection below ε; a NaN norm's row stays NaN through y
+        along = torch.where(norm >= _NORMALIZE_EPS, (y * g).sum(-1, keepdim=True), 0.0)
         return torch.addcmul(g, y, along, value=-1.0) / norm.clamp_min(_NORMALIZE_EPS)
 
 
@@ -246,7 +256,7 @@ def unit_rows(x: Tensor, p: float = 2) -> Tensor:
     a shorter backward)."""
     if p != 2:
         return F.normalize(x, p=p, dim=-1)
-    return apply(_UnitRows, x)
+    return apply(_UnitRows, x)[0]
 
 
 def logaddexp(a: Tensor, b: Tensor) -> Tensor:

@@ -482,7 +482,7 @@ def _chunked(
                 sums.shares[k] = sums.shares[k] + o
             grads = pullback(k, one)
             if want_x:
-                sums.grads["embeddings"][k][r0:r1] += grads[0]
+                sums.grads["embeddings"][k][r0:r1].add_(grads[0])
                 if ref_hat is None:
                     sums.grads["embeddings"][k] += grads[1]
             if want_ref:

@@ -24,7 +24,7 @@ import torch
 from helpers import loss_dtype, with_and_without_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tracking import LargestTensor
+from tracking import DispatchedOps, LargestTensor
 
 import pmlfunc.distances as pfd
 import pmlfunc.losses as pfl
@@ -1027,6 +1027,41 @@ def test_tile_buffers_reused_from_tile_to_tile_give_the_same_numbers(gen, kind, 
         assert torch.equal(reused[0], fresh[0]), (reducer, layout, chunk)
         assert all(torch.equal(a, b) for a, b in zip(reused[1], fresh[1], strict=True))
     assert any(taken)
+
+
+# aten ops one eager CPU call dispatches, forward and backward, at 32 × 8 (dense, tiled in two
+# tiles of 16): at 2026-12-07 ntxent 91 / 147, supcon 142 / 202, clip 177 / 211, siglip 117 / 173
+# (before that day's trims: 130 / 197, 180 / 250, 194 / 229, 128 / 184); the budgets allow 5 more
+OP_BUDGET = {
+    ("ntxent", None): 96, ("ntxent", 16): 152, ("supcon", None): 147, ("supcon", 16): 207,
+    ("clip", None): 182, ("clip", 16): 216, ("siglip", None): 122, ("siglip", 16): 178,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "chunk"), list(OP_BUDGET))
+def test_a_small_eager_call_dispatches_no_more_ops_than_its_budget(gen, name, chunk):
+    """A small call's time on a CPU is its ops' overhead (a few µs each, tens after a large op
+    has evicted the caches): the engine's forward and backward at 32 × 8 stay within a budget
+    of dispatched aten ops, so that a change which adds per-call or per-tile ops shows here."""
+    emb = torch.randn(32, 8, generator=gen)
+    labels = torch.arange(32) // 4
+    other = torch.randn(32, 8, generator=gen)
+
+    def step():
+        a = emb.clone().requires_grad_()
+        if name in ("ntxent", "supcon"):
+            loss, inputs = getattr(pfl, name)(a, labels, chunk_size=chunk), [a]
+        else:
+            b = other.clone().requires_grad_()
+            params = {k: v.requires_grad_() for k, v in getattr(pfl, f"{name}_init")().items()}
+            loss = getattr(pfl, name)(a, b, params, chunk_size=chunk)
+            inputs = [a, b, *params.values()]
+        torch.autograd.grad(loss, inputs)
+
+    step()  # first calls (lazy initialisation) apart
+    with DispatchedOps() as rec:
+        step()
+    assert 0 < rec.count <= OP_BUDGET[(name, chunk)], rec.count
 
 
 def test_dense_tiles_hold_a_fixed_number_of_entries_but_never_fewer_than_256_rows():

@@ -21,3 +21,17 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+class DispatchedOps(TorchDispatchMode):
+    """``with DispatchedOps() as rec: ...`` then ``rec.count`` is the number of aten ops
+    dispatched (forward and backward): on a CPU each costs a few µs of overhead, more after a
+    large op has evicted the caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -98,10 +98,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, TypeGuard
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -573,27 +575,33 @@ def _label_listing(kind, x: Tensor, rows, cols, excluded: bool) -> _Listing | No
     (:func:`readable`) and they are few (at most :data:`~pmlfunc._ops.SPARSE_FRACTION` of the
     block), in ``O(M log M + N + |P|)``: the columns sorted by label, each row's run of its
     label found by binary search. The tiles then need no ``r × M`` masks: the positives are
-    read and left out by index (:func:`_leave_out_`). ``None`` elsewhere (the masks' path)."""
+    read and left out by index (:func:`_leave_out_`). ``None`` elsewhere (the masks' path).
+    In NumPy (the labels are readable CPU tensors here): a dozen small array ops cost ~1 µs
+    each there, ~5 µs as tensor ops."""
     if kind not in ("ntxent", "supcon") or not isinstance(rows, Tensor) or not readable(x):
         return None
     if x.ndim != 2 or rows.ndim != 1 or not isinstance(cols, Tensor) or cols.ndim != 1:
         return None
-    n, m = rows.shape[0], cols.shape[0]
-    order = cols.argsort(stable=True)  # equal labels keep their column order
-    ordered = cols[order].contiguous()
-    start = torch.searchsorted(ordered, rows, right=False)
-    count = torch.searchsorted(ordered, rows, right=True) - start
+    if rows.device.type != "cpu" or cols.device.type != "cpu":
+        return None
+    r, c = rows.numpy(), cols.numpy()
+    n, m = r.shape[0], c.shape[0]
+    order = np.argsort(c, kind="stable")  # equal labels keep their column order
+    ordered = c[order]
+    start = np.searchsorted(ordered, r, side="left")
+    count = np.searchsorted(ordered, r, side="right") - start
     total = int(count.sum())
     if total > SPARSE_FRACTION * n * m:
         return None
-    pr = torch.repeat_interleave(torch.arange(n, device=x.device), count, output_size=total)
-    first = torch.repeat_interleave(start - (count.cumsum(0) - count), count, output_size=total)
-    pc = order[first + torch.arange(total, device=x.device)]
+    pr = np.repeat(np.arange(n), count)
+    first = np.repeat(start - (np.cumsum(count) - count), count)
+    pc = order[first + np.arange(total)]
     if excluded:  # a row's own column is no positive
         kept = pr != pc
         pr, pc = pr[kept], pc[kept]
-        count = torch.bincount(pr, minlength=n)
-    return _Listing(pr, pc, count.cumsum(0).tolist(), excluded)
+        count = np.bincount(pr, minlength=n)
+    ends = np.cumsum(count).tolist()
+    return _Listing(torch.from_numpy(pr), torch.from_numpy(pc), ends, excluded)
 
 
 def _leave_out_(s: Tensor, memo: dict | None, positives: bool, value: float) -> Tensor:
@@ -695,8 +703,11 @@ def _logit_bound(x: Tensor, y: Columns, factor, bias, unit: bool = False) -> flo
         return None
     if not x.numel() or any(not seg.numel() for seg in y.segments):
         return None
-    x_norm = float(torch.linalg.vector_norm(x, dim=-1).amax())
-    y_norm = torch.cat([torch.linalg.vector_norm(seg, dim=-1) for seg in y.segments])
+    x_norms = torch.linalg.vector_norm(x, dim=-1)
+    x_norm = float(x_norms.amax())
+    # self mode's columns are the rows: their norms once
+    norms = [x_norms if seg is x else torch.linalg.vector_norm(seg, dim=-1) for seg in y.segments]
+    y_norm = norms[0] if len(norms) == 1 else torch.cat(norms)
     if unit:  # ‖x̂‖ ≤ 1 (0 below ε), NaN kept
         x_norm, y_norm = min(x_norm, 1.0) if x_norm == x_norm else x_norm, y_norm.clamp_max(1.0)
     if isinstance(factor, Tensor) and factor.shape == y_norm.shape:  # a column's own factor
@@ -753,9 +764,10 @@ def _base2_units(
 
 def _log_total(total: Tensor) -> Tensor:
     """``ln Σ E`` of unshifted exponentials' sums ``Σ E`` (:func:`_base2_units`), ``−finfo.max``
-    where a sum is 0 (nothing kept, as :func:`_row_lse_`)."""
-    has = total > 0
-    return torch.where(has, torch.log(torch.where(has, total, 1.0)), -torch.finfo(total.dtype).max)
+    where a sum is 0 (nothing kept, as :func:`_row_lse_`) or NaN, ``+inf`` where it is: two ops
+    where two ``where``s took six (a sum is never negative; not differentiated)."""
+    low = -torch.finfo(total.dtype).max
+    return torch.log(total).nan_to_num_(nan=low, posinf=math.inf, neginf=low)
 
 
 def _base2_exp_(s: Tensor, memo: dict, positives: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -788,7 +800,7 @@ def _ntxent_base2_fold_(s: Tensor, memo: dict):
     assert listed is not None  # a listed tile's memo
     _, _, q_p, r = listed
     q_sum = q_p.new_zeros(s.shape[0]).index_add_(0, rows, q_p)
-    scale = torch.where(total > 0, q_sum / torch.where(total > 0, total, 1.0), 0.0)
+    scale = torch.where(total > 0, q_sum / total, 0.0)  # (not differentiated: 0/0 unread)
     return r.log_().sum().neg(), lse, q_sum, _row_scaled_(e, scale, (rows, cols), -q_p, False)
 
 
@@ -802,8 +814,7 @@ def _supcon_base2_fold_(s: Tensor, local, memo: dict):
     e, total, lse = _base2_exp_(s, memo, False)
     w = local({"row_lse": lse, "row_pos": n_pos, "row_pos_sum": pos_sum})
     w_pos = w / n_pos.clamp_min(1.0)
-    has = (n_pos > 0) & (total > 0)
-    scale = torch.where(has, w / torch.where(has, total, 1.0), 0.0)
+    scale = torch.where((n_pos > 0) & (total > 0), w / total, 0.0)  # (0/0 unread)
     ds = _row_scaled_(e, scale, (rows, cols), -w_pos[rows], True)
     return lse, n_pos, pos_sum, ds
 
@@ -1485,7 +1496,7 @@ def _retrieval_ds_(
     if keep is not None:
         p = p.masked_fill_(keep.logical_not(), 0.0)
     if col_part is not None:
-        p[:, 0, c0:c1] += col_part
+        p[:, 0, c0:c1].add_(col_part)
     if opt.parts != 1:
         p = p.div_(opt.parts)
     if at is not None:
@@ -1515,7 +1526,7 @@ def _retrieval_whole_ds_(opt: Retrieval, held, stats, at) -> Tensor:
     row_ref, coef, col_ref = stats
     c0, c1 = opt.positive_span(row_p.shape[-1])
     ds = row_p.mul_(torch.exp(row_lse - row_ref))
-    ds[:, c0:c1] += col_p.mul_(torch.exp(col_lse - col_ref[c0:c1]))
+    ds[:, c0:c1].add_(col_p.mul_(torch.exp(col_lse - col_ref[c0:c1])))
     if opt.parts != 1:
         ds = ds.div_(opt.parts)
     if at is not None:
@@ -1557,16 +1568,19 @@ def counts(kind: Kind, st: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return {f"{s}_has": (st[f"{s}_pos"] > 0).sum().to(zero.dtype) for s in ("row", "col")}
 
 
-def _row_weight(kind: Kind, reducer: str, st: dict[str, Tensor]) -> float | Tensor:
+def _row_weight(
+    kind: Kind, reducer: str, st: dict[str, Tensor], losses: Tensor | None = None
+) -> float | Tensor:
     """The row-complete kinds weigh row ``i``'s loss by ``row_weight_i × batch_weight``: this
     is the first factor, from these rows' own statistics (a tile's: SupCon's ``avg_nonzero``
     window, the row's loss ``> 0``). The forward walk that forms the gradient as it goes
     (:func:`block_forward` with ``grads``) weighs each tile by it and scales the sums by
-    :func:`_batch_weight` once at the end; :func:`reduce` multiplies the two."""
+    :func:`_batch_weight` once at the end; :func:`reduce` multiplies the two. ``losses``: the
+    rows' SupCon losses where the caller has them (:func:`_supcon_losses` of ``st``)."""
     if kind != "supcon":
         return 1.0
     if reducer == "avg_nonzero":  # the reducers' window: loss > 0, by sign
-        return _supcon_losses(st).sign().clamp_min(0.0)
+        return (_supcon_losses(st) if losses is None else losses).sign().clamp_min(0.0)
     return torch.ones_like(st["row_lse"])
 
 
@@ -1620,9 +1634,12 @@ def reduce(
         return st["total"] * coef, (st["row_lse"], st["row_q"], coef)
     if kind == "supcon":
         active = (total["pos"] > 0) & (total["count"] > 0)
-        losses = torch.where(active, _supcon_losses(st), 0.0)
+        row_losses = _supcon_losses(st)
+        losses = torch.where(active, row_losses, 0.0)
         coef = torch.where(
-            active, _row_weight(kind, reducer, st) * _batch_weight(kind, reducer, total), 0.0
+            active,
+            _row_weight(kind, reducer, st, row_losses) * _batch_weight(kind, reducer, total),
+            0.0,
         )
         return matmul(coef, losses), (st["row_lse"], st["row_pos"], coef)
     # clip: (R(rows) + R(columns)) / 2 over the rows / columns that have a positive
@@ -1771,7 +1788,7 @@ class _GradSums:
             if need_rows and self.into is not None:
                 into = self.gy[0]
                 assert into is not None  # into, or into plus the columns' parts
-                into[r0:r1] += part
+                into[r0:r1].add_(part)  # (+= on a slice adds a copy_ back)
             elif need_rows:
                 self.rows.append(part)
 
@@ -1969,11 +1986,29 @@ class _Scaled(_FirstOrder):
     @staticmethod
     def forward(x, y0, y1, y2, y3, y4, scale, bias, g, needs, f0, f1, f2, f3, f4, f5, f6, f7):
         # f0..f7: the formed gradients in _slots order, padded with None (MAX_FORMED)
-        formed = iter((f0, f1, f2, f3, f4, f5, f6, f7))
-        gx, *gy, g_scale, g_bias = (next(formed) if n else None for n in _slots(needs))
+        gx, *gy, g_scale, g_bias = _formed_slots(needs, (f0, f1, f2, f3, f4, f5, f6, f7))
         return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
     backward = staticmethod(_tiled_not_twice)
+
+
+def _formed_slots(needs, formed) -> tuple:
+    """The gradients a walk formed (those ``needs`` asks for, in :func:`_slots` order; any
+    padding after them unread) in their slots, ``None`` in the others: ``(gx, *gy, g_scale,
+    g_bias)``."""
+    given = iter(formed)
+    return tuple(next(given) if n else None for n in _slots(needs))
+
+
+def _unrecorded() -> bool:
+    """Whether nothing records a backward's operations: plain eager autograd without
+    ``create_graph`` (grad mode off in the backward), no ``torch.func`` transform, not
+    compiling. There the formed gradients are scaled directly; elsewhere through
+    :class:`_Scaled`, whose backward raises on a second differentiation (a Function applied
+    costs ~20 µs on a CPU)."""
+    return (
+        not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not inside_transform()
+    )
 
 
 def _wanted_grads(formed_needs, wanted, x, ys, scale, bias, g, formed, recompute) -> list:
@@ -1985,9 +2020,13 @@ def _wanted_grads(formed_needs, wanted, x, ys, scale, bias, g, formed, recompute
     if formed_needs is not None and all(
         f or not w for f, w in zip(_slots(formed_needs), wanted, strict=True)
     ):
-        grads = iter(
-            apply(_Scaled, x, *ys, scale, bias, g, formed_needs, *_padded(formed, MAX_FORMED))
-        )
+        if _unrecorded():  # nothing records the scaled gradients: no Function needed
+            gx, *gy, g_scale, g_bias = _formed_slots(formed_needs, formed)
+            grads = iter(_times_cotangent(gx, gy, g_scale, g_bias, scale, g))
+        else:
+            grads = iter(
+                apply(_Scaled, x, *ys, scale, bias, g, formed_needs, *_padded(formed, MAX_FORMED))
+            )
         out = [next(grads) if f else None for f in _slots(formed_needs)]
     else:
         grads = iter(recompute())
@@ -2035,6 +2074,8 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
         sums.add(_retrieval_whole_ds_(kind, held, stats, at), 0, x.shape[-2])
     elif _ranked(kind):  # reduce's batch weight, the second statistic
         glob = stats[1]
+    elif kind == "ntxent" or kind_name(kind) == "siglip":  # reduce's batch weight, the last
+        glob = stats[-1]
     elif kind != "clip":
         glob = _batch_weight(kind, reducer, total)
     gx, gy, x_dot, sum_ds = sums.result()
@@ -2335,7 +2376,7 @@ class _NestedSums:
             total = self.pending[j] if total is None else total.add_(self.pending[j])
             lo, hi = pre.bounds[j]
             if pre.self_mode and self.gx is not None and r1 - r0 == pre.x.shape[-2]:
-                self.gx[:, lo:hi] += self_product_grad(total, pre.x[:, lo:hi])  # all the rows
+                self.gx[:, lo:hi].add_(self_product_grad(total, pre.x[:, lo:hi]))  # all the rows
                 continue
             # accumulated by the GEMMs: no (M, d) product a tile to add to the columns' block
             if self.gx is not None:
@@ -2391,7 +2432,7 @@ def _prefix_backward_(g: Tensor, x: Tensor, coef: Tensor, bounds) -> Tensor:
     for j in reversed(range(len(bounds))):
         total = coef[j] if total is None else total + coef[j]
         lo, hi = bounds[j]
-        g[:, lo:hi] += total.unsqueeze(-1) * x[:, lo:hi]
+        g[:, lo:hi].add_(total.unsqueeze(-1) * x[:, lo:hi])
     return g
 
 
