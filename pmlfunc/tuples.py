@@ -355,6 +355,18 @@ def is_mined(x: object) -> bool:
 _TRIPLET_FIELDS = ("anchors", "positives", "negatives")
 
 
+def _all_below(fields: tuple[Tensor, ...], size: int) -> bool:
+    """Whether every index of ``fields`` (1-D, one length and dtype) is read to lie in ``[0,
+    size)`` by one reduction over them (a CPU tensor in eager mode, :func:`_ops.readable`):
+    two host reads where each field's own check took two (the usual, valid call); ``False``
+    where that is not known (then each field is checked on its own)."""
+    first = fields[0]
+    if not first.numel() or not _ops.readable(first) or any(t.dtype != first.dtype for t in fields):
+        return False
+    lo, hi = (int(v) for v in torch.aminmax(torch.stack(fields)))
+    return lo >= 0 and hi < size
+
+
 def check_mined(result: object, shape: tuple[int, int]):
     """Validate a fixed-shape miner result against the ``(B, M)`` grid of its reader and return
     it: :class:`MinedPairs`' and :class:`TripletWindow`'s ``(B, M)`` fields and
@@ -372,12 +384,14 @@ def check_mined(result: object, shape: tuple[int, int]):
                 "indices_tuple (MinedTriplets) needs four 1-D fields of one length, got shapes "
                 f"{[tuple(t.shape) for t in fields]}"
             )
-        for name, t, size in zip(_TRIPLET_FIELDS, fields, (b, m, m), strict=False):
+        for name, t in zip(_TRIPLET_FIELDS, fields, strict=False):
             if t.dtype not in (torch.int32, torch.int64):
                 raise TypeError(
                     f"indices_tuple.{name} must be an int32 or int64 index tensor, got {t.dtype}"
                 )
-            _checks.in_range(t, 0, size, f"indices_tuple.{name}", f"for {size} rows")
+        if not _all_below(fields[:3], min(b, m)):  # else each field, for the first offender
+            for name, t, size in zip(_TRIPLET_FIELDS, fields, (b, m, m), strict=False):
+                _checks.in_range(t, 0, size, f"indices_tuple.{name}", f"for {size} rows")
         return result
     expected: dict[str, tuple[int, ...]]
     if isinstance(result, TripletMask):

@@ -152,7 +152,7 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
         # CPU eager reads for free (the weighted mean's eight ops each way become one)
         unit = batch.rows is None and (
             not isinstance(batch.indices_tuple, MinedTriplets)
-            or (readable(weights) and weights.numel() > 0 and bool(weights.amin() == 1.0))
+            or (readable(weights) and weights.numel() > 0 and float(weights.amin()) == 1.0)
         )
         terms: Terms = DenseTerms(
             losses, weights, "triplet", batch.num_anchors, anchor_index=a, unit_weights=unit
