@@ -1068,8 +1068,9 @@ def test_dense_tiles_hold_a_fixed_number_of_entries_but_never_fewer_than_256_row
     """A dense call of a row-complete kind walks tiles of ``DENSE_TILE`` entries (2¹⁹), but
     of at least ``DENSE_MIN_ROWS`` (256) rows of ``x`` once the columns are many (each tile
     adds its product into the whole ``(M, D)`` column gradient: thin tiles made dense NT-Xent
-    at 8,192 × 512 1.3× slower), never more rows than the batch; a retrieval tile's rows count
-    its roles; CLIP takes one tile."""
+    at 8,192 × 512 1.3× slower), never more rows than the batch; the retrieval kind's tiles
+    (fresh buffers each tile) stay within ``FRESH_DENSE_TILE`` entries (2²², under glibc's
+    mmap threshold), a tile's rows counting its roles; CLIP takes one tile."""
     assert (_tiled.DENSE_TILE, _tiled.DENSE_MIN_ROWS) == (2**19, 256)
     dense_rows = _tiled.dense_rows
     assert dense_rows("ntxent", 512, 512) == 512  # 2^19 entries would be 1,024 rows
@@ -1080,7 +1081,7 @@ def test_dense_tiles_hold_a_fixed_number_of_entries_but_never_fewer_than_256_row
     assert dense_rows("clip", 8192, 8192) == 8192
     # a loss row of 8 engine rows (x: 4,096 engine rows, 512 loss rows)
     retrieval = _tiled.Retrieval(8, (), True, None, (False, False), False)
-    assert dense_rows(retrieval, 4096, 32768) == 32  # 2^22 / (32,768 · 8) = 16: 256 engine rows
+    assert dense_rows(retrieval, 4096, 32768) == 16  # 2^22 / (32,768 · 8): 128 engine rows
     assert dense_rows(retrieval, 4096, 4096) == 128  # 2^22 / (4,096 · 8)
 
 

@@ -3214,7 +3214,8 @@ DENSE_TILE = 2**19
 # products into the whole (M, D) column gradient, so that fewer, larger tiles win (4,096 × 768,
 # widths 768 to 48, one thread, in-process: 2**22 0.93-1.08 s, 2**20 1.07-1.24, 2**19 1.34-1.51).
 FRESH_DENSE_TILE = 2**22
-# The fewest rows of x a dense call's tile takes, whatever M: each tile adds its product
+# The fewest rows of x a row-complete kind's dense tile takes, whatever M (the retrieval kind's
+# fresh tiles keep within FRESH_DENSE_TILE): each tile adds its product
 # ∂Sᵀ x_tile into the whole (M, D) column gradient, a GEMM whose inner dimension is the tile's
 # rows, and reads and writes that (M, D) buffer once a tile; below ~256 rows both cost more
 # than the smaller tile saves. Dense NT-Xent, one thread, one process, tiles of 64 rows (2**19
@@ -3227,13 +3228,14 @@ def dense_rows(kind, n: int, m: int) -> int:
     """Rows a tile for a dense call of ``kind`` over ``n × m`` logits: CLIP takes one tile (its
     columns' statistics are then complete in the forward, which forms the gradient too); the
     row-complete kinds tiles of :data:`DENSE_TILE` entries, but at least :data:`DENSE_MIN_ROWS`
-    rows of ``x`` (the memory of a tiled call, at no cost: no tile is computed twice)."""
+    rows of ``x`` (the memory of a tiled call, at no cost: no tile is computed twice); the
+    retrieval kind tiles of at most :data:`FRESH_DENSE_TILE` entries (its buffers are fresh
+    each tile: a larger one would be mapped and faulted in again every tile)."""
     if kind == "clip":
         return max(n, 1)
-    roles = _roles(kind)  # a retrieval tile: rows × roles of x
-    tile = FRESH_DENSE_TILE if isinstance(kind, Retrieval) else DENSE_TILE
-    rows = max(tile // max(m * roles, 1), -(-DENSE_MIN_ROWS // roles))
-    return max(1, min(n // roles, rows))
+    if isinstance(kind, Retrieval):  # a tile: rows × roles of x
+        return max(1, min(n // kind.roles, FRESH_DENSE_TILE // max(m * kind.roles, 1)))
+    return max(1, min(n, max(DENSE_TILE // max(m, 1), DENSE_MIN_ROWS)))
 
 
 def dense_runs(kind: str, labels: Tensor | None, inputs: Mapping) -> bool:

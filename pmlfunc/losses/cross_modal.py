@@ -153,8 +153,8 @@ def siglip(
         normalize: L2-normalise the rows first (default ``True``).
         max_logit_scale: if given, ``logit_scale`` is clamped at it before ``exp``.
         chunk_size: if given, the engine's tile (``O(chunk_size × N)`` memory in both passes);
-            ``None``: tiles of ``2¹⁹`` entries (``2²²`` with ``memory=`` or ids), at least
-            256 rows.
+            ``None``: tiles of ``2¹⁹`` entries and at least 256 rows (``2²²`` entries with
+            ``memory=`` or ids).
         reducer: ``None`` (default: ``Σ / N``, the paper's), ``mean()`` (``Σ`` over the number
             of pairs summed, ``N²`` without ids or a queue) or ``sum()``.
         memory: ``None`` or a queue of earlier steps' ``emb_b`` rows
