@@ -1649,8 +1649,9 @@ def reduce(
         lse, n_pos, pos_sum = st[f"{side}_lse"], st[f"{side}_pos"], st[f"{side}_pos_sum"]
         has = (n_pos > 0).to(lse.dtype)
         terms = (lse - pos_sum / n_pos.clamp_min(1.0)) * has
-        den = total[f"{side}_has"].expand_as(has)
-        coef = (ratio(has, den) if reducer == "mean" else has) * 0.5
+        # the mean over the sides' rows with a positive (has is 0 wherever that count is 0)
+        coef = has / total[f"{side}_has"].clamp_min(1.0) if reducer == "mean" else has
+        coef = coef * 0.5
         loss = matmul(coef, terms) if loss is None else loss + matmul(coef, terms)
         out += [lse, n_pos, coef]
     assert loss is not None  # two sides
