@@ -220,6 +220,34 @@ def test_exact_duplicates_give_bitwise_equal_rows_and_columns(distance, dtype):
         assert m[3, 5] == 0 and m[0, 39] == 0
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_self_matrix_with_nothing_near_skips_the_tie_search(monkeypatch, normalize):
+    """A Euclidean self-matrix whose near entries were read and are none has no duplicated rows
+    (a copy is at d² ≈ 0, far below the threshold), so the tie search does not run; with a
+    copy it runs and ties the copies; a cross matrix always searches (copies within one side
+    need not be near the other side)."""
+    import pmlfunc.distances as pfd
+
+    calls = []
+    ties = pfd._ties
+
+    def spy(x):
+        calls.append(x.shape)
+        return ties(x)
+
+    monkeypatch.setattr(pfd, "_ties", spy)
+    distance = pf.distances.lp(normalize=normalize)
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(0)) * 3
+    m = distance.matrix(x)
+    assert calls == [] and torch.equal(m.diagonal(), torch.zeros(40))
+    distance.matrix(x, x[:20] + 1.0)  # cross: both sides searched
+    assert len(calls) == 2
+    calls.clear()
+    x[7] = x[2]
+    m = distance.matrix(x)
+    assert len(calls) == 1 and torch.equal(m[2], m[7]) and torch.equal(m[:, 2], m[:, 7])
+
+
 @pytest.mark.parametrize("scale", [None, 2.5])
 @pytest.mark.parametrize(
     "distance",
