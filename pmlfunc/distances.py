@@ -250,24 +250,23 @@ def _exact_in_place(d2: Tensor) -> bool:
     return d2.device.type == "cpu" and torch.compiler.is_compiling() and not _ops.inside_transform()
 
 
-@torch.library.custom_op("pmlfunc::exact_entries_", mutates_args=("d2",), device_types="cpu")
-def _exact_entries_op(
-    d2: Tensor,
-    key: Tensor | None,
-    x: Tensor,
-    y: Tensor,
-    budget: int,
-    threshold: float,
-    self_mode: bool,
-    ties: bool,
-) -> None:
-    out = _exact_entries(d2, key, x, y, budget, threshold, self_mode, ties)
-    assert out.data_ptr() == d2.data_ptr()  # in place (eager, outside transforms)
+def _exact_entries_in_place(*args) -> None:
+    """:func:`_exact_entries` with its arguments as given, ``d2`` (the first) written in place
+    (eager, outside transforms: it returns its input)."""
+    assert _exact_entries(*args).data_ptr() == args[0].data_ptr()
 
 
-@_exact_entries_op.register_fake
-def _(d2, key, x, y, budget, threshold, self_mode, ties) -> None:
-    return None
+# _exact_entries' arguments, spelled once here as the operator's schema (not re-declared as a
+# second annotated signature)
+_exact_entries_op = torch.library.custom_op(
+    "pmlfunc::exact_entries_",
+    _exact_entries_in_place,
+    mutates_args=("d2",),
+    device_types="cpu",
+    schema="(Tensor(a!) d2, Tensor? key, Tensor x, Tensor y, SymInt budget, float threshold, "
+    "bool self_mode, bool ties) -> ()",
+)
+_exact_entries_op.register_fake(lambda *args: None)
 
 
 def _euclid_weights(g: Tensor, d: Tensor, squared: bool) -> Tensor:
