@@ -489,15 +489,55 @@ class _ListedEuclidean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, g_diff):
         x, y, i, j, d, diff = ctx.saved_tensors
-        rows = g_diff
-        if g is not None:
-            rows = diff * _euclid_weights(g, d, ctx.squared).unsqueeze(-1)
-            rows = rows if g_diff is None else rows + g_diff
+        rows = _difference_grads(g, g_diff, d, diff, ctx.squared)
         if rows is None:  # neither output reached the loss
             return None, None, None, None, None
         # ∂/∂y_j = rows, ∂/∂x_i = −rows (summed over the K partners of x_i)
         gx, gy = _scatter_rows(x, y, i, j, rows, rows, -1.0)
         return gx, gy, None, None, None
+
+
+def _difference_grads(
+    g: Tensor | None, g_diff: Tensor | None, d: Tensor, diff: Tensor, squared: bool
+) -> Tensor | None:
+    """The gradient of row differences ``diff = y − x`` from those of their norms ``d`` (or
+    squares) and of the differences themselves (either ``None``: did not reach the loss):
+    ``diff · ∂L/∂d / d + g_diff``, 0 (not NaN) at ``d = 0``."""
+    if g is None:
+        return g_diff
+    rows = diff * _euclid_weights(g, d, squared).unsqueeze(-1)
+    return rows if g_diff is None else rows + g_diff
+
+
+class _PackagedEuclidean(torch.autograd.Function):
+    """``(‖x_{t,k} − x_{t,0}‖, x_{t,k} − x_{t,0})`` for ``k = 1, 2`` of packaged rows ``x``
+    ``(T, 3, D)`` (``squared``: the squared norm): each triplet's anchor against its positive
+    and its negative, both ``(T, 2)`` distances from one subtraction of strided views (no
+    gather). The backward writes the three rows' gradients as one concatenation, ``(−Σ_k r_k,
+    r_1, r_2)``: no zero buffer and no scattered add (:class:`_ListedEuclidean` otherwise).
+    Written in differentiable ops: higher derivatives work."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, squared: bool) -> tuple[Tensor, Tensor]:
+        diff = x[..., 1:, :] - x[..., :1, :]
+        d = (diff * diff).sum(-1) if squared else torch.linalg.vector_norm(diff, dim=-1)
+        return d, diff
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.squared = inputs[1]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*output)
+
+    @staticmethod
+    def backward(ctx, g, g_diff):
+        d, diff = ctx.saved_tensors
+        rows = _difference_grads(g, g_diff, d, diff, ctx.squared)
+        if rows is None:
+            return None, None
+        return torch.cat([rows.sum(-2, keepdim=True).neg_(), rows], dim=-2), None
 
 
 def safe_euclidean(
@@ -630,6 +670,12 @@ class Distance:
         u, v = _ops.apply(_GatherRows, x, y, i, j)
         return self._pairs(u, v)
 
+    def _packaged_pairs(self, x: Tensor) -> Tensor:
+        """``(T, 2)`` distances of packaged rows ``x`` ``(T, 3, D)``: each triplet's anchor
+        ``x[t, 0]`` against ``x[t, 1]`` and ``x[t, 2]`` (:class:`~pmlfunc.tuples.PackagedTriplets`),
+        from strided views of the rows (:meth:`indexed_pairs` would gather them)."""
+        return self._pairs(x[..., :1, :], x[..., 1:, :])
+
     def rows(
         self,
         anchors: Tensor,
@@ -746,6 +792,12 @@ class _Lp(_Budgeted):
             return super()._indexed_pairs(x, y, i, j)
         x, y = self._normalized(x, y)
         d, _ = _ops.apply(_ListedEuclidean, x, y, i, j, self.power == 2)
+        return d
+
+    def _packaged_pairs(self, x: Tensor) -> Tensor:
+        if self.p != 2 or self.power not in (1, 2):
+            return super()._packaged_pairs(x)
+        d, _ = _ops.apply(_PackagedEuclidean, self._normalized(x, None)[0], self.power == 2)
         return d
 
     def _pairs(self, x: Tensor, y: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from .tuples import (
     CUBE_BLOCK,
     MinedPairs,
     MinedTriplets,
+    PackagedTriplets,
     TripletMask,
     TripletWindow,
     random_subset,
@@ -798,12 +799,13 @@ def distance_weighted(
 
 def embeddings_already_packaged_as_triplets(
     embeddings: Tensor, labels: Tensor | None = None
-) -> MinedTriplets:
+) -> PackagedTriplets:
     r"""Rows ``(3i, 3i+1, 3i+2)`` are the triplet ``(anchor, positive, negative)`` (PML
     ``EmbeddingsAlreadyPackagedAsTriplets``). ``labels`` are not read.
 
     Returns:
-        :class:`~pmlfunc.tuples.MinedTriplets` of length ``B // 3``.
+        :class:`~pmlfunc.tuples.PackagedTriplets` (a ``MinedTriplets`` that losses read as
+        strided views of the rows) of length ``B // 3``.
 
     Example:
         >>> emb = torch.randn(6, 4)
@@ -817,6 +819,4 @@ def embeddings_already_packaged_as_triplets(
         )
     if labels is not None:
         _checks.labels(labels, b, embeddings.device)
-    a = torch.arange(0, b, 3, device=embeddings.device)
-    cd = _checks.compute_dtype(embeddings.dtype)
-    return MinedTriplets(a, a + 1, a + 2, torch.ones(a.shape, dtype=cd, device=embeddings.device))
+    return PackagedTriplets.of(b, embeddings.device, _checks.compute_dtype(embeddings.dtype))

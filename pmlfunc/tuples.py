@@ -9,6 +9,7 @@ shapes that depend on shapes only:
 |---|---|---|
 | :class:`MinedPairs` | ``(B, M)`` positive / negative pair multiplicities | pair miners |
 | :class:`MinedTriplets` | ``(L,)`` anchor / positive / negative indices and a 0/1 ``valid`` weight | batch-hard, distance-weighted, any triplet miner with ``tuples_per_anchor`` |
+| :class:`PackagedTriplets` | a ``MinedTriplets`` known to be rows ``(3i, 3i+1, 3i+2)``, every slot valid | ``embeddings_already_packaged_as_triplets`` |
 | :class:`TripletWindow` | all triplets with ``low < e_an − e_ap ≤ high``, never enumerated | ``triplet_margin`` |
 | :class:`TripletMask` | a ``(B, M, M)`` boolean triplet mask | ``angular`` |
 
@@ -36,6 +37,7 @@ __all__ = [
     "MINED_TYPES",
     "MinedPairs",
     "MinedTriplets",
+    "PackagedTriplets",
     "TripletMask",
     "TripletWindow",
     "WindowSearch",
@@ -230,6 +232,27 @@ class MinedTriplets(NamedTuple):
         return self.anchors[keep].long(), self.positives[keep].long(), self.negatives[keep].long()
 
 
+class PackagedTriplets(MinedTriplets):
+    """:class:`MinedTriplets` whose triplet ``i`` is rows ``(3i, 3i+1, 3i+2)`` of ``3T`` rows,
+    every slot valid: what :func:`~pmlfunc.miners.embeddings_already_packaged_as_triplets`
+    returns. A loss given them on their rows reads the ``(T, 3, D)`` view of the rows (each
+    anchor against the next two rows, no gather and no scattered add; as
+    ``F.triplet_margin_loss`` on ``e[0::3], e[1::3], e[2::3]``) and checks their range on
+    shapes alone; anywhere else they are a ``MinedTriplets``. :meth:`_replace` returns a plain
+    ``MinedTriplets``: fields replaced are no longer known to be packaged."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, rows: int, device: torch.device | None, dtype: torch.dtype) -> PackagedTriplets:
+        """The ``rows // 3`` triplets of ``rows`` packaged rows, ``valid`` of ``dtype``."""
+        a = torch.arange(0, rows, 3, device=device)
+        return cls(a, a + 1, a + 2, torch.ones(a.shape, dtype=dtype, device=device))
+
+    def _replace(self, **fields: Tensor) -> MinedTriplets:  # type: ignore[override]
+        return MinedTriplets(*self)._replace(**fields)
+
+
 class TripletWindow(NamedTuple):
     r"""Every triplet ``(a, p, n)`` with ``pos[a, p]``, ``neg[a, n]`` and
     ``low < e_an − e_ap ≤ high``, held implicitly (``O(B·M)`` memory for ``O(B·M²)`` triplets).
@@ -389,7 +412,11 @@ def check_mined(result: object, shape: tuple[int, int]):
                 raise TypeError(
                     f"indices_tuple.{name} must be an int32 or int64 index tensor, got {t.dtype}"
                 )
-        if not _all_below(fields[:3], min(b, m)):  # else each field, for the first offender
+        # packaged rows 0 .. 3T - 1 are in range when there are as many rows (shapes alone)
+        packaged = isinstance(result, PackagedTriplets) and 3 * fields[0].shape[0] <= min(b, m)
+        if not packaged and not _all_below(
+            fields[:3], min(b, m)
+        ):  # else each field, for the first offender
             for name, t, size in zip(_TRIPLET_FIELDS, fields, (b, m, m), strict=False):
                 _checks.in_range(t, 0, size, f"indices_tuple.{name}", f"for {size} rows")
         return result

@@ -31,11 +31,12 @@ from suites import core, structured
 from suites.core import CoreLoss, assert_near_duplicate_rows_match_float64
 from suites.pml3 import Pml3Loss, clustered
 from suites.structured import StructuredLoss, assert_no_pair_by_pair_or_triplet_buffers
-from tracking import LargestTensor
+from tracking import DispatchedOps, LargestTensor
 
 import pmlfunc as pf
 import pmlfunc.reducers as pfr
 from pmlfunc.losses import margin, margin_init, selectively_contrastive_triplet, triplet_margin
+from pmlfunc.tuples import MinedTriplets, PackagedTriplets
 
 
 class TestTripletMargin(CoreLoss):
@@ -513,14 +514,78 @@ def test_given_triplets_empty_tuple(monkeypatch, gen):
     assert want[0] == 0
 
 
-def test_given_triplets_row_path_on_meta_compiled_and_under_torch_func(gen):
-    """The row path (swap, self mode, packaged triplets) runs on device="meta", compiles in one
-    graph and equals autograd under torch.func.grad and vmap."""
+_ROW_GATHERS = {"index_select", "index_add_", "index_add", "index", "index_put_", "gather"}
+
+
+@pytest.mark.parametrize("dist", list(core.DISTANCES))
+@pytest.mark.parametrize("loss", ["triplet_margin", "margin"])
+def test_packaged_triplets_read_the_rows_view_with_the_values_of_their_indices(loss, dist, gen):
+    """A miner's packaged triplets (rows 3t, 3t+1, 3t+2) give the values and gradients (float64)
+    of the same indices as a plain MinedTriplets, whose rows are gathered, for every distance;
+    with the Euclidean distance (p = 2, power 1 or 2) neither pass gathers or scatters a row."""
+    emb = randn(gen, 3 * 7, 5)
+    emb[3] = emb[4]  # an exact tie (d_ap = 0): the gradient's 0 there, not NaN
+    packaged = pf.miners.embeddings_already_packaged_as_triplets(emb)
+    assert isinstance(packaged, PackagedTriplets)
+    d = core.DISTANCES[dist][0]()
+
+    def run(mined):
+        if loss == "margin":
+            return lambda e: margin(e, torch.arange(e.shape[0]), indices_tuple=mined, distance=d)
+        return lambda e: triplet_margin(e, indices_tuple=mined, distance=d, margin=0.3)
+
+    with DispatchedOps() as rec:
+        got = value_and_grads(run(packaged), emb)
+    want = value_and_grads(run(MinedTriplets(*packaged)), emb)
+    assert_same(got, want, **core.TOL[F64])
+    assert torch.isfinite(got[1][0]).all()
+    if dist in ("lp", "lp_sq", "lp_raw"):
+        assert not _ROW_GATHERS & set(rec.names), rec.names
+
+
+def test_packaged_triplets_not_over_their_own_rows_are_read_by_index(gen):
+    """Packaged triplets the strided view cannot serve give their indices' values all the same:
+    over more rows than they cover (a miner's 9 rows in a batch of 12), with swap, with a
+    reference set; a packaged result whose fields are replaced (or cut to a chunk of anchors)
+    is a plain MinedTriplets, its indices no longer known packaged; over fewer rows than they
+    cover, an IndexError naming the field."""
+    emb, ref = randn(gen, 12, 5), randn(gen, 12, 5)
+    packaged = pf.miners.embeddings_already_packaged_as_triplets(emb[:9])
+    plain = MinedTriplets(*packaged)
+    for rows, kw in ((emb, {}), (emb[:9], {"swap": True}), (emb[:9], {"ref_emb": ref})):
+        got, want = (
+            value_and_grads(
+                lambda e, m=mined, kw=kw: triplet_margin(e, indices_tuple=m, margin=2.0, **kw),
+                rows,
+            )
+            for mined in (packaged, plain)
+        )
+        assert_same(got, want, **core.TOL[F64])
+    holed = packaged._replace(valid=torch.tensor([1.0, 0.0, 1.0], dtype=F64))
+    assert type(holed) is MinedTriplets and type(packaged.for_rows((0, 4))) is MinedTriplets
+    with pytest.raises(IndexError, match=r"indices_tuple\.anchors"):
+        triplet_margin(emb[:6], indices_tuple=packaged)
+
+
+def test_packaged_euclidean_has_second_derivatives():
+    """The packaged rows' Euclidean distances (plain and squared) pass gradcheck and
+    gradgradcheck in float64: the backward is written in differentiable ops."""
+    x = torch.randn(4, 3, 5, dtype=F64, requires_grad=True)
+    for d in (pf.distances.lp(normalize=False), pf.distances.lp(power=2)):
+        torch.autograd.gradcheck(d._packaged_pairs, (x,))
+        torch.autograd.gradgradcheck(d._packaged_pairs, (x,))
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["rows-view", "swap"])
+def test_given_triplets_row_path_on_meta_compiled_and_under_torch_func(swap, gen):
+    """The row path (self mode, packaged triplets: their rows' view, and with swap their
+    indices) runs on device="meta", compiles in one graph and equals autograd under
+    torch.func.grad and vmap."""
     emb = randn(gen, 3 * 8, 6, dtype=F32)
 
     def loss(e):
         mined = pf.miners.embeddings_already_packaged_as_triplets(e)
-        return triplet_margin(e, indices_tuple=mined, swap=True, margin=0.5)
+        return triplet_margin(e, indices_tuple=mined, swap=swap, margin=0.5)
 
     meta = torch.randn(3 * 8, 6, device="meta", requires_grad=True)
     out = loss(meta)

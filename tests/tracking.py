@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -26,12 +28,14 @@ class LargestTensor(TorchDispatchMode):
 class DispatchedOps(TorchDispatchMode):
     """``with DispatchedOps() as rec: ...`` then ``rec.count`` is the number of aten ops
     dispatched (forward and backward): on a CPU each costs a few µs of overhead, more after a
-    large op has evicted the caches."""
+    large op has evicted the caches. ``rec.names`` counts them by name (``"index_select"``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.names: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.names[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))

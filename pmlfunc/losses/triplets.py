@@ -60,6 +60,7 @@ from ..reducers import (
 )
 from ..tuples import (
     MinedTriplets,
+    PackagedTriplets,
     TripletMask,
     TripletWindow,
     as_triplets,
@@ -141,17 +142,20 @@ def _triplet_margin_terms(batch: Batch, *, margin, swap, smooth_loss) -> dict[st
     if listed is not None:  # only the listed pairs' distances: O(L·D), not the B × M matrix
         t = listed.for_rows(batch.rows)
         a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
-        d_ap, d_an, d_pn = listed_distances(batch, a, p, n, swap=swap)
+        packaged = isinstance(t, PackagedTriplets)
+        d_ap, d_an, d_pn = listed_distances(batch, a, p, n, swap=swap, packaged=packaged)
         e_ap, e_an = (d_ap, d_an) if sign == 1.0 else (-d_ap, -d_an)  # (no pass for +1)
         if d_pn is not None:  # swap
             e_an = torch.minimum(e_an, d_pn if sign == 1.0 else -d_pn)
         x = e_ap - e_an + scalar_like(margin, e_ap)
         losses = F.softplus(x) if smooth_loss else F.relu(x)
         weights = t.valid.to(losses.dtype)
-        # a PML tuple's slots are all valid; a miner's result says so in its values, which
-        # CPU eager reads for free (the weighted mean's eight ops each way become one)
+        # a PML tuple's and packaged triplets' slots are all valid; a miner's result says so in
+        # its values, which CPU eager reads for free (the weighted mean's eight ops each way
+        # become one)
         unit = batch.rows is None and (
-            not isinstance(batch.indices_tuple, MinedTriplets)
+            packaged
+            or not isinstance(batch.indices_tuple, MinedTriplets)
             or (readable(weights) and weights.numel() > 0 and float(weights.amin()) == 1.0)
         )
         terms: Terms = DenseTerms(
@@ -220,7 +224,13 @@ def row_path(batch: Batch, pairs: int) -> bool:
 
 
 def listed_distances(
-    batch: Batch, a: Tensor, p: Tensor, n: Tensor, *, swap: bool = False
+    batch: Batch,
+    a: Tensor,
+    p: Tensor,
+    n: Tensor,
+    *,
+    swap: bool = False,
+    packaged: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(d_ap, d_an, d_pn)`` of ``T`` listed triplets (``d_pn`` with ``swap`` only, else
     ``None``), the matrix's entries (unoriented: a similarity is ``s``).
@@ -229,7 +239,11 @@ def listed_distances(
     from the listed rows only: the rows normalised once (:meth:`Batch._unit_rows`) and the pairs
     gathered in one call of :meth:`~pmlfunc.distances.Distance.indexed_pairs` (each anchor's
     row once for its two pairs), ``O(T·D)`` each way and one zero buffer of the batch's shape
-    in the backward. Otherwise one gather from the matrix. With a reference set, ``d_pn`` is
+    in the backward. ``packaged`` triplets (:class:`~pmlfunc.tuples.PackagedTriplets`: rows
+    ``(3t, 3t+1, 3t+2)`` of ``3T`` rows, no reference set, no ``swap``) are read from the
+    ``(T, 3, D)`` view of the rows instead, gathering nothing
+    (:meth:`~pmlfunc.distances.Distance._packaged_pairs`). Otherwise one gather from the
+    matrix. With a reference set, ``d_pn`` is
     between reference rows (``distance(ref_emb, ref_emb)[p, n]``; PML indexes the
     query-by-reference matrix at ``[p, n]``, a documented difference), always from the rows:
     no matrix holds it."""
@@ -242,6 +256,10 @@ def listed_distances(
     if row_path(batch, 3 * t if self_swap else 2 * t):
         # (the batch's inputs are checked: the distance's own part, without its checks)
         x, ref, plain = batch._unit_rows()
+        if packaged and not swap and batch.ref_emb is None and x.shape[0] == 3 * t:
+            rows = x.view(t, 3, x.shape[-1])
+            d_ap, d_an = _guarded(batch, plain._packaged_pairs(rows)).unbind(-1)
+            return d_ap, d_an, None
         values = _guarded(
             batch, plain._indexed_pairs(x, None if batch.ref_emb is None else ref, i, j)
         )
@@ -716,7 +734,7 @@ def _margin_terms(
     if listed is not None:
         t = listed.for_rows(batch.rows)
         a, p, n = t.anchors.long(), t.positives.long(), t.negatives.long()
-        d_ap, d_an, _ = listed_distances(batch, a, p, n)
+        d_ap, d_an, _ = listed_distances(batch, a, p, n, packaged=isinstance(t, PackagedTriplets))
         w = t.valid.to(d_ap.dtype)
         b_t = beta_v[a] if per_class else beta_v
         pos_l, neg_l = _margin_parts(d_ap, d_an, b_t, alpha, s)
