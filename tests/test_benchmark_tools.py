@@ -4,7 +4,9 @@ asserted)."""
 
 from __future__ import annotations
 
+import argparse
 import csv
+import itertools
 import json
 import xml.etree.ElementTree as ET
 
@@ -704,6 +706,23 @@ def test_matryoshka_cases_time_every_member_checked_against_the_naive_sum(tmp_pa
     for case in ("matryoshka-ntxent", "matryoshka-clip"):
         assert results[(case, "pmlfunc-matryoshka")]["checked_against"] == "pmlfunc-naive-dense"
         assert results[(case, "pmlfunc-naive")]["stats"]["median"] > 0
+
+
+def test_rounds_rotate_so_that_each_member_follows_each_other_one_alike():
+    """Round r starts at member r mod n: over n rounds every member runs after every other
+    member once (a fixed order made the first member always follow the floor's cold caches)."""
+    order: list[int] = []
+
+    def timer(i):
+        return lambda: order.append(i) or (1.0, 1.0)
+
+    prepared = [({"kind": "loss", "mode": "eager"}, timer(i)) for i in range(3)]
+    args = argparse.Namespace(warmup=1, repeats=5, threads=1)
+    records = run.time_rounds(prepared, args)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2, 1, 2, 0, 2, 0, 1]
+    follows = {(a, b) for a, b in itertools.pairwise(order) if a != b}
+    assert follows == {(a, b) for a in range(3) for b in range(3) if a != b}
+    assert all(len(r["total_ms"]) == 5 for r in records)
 
 
 def test_toggle_times_each_pmlfunc_member_once_per_value_and_restores_the_attribute(
