@@ -249,17 +249,20 @@ def listed_distances(
     no matrix holds it."""
     t = a.shape[0]
     self_swap = swap and batch.ref_emb is None
+    on_rows = row_path(batch, 3 * t if self_swap else 2 * t)
+    if on_rows and packaged and not swap and batch.ref_emb is None:
+        # (the batch's inputs are checked: the distance's own part, without its checks)
+        x, _, plain = batch._unit_rows()
+        if x.shape[0] == 3 * t:
+            rows = x.view(t, 3, x.shape[-1])
+            d_ap, d_an = _guarded(batch, plain._packaged_pairs(rows)).unbind(-1)
+            return d_ap, d_an, None
     if self_swap:  # (a, p), (a, n), (p, n): three lists of pairs
         i, j = torch.cat([a, a, p]), torch.cat([p, n, n])
     else:  # each anchor against its positive and its negative
         i, j = a, torch.stack([p, n])
-    if row_path(batch, 3 * t if self_swap else 2 * t):
-        # (the batch's inputs are checked: the distance's own part, without its checks)
+    if on_rows:
         x, ref, plain = batch._unit_rows()
-        if packaged and not swap and batch.ref_emb is None and x.shape[0] == 3 * t:
-            rows = x.view(t, 3, x.shape[-1])
-            d_ap, d_an = _guarded(batch, plain._packaged_pairs(rows)).unbind(-1)
-            return d_ap, d_an, None
         values = _guarded(
             batch, plain._indexed_pairs(x, None if batch.ref_emb is None else ref, i, j)
         )
