@@ -65,6 +65,7 @@ import contextlib
 import importlib
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -412,20 +413,20 @@ def _timer(step: _Step, replay: Callable[[], Any] | None, device: torch.device) 
 def time_rounds(prepared: list[tuple[dict[str, Any], Timer | None]], args) -> list[dict[str, Any]]:
     """Time the prepared members of one case in rounds, one step of each member per round
     (``args.warmup`` rounds untimed, then ``args.repeats``): a slow drift of the machine's speed
-    falls on every member alike instead of on whichever ran last, so their ratios hold. Round
-    ``r`` starts at member ``r mod n``: over ``n`` rounds each member follows each other one
-    once (a step's cost depends on what ran before it: after the floor's large product its small
-    ops and its inputs are cold, after a member that read the same inputs they are warm; in a
-    fixed order the first member of a case always paid for the floor). Returns the finished
-    records, in order."""
+    falls on every member alike instead of on whichever ran last, so their ratios hold. Each
+    round runs the members in a fresh order (shuffled, seeded): a step's cost depends on what
+    ran before it (after the floor's large product its small ops and its inputs are cold, after
+    a member that read the same inputs they are warm), and in a fixed order the member after
+    the floor, a case's first, always paid for it. Returns the finished records, in order."""
     timed = [i for i, (_, timer) in enumerate(prepared) if timer is not None]
     samples: dict[int, list[tuple[float, float]]] = {i: [] for i in timed}
     failed: dict[int, dict[str, Any]] = {}
     with C.set_threads(args.threads):
+        rng = random.Random(0)
         for round_ in range(args.warmup + args.repeats):
             order = list(samples)
-            start = round_ % len(order) if order else 0
-            for i in order[start:] + order[:start]:
+            rng.shuffle(order)
+            for i in order:
                 timer = prepared[i][1]
                 assert timer is not None
                 try:
