@@ -239,7 +239,9 @@ class PackagedTriplets(MinedTriplets):
     anchor against the next two rows, no gather and no scattered add; as
     ``F.triplet_margin_loss`` on ``e[0::3], e[1::3], e[2::3]``) and checks their range on
     shapes alone; anywhere else they are a ``MinedTriplets``. :meth:`_replace` returns a plain
-    ``MinedTriplets``: fields replaced are no longer known to be packaged."""
+    ``MinedTriplets``: fields replaced are no longer known to be packaged. The type is the
+    promise: fields changed another way (a tree map over the result's tensors) must be made a
+    ``MinedTriplets(*fields)`` first, or they are still read as the packaged rows."""
 
     __slots__ = ()
 

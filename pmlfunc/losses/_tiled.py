@@ -1065,8 +1065,9 @@ def walk_forward(
                 memo["probs"] = nested.take(f"probs{k}", r1 - r0)  # the width's gradient
             if sink is None:
                 _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, memo=memo)
-            elif kind == "clip":  # one tile: its columns' statistics are complete in it
-                _clip_whole_grad_(s, pos, at.eye, accs[k], memo["base2"], sink, n)
+            elif kind == "clip":  # one tile: its ∂S once the reduction has its columns' stats
+                held = _clip_whole_(s, pos, at.eye, accs[k], memo["base2"])
+                sink.held = (*held, pos, at.eye)
             else:
                 local = functools.partial(_row_weight, kind, sink.reducer)
                 ds = _fold_tile_(kind, s, pos, neg, accs[k], tile_lse, final, at, local, memo)
@@ -1262,16 +1263,6 @@ def _clip_whole_(
     acc.parts["row_lse"].append(lse_r)
     acc.col_lse = lse_c
     return p_r, p_c
-
-
-def _clip_whole_grad_(s: Tensor, pos, eye: int | None, acc: _Partials, base2: bool, sink, n: int):
-    """CLIP over one tile of all ``n`` rows that forms its gradient (:func:`_clip_whole_`, then
-    :func:`_clip_whole_ds_` from the tile's reduced statistics, its columns complete): into
-    ``sink``, a :class:`_GradSums`, before the cotangent."""
-    held = _clip_whole_(s, pos, eye, acc, base2)
-    st = acc.result(False, True)
-    _, stats = reduce("clip", st, sink.reducer, counts("clip", st, n))
-    sink.add(_clip_whole_ds_(*held, pos, eye, stats[:3], stats[3:]), 0, n)
 
 
 def _clip_whole_ds_(p_r: Tensor, p_c: Tensor | None, pos, eye: int | None, row, col) -> Tensor:
@@ -1730,8 +1721,9 @@ class _GradSums:
     :meth:`add` takes one tile's ``∂L/∂S``: the backward's recomputed tiles, or the forward's
     when it forms the gradient as it goes (:func:`block_forward` with ``grads``: each row's
     weight local, :func:`_row_weight`, the global factor applied once after the walk). ``held``:
-    the retrieval kind's one tile (``doc_columns``), kept by the forward until the columns'
-    statistics are complete."""
+    CLIP's and the retrieval kind's (``doc_columns``) one tile, kept by the forward walk until
+    the reduction of its statistics, whose columns are complete only after it
+    (:func:`fused_loss`)."""
 
     def __init__(self, x: Tensor, y: Columns, needs, into: Tensor | None = None, reducer=None):
         self.x, self.y, self.needs, self.reducer = x, y, needs, reducer
@@ -2069,10 +2061,14 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     total = counts(kind, st, x.shape[-2])
     loss, stats = reduce(kind, st, reducer, total)
     glob: float | Tensor = 1.0
-    if isinstance(kind, Retrieval) and sums.held is not None:  # one tile, columns complete
-        held, at = sums.held
-        sums.held = None
-        sums.add(_retrieval_whole_ds_(kind, held, stats, at), 0, x.shape[-2])
+    if sums.held is not None:  # one tile, held until its columns' statistics were reduced
+        held, sums.held = sums.held, None
+        if kind == "clip":  # (its statistics carry the weights: glob stays 1)
+            p_r, p_c, pos, eye = held
+            ds = _clip_whole_ds_(p_r, p_c, pos, eye, stats[:3], stats[3:])
+        else:
+            ds = _retrieval_whole_ds_(kind, held[0], stats, held[1])
+        sums.add(ds, 0, x.shape[-2])
     elif _ranked(kind):  # reduce's batch weight, the second statistic
         glob = stats[1]
     elif kind == "ntxent" or kind_name(kind) == "siglip":  # reduce's batch weight, the last
