@@ -585,7 +585,11 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
     """Dense self-mode NT-Xent (one tile of all the rows, ``g`` small enough to stay in cache):
     the rows' and the columns' gradients from one product, ``(∂S + ∂Sᵀ) x``: two ``N² D``
     products in all, forward and backward (a learnable temperature's gradient from the same
-    product); with ``chunk_size`` each tile multiplies twice."""
+    product). With ``chunk_size`` (n = 4 tiles of 64 rows at D = 32, CPU eager) the backward's
+    ``2n²`` block products become ``2n² − 3n + 2``: each diagonal block once, ``(G_tt + G_ttᵀ)
+    x_t``, and each pair of neighbouring tiles' blocks twice, ``V = G_ut + G_tuᵀ`` (the first
+    block kept a tile); with a learnable temperature (its gradient reads every block's product),
+    or tiles too small to pay for the split (16 rows at D = 8), each tile multiplies twice."""
     from torch.utils.flop_counter import FlopCounterMode
 
     n, d = 64, 8
@@ -604,7 +608,57 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
         return counter.get_total_flops()
 
     assert flops() == 2 * (2 * n * n * d)
-    assert flops(chunk_size=16) == 3 * (2 * n * n * d)
+    assert flops(chunk_size=16) == 3 * (2 * n * n * d)  # small tiles: two products each
+    n, d = 256, 32
+    emb = torch.randn(n, d, generator=torch.Generator().manual_seed(3), dtype=F64)
+    labels = torch.arange(n) // 4
+    tiles, block = 4, 2 * 64 * 64 * d
+    backward = 2 * tiles**2 if temperature == "learnable" else 2 * tiles**2 - 3 * tiles + 2
+    assert flops(chunk_size=64) == (tiles**2 + backward) * block
+
+
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name, monkeypatch):
+    """Tiles large enough to split their products (64 rows at D = 32: each diagonal block once,
+    neighbouring tiles' blocks met as G_ut + G_tuᵀ; 300 rows, a shorter last tile) give the
+    dense call's gradient in float64, every tile through the split."""
+    split = []
+    real = _tiled._GradSums._add_self_tile
+
+    def spy(self, ds, r0, r1):
+        split.append((r0, r1))
+        return real(self, ds, r0, r1)
+
+    monkeypatch.setattr(_tiled._GradSums, "_add_self_tile", spy)
+    emb = torch.randn(300, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
+    labels = torch.arange(300) // 3
+
+    def grad(**kw):
+        x = emb.clone().requires_grad_()
+        return torch.autograd.grad(getattr(pfl, name)(x, labels, **kw), x)[0]
+
+    dense = grad()
+    assert split == []
+    torch.testing.assert_close(grad(chunk_size=64), dense, rtol=1e-10, atol=1e-12)
+    assert split == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+
+
+def test_self_tiles_added_in_any_order_sum_to_the_whole_products_gradient():
+    """``_GradSums`` of self-mode tiles: whatever order the tiles come in (a block kept for a
+    tile that does not come next is multiplied on its own; one left at the end, by ``result``),
+    the gradient is ``(G + Gᵀ) x``."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 32, generator=gen, dtype=F64)
+    g = torch.randn(256, 256, generator=gen, dtype=F64)
+    for order in ([0, 1, 2, 3], [0, 2, 1, 3], [3, 2, 1, 0], [1, 0, 3, 2], [0, 1, 3, 2]):
+        into = torch.zeros_like(x)
+        sums = _tiled._GradSums(x, _tiled.Columns((x,)), (True, (True,), False, False), into)
+        for t in order:
+            r0, r1 = 64 * t, 64 * (t + 1)
+            assert sums._splits(r0, r1)
+            sums.add(g[r0:r1].clone(), r0, r1)
+        _, (gx,), _, _ = sums.result()
+        torch.testing.assert_close(gx, (g + g.T) @ x, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
