@@ -620,8 +620,8 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
 @pytest.mark.parametrize("name", ["ntxent", "supcon"])
 def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name, monkeypatch):
     """Tiles large enough to split their products (64 rows at D = 32: each diagonal block once,
-    neighbouring tiles' blocks met as G_ut + G_tuᵀ; 300 rows, a shorter last tile) give the
-    dense call's gradient in float64, every tile through the split."""
+    the blocks of the next two tiles met as G_ut + G_tuᵀ; 600 rows, ten tiles, a shorter
+    last one) give the dense call's gradient in float64, every tile through the split."""
     split = []
     real = _tiled._GradSums._add_self_tile
 
@@ -630,8 +630,8 @@ def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name,
         return real(self, ds, r0, r1)
 
     monkeypatch.setattr(_tiled._GradSums, "_add_self_tile", spy)
-    emb = torch.randn(300, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
-    labels = torch.arange(300) // 3
+    emb = torch.randn(600, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
+    labels = torch.arange(600) // 3
 
     def grad(**kw):
         x = emb.clone().requires_grad_()
@@ -640,25 +640,32 @@ def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name,
     dense = grad()
     assert split == []
     torch.testing.assert_close(grad(chunk_size=64), dense, rtol=1e-10, atol=1e-12)
-    assert split == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+    assert _tiled._kept_tiles(600, 64) == 2
+    assert split == [(r0, min(r0 + 64, 600)) for r0 in range(0, 600, 64)]
 
 
 def test_self_tiles_added_in_any_order_sum_to_the_whole_products_gradient():
-    """``_GradSums`` of self-mode tiles: whatever order the tiles come in (a block kept for a
-    tile that does not come next is multiplied on its own; one left at the end, by ``result``),
+    """``_GradSums`` of self-mode tiles (eight of 32 rows at D = 128, each keeping the next
+    two tiles' blocks): whatever order the tiles come in (a block kept for a tile that does
+    not come when expected is multiplied on its own; those left at the end, by ``result``),
     the gradient is ``(G + Gᵀ) x``."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(256, 32, generator=gen, dtype=F64)
+    x = torch.randn(256, 128, generator=gen, dtype=F64)
     g = torch.randn(256, 256, generator=gen, dtype=F64)
-    for order in ([0, 1, 2, 3], [0, 2, 1, 3], [3, 2, 1, 0], [1, 0, 3, 2], [0, 1, 3, 2]):
+    assert _tiled._kept_tiles(256, 32) == 2
+    shuffled = torch.randperm(8, generator=gen).tolist()
+    for order in (range(8), range(7, -1, -1), shuffled, [1, 0, 3, 2, 5, 4, 7, 6], [0, 2, 4, 6]):
         into = torch.zeros_like(x)
         sums = _tiled._GradSums(x, _tiled.Columns((x,)), (True, (True,), False, False), into)
+        rows = torch.zeros(256, dtype=torch.bool)
         for t in order:
-            r0, r1 = 64 * t, 64 * (t + 1)
+            r0, r1 = 32 * t, 32 * (t + 1)
             assert sums._splits(r0, r1)
             sums.add(g[r0:r1].clone(), r0, r1)
+            rows[r0:r1] = True
         _, (gx,), _, _ = sums.result()
-        torch.testing.assert_close(gx, (g + g.T) @ x, rtol=1e-12, atol=1e-12)
+        part = torch.where(rows.unsqueeze(-1), g, 0.0)  # the tiles' rows of G
+        torch.testing.assert_close(gx, (part + part.T) @ x, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
