@@ -11,6 +11,7 @@ import torch
 from helpers import with_and_without_bound
 
 import pmlfunc as pf
+import pmlfunc.reducers as pfr
 from pmlfunc.losses._tiled import nested_call
 from pmlfunc.testing import check_distributed
 
@@ -250,6 +251,54 @@ def test_one_product_costs_the_products_of_one_full_width_call(name):
         )
     )
     assert naive == pytest.approx(single * sum(DIMS) / max(DIMS), rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["ntxent", "supcon"])
+def test_one_product_self_mode_tiles_split_their_products_like_one_full_width_call(
+    name, monkeypatch
+):
+    """Self-mode tiles large enough to split (64 rows, blocks of 32 to 64 columns: each
+    width block's diagonal once, the next two tiles' blocks met as G_ut + G_tuᵀ;
+    600 rows, ten tiles) give the naive sum's loss and gradient in float64, every tile of every
+    block through the split, with the matmul FLOPs of one full-width call (SupCon's mean: its
+    default avg_nonzero walks twice)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tiled = pf.losses._tiled
+    split = []
+    real = tiled._self_tile_products_
+
+    def spy(into, x, ds, r0, r1, kept):
+        split.append((x.shape[-1], r0))
+        return real(into, x, ds, r0, r1, kept)
+
+    monkeypatch.setattr(tiled, "_self_tile_products_", spy)
+    kw = {"chunk_size": 64} if name == "ntxent" else {"chunk_size": 64, "reducer": pfr.mean()}
+    base, dims = functools.partial(getattr(L, name), **kw), (128, 64, 32)
+    labels = torch.arange(600) // 3
+    emb = _randn(600, 128, seed=7)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=F64)
+    nested = T.matryoshka(base, dims, weights)
+    (x,) = _leaves(emb)
+    got = nested(x, labels)
+    got = (got, _grads(got, [x]))
+    assert sorted(split) == sorted((w, r0) for w in (32, 32, 64) for r0 in range(0, 600, 64))
+    (x,) = _leaves(emb)
+    want = sum(w * base(x[:, :d], labels) for w, d in zip(weights, dims, strict=True))
+    _assert_same(got, (want, _grads(want, [x])))
+
+    def addmm_(into, a, b, *_, out_shape=None, **__):  # not in FlopCounterMode's table
+        return 2 * a[0] * a[1] * b[1]
+
+    def flops(fn):
+        (x,) = _leaves(emb)
+        with FlopCounterMode(
+            display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}
+        ) as counter:
+            torch.autograd.grad(fn(x, labels), x)
+        return counter.get_total_flops()
+
+    assert flops(nested) == flops(base)
 
 
 def test_one_product_walks_reuse_their_tile_buffers_and_give_the_numbers_of_fresh_ones(

@@ -1795,14 +1795,10 @@ class _GradSums:
 
     def _splits(self, r0: int, r1: int) -> bool:
         """Whether a tile of rows ``[r0, r1)`` goes to :meth:`_add_self_tile`: self mode with
-        one block (``into``), only the gradient of ``x`` asked for, raw columns, a tile whose
-        square block stays in cache (:data:`SELF_PRODUCT_FUSE_LIMIT`) and whose block products
-        cost more than the dozen ops the split adds (:data:`SPLIT_MIN_WORK`), CPU eager
-        (:func:`readable`: the transposed adds are cheap only there, and the kept block is
-        state between calls)."""
+        one block (``into``), only the gradient of ``x`` asked for, raw columns, a tile that
+        :func:`_splits_tile`."""
         need_rows, need_cols, need_scale, need_bias = self.needs
         x, y = self.x, self.y
-        c = r1 - r0
         return (
             self.into is not None
             and need_rows
@@ -1811,61 +1807,23 @@ class _GradSums:
             and y.inv is None
             and len(y.segments) == 1
             and y.segments[0] is x
-            and x.ndim == 2
-            and c * c <= SELF_PRODUCT_FUSE_LIMIT
-            and c * c * x.shape[-1] >= SPLIT_MIN_WORK
-            and readable(x)
+            and _splits_tile(x, r1 - r0, x.shape[-1])
         )
 
     def _add_self_tile(self, ds: Tensor, r0: int, r1: int) -> None:
-        """A self-mode tile's products with fewer of them: ``∂L/∂x`` is ``(G + Gᵀ) x``, and
-        the row walk holds ``G`` a block of rows at a time. Block ``(t, u)`` of ``G`` (rows of
-        tile ``t``, columns of tile ``u``) adds ``G_tu x_u`` to the rows of ``t`` and ``G_tuᵀ
-        x_t`` to those of ``u``: two products a block. The diagonal block takes one, ``(G_tt +
-        G_ttᵀ) x_t`` (a transposed add in cache). The blocks of the next ``k`` tiles' columns
-        (:func:`_kept_tiles`) are kept (copies) until their tile, whose own block of this
-        tile's columns meets each: ``V = G_ut + G_tuᵀ`` adds ``V x_t`` and ``Vᵀ x_u``, two
-        products for two blocks. With ``n`` tiles the backward's ``2n²`` block products lose
-        ``n + 2 Σ_{d ≤ k} (n − d)`` (4 of 8 at two tiles, 34 of 128 at eight); the forward's
-        ``n²`` are unchanged. A block kept for a tile that does not come next is multiplied on
-        its own (tiles in another order, or a shorter last tile: the same gradient)."""
-        x, into = self.x, self.gy[0]
+        """A self-mode tile's products, fewer of them (:func:`_self_tile_products_`)."""
+        into = self.gy[0]
         assert into is not None  # _splits: self mode, the rows' and columns' buffer
-        m = x.shape[-2]
-        done = [(r0, r1)]  # column ranges whose products are taken (the diagonal's below)
-        waiting = []
-        for p0, p1, q0, q1, kept in self.kept:
-            if q0 >= r1:  # for a later tile
-                waiting.append((p0, p1, q0, q1, kept))
-            elif (q0, q1) == (r0, r1):  # G_tu of an earlier tile t, this tile u
-                v = ds[:, p0:p1].add_(kept.transpose(-1, -2))
-                addmm_(into[r0:r1], v, x[p0:p1])
-                addmm_(into[p0:p1], v.transpose(-1, -2), x[r0:r1])
-                done.append((p0, p1))
-            else:  # not the tile it was kept for: its two products
-                _block_products_(into, kept, x, (p0, p1), (q0, q1))
-        into[r0:r1].add_(self_product_grad(ds[:, r0:r1], x[r0:r1]))
-        c = r1 - r0
-        for q0 in range(r1, min(m, r1 + _kept_tiles(m, c) * c), c):
-            q1 = min(m, q0 + c)  # the next tiles' columns, kept for them
-            waiting.append((r0, r1, q0, q1, ds[:, q0:q1].clone()))
-            done.append((q0, q1))
-        self.kept = waiting
-        start = 0
-        for c0, c1 in [*sorted(done), (m, m)]:  # the rest: two products a block
-            if c0 > start:
-                _block_products_(into, ds[:, start:c0], x, (r0, r1), (start, c0))
-            start = max(start, c1)
+        self.kept = _self_tile_products_(into, self.x, ds, r0, r1, self.kept)
 
     def result(self) -> Sums:
         """``(∂x or None, (∂segment or None, ...), ∂scale or None, ∂bias or None)``."""
         need_rows, need_cols, need_scale, need_bias = self.needs
         x, y = self.x, self.y
-        for p0, p1, q0, q1, kept in self.kept:  # blocks whose tile did not come
+        if self.kept:  # blocks whose tile did not come
             into = self.gy[0]
             assert into is not None  # (_add_self_tile's)
-            _block_products_(into, kept, x, (p0, p1), (q0, q1))
-        self.kept = []
+            self.kept = _kept_products_(into, x, self.kept)
         # what was asked for also without a tile (an empty rank's rows, on the ring): zeros
         gx = torch.cat(self.rows, dim=-2) if self.rows else None
         if gx is None and need_rows and self.into is None:
@@ -1888,6 +1846,72 @@ class _GradSums:
 # products a block (the split saves ~2 block products a tile and dispatches a dozen more ops,
 # ~40 µs on this CPU: at 128 x 128 x 8 a block product takes ~3 µs, at 256 x 256 x 128 ~400)
 SPLIT_MIN_WORK = 1 << 17
+
+
+Kept = list[tuple[int, int, int, int, Tensor]]  # blocks kept for later tiles: rows, columns, G
+
+
+def _self_tile_products_(into: Tensor, x: Tensor, ds: Tensor, r0: int, r1: int, kept: Kept) -> Kept:
+    """A self-mode tile ``ds`` (rows ``[r0, r1)`` of ``G = ∂L/∂S``, read only) into ``into``
+    (``∂L/∂x = (G + Gᵀ) x``), with fewer products than two a block; returns the blocks kept
+    for later tiles (``kept``: those kept so far).
+
+    Block ``(t, u)`` of ``G`` (rows of tile ``t``, columns of tile ``u``) adds ``G_tu x_u`` to
+    the rows of ``t`` and ``G_tuᵀ x_t`` to those of ``u``: two products a block. The diagonal
+    block takes one, ``(G_tt + G_ttᵀ) x_t`` (a transposed add in cache). The blocks of the next
+    ``k`` tiles' columns (:func:`_kept_tiles`) are kept (copies) until their tile, whose own
+    block of this tile's columns meets each: ``V = G_ut + G_tuᵀ`` adds ``V x_t`` and ``Vᵀ x_u``,
+    two products for two blocks. With ``n`` tiles the backward's ``2n²`` block products lose
+    ``n + 2 Σ_{d ≤ k} (n − d)`` (4 of 8 at two tiles, 34 of 128 at eight); the forward's ``n²``
+    are unchanged. A block kept for a tile that does not come when expected is multiplied on
+    its own (tiles in another order, or a shorter last tile: the same gradient)."""
+    m = x.shape[-2]
+    done = [(r0, r1)]  # column ranges whose products are taken (the diagonal's below)
+    waiting = []
+    for p0, p1, q0, q1, block in kept:
+        if q0 >= r1:  # for a later tile
+            waiting.append((p0, p1, q0, q1, block))
+        elif (q0, q1) == (r0, r1):  # G_tu of an earlier tile t, this tile u
+            v = ds[:, p0:p1] + block.transpose(-1, -2)
+            addmm_(into[r0:r1], v, x[p0:p1])
+            addmm_(into[p0:p1], v.transpose(-1, -2), x[r0:r1])
+            done.append((p0, p1))
+        else:  # not the tile it was kept for: its two products
+            _block_products_(into, block, x, (p0, p1), (q0, q1))
+    into[r0:r1].add_(self_product_grad(ds[:, r0:r1], x[r0:r1]))
+    c = r1 - r0
+    for q0 in range(r1, min(m, r1 + _kept_tiles(m, c) * c), c):
+        q1 = min(m, q0 + c)  # the next tiles' columns, kept for them
+        waiting.append((r0, r1, q0, q1, ds[:, q0:q1].clone()))
+        done.append((q0, q1))
+    start = 0
+    for c0, c1 in [*sorted(done), (m, m)]:  # the rest: two products a block
+        if c0 > start:
+            _block_products_(into, ds[:, start:c0], x, (r0, r1), (start, c0))
+        start = max(start, c1)
+    return waiting
+
+
+def _kept_products_(into: Tensor, x: Tensor, kept: Kept) -> Kept:
+    """The kept blocks whose tiles did not come, two products each (:func:`_self_tile_products_`);
+    returns none left."""
+    for p0, p1, q0, q1, block in kept:
+        _block_products_(into, block, x, (p0, p1), (q0, q1))
+    return []
+
+
+def _splits_tile(x: Tensor, c: int, width: int) -> bool:
+    """Whether a self-mode tile of ``c`` rows takes :func:`_self_tile_products_`: a square
+    block that stays in cache (:data:`SELF_PRODUCT_FUSE_LIMIT`) and block products of ``width``
+    columns of ``x`` that cost more than the dozen ops the split adds (:data:`SPLIT_MIN_WORK`),
+    CPU eager (:func:`readable`: the transposed adds are cheap only there, and the kept blocks
+    are state between tiles)."""
+    return (
+        x.ndim == 2
+        and c * c <= SELF_PRODUCT_FUSE_LIMIT
+        and c * c * width >= SPLIT_MIN_WORK
+        and readable(x)
+    )
 
 
 def _kept_tiles(m: int, c: int) -> int:
@@ -2150,7 +2174,8 @@ def fused_loss(kind, x, y, rows, cols, scale, bias, chunk, reducer, needs):
     """The loss of one block, its statistics and the gradient sums ``needs`` asks for (each
     times its global weight, before the cotangent and the logit scale; :func:`_slots` order), in
     one walk: each tile is computed once, its ``∂L/∂S`` formed while it is held (three products
-    a tile, the dense floor's). ``y``: :class:`Columns`, or ``None`` (self mode)."""
+    a tile, the dense floor's; fewer in self mode, :meth:`_GradSums._add_self_tile`). ``y``:
+    :class:`Columns`, or ``None`` (self mode)."""
     self_mode = y is None
     yy, cc = Columns((x,)) if self_mode else y, rows if cols is None else cols
     need_x, need_y, need_scale, need_bias = needs
@@ -2429,6 +2454,7 @@ class _NestedSums:
         self.x_dot: Tensor | None = None
         self.sum_ds: Tensor | None = None
         self.pending: list[Tensor] = []
+        self.kept: list[Kept] = [[] for _ in range(k)]  # a block's (_self_tile_products_)
 
     def width(self, k: int) -> _Width:
         return _Width(self, k)
@@ -2477,6 +2503,14 @@ class _NestedSums:
             if pre.self_mode and self.gx is not None and r1 - r0 == pre.x.shape[-2]:
                 self.gx[:, lo:hi].add_(self_product_grad(total, pre.x[:, lo:hi]))  # all the rows
                 continue
+            if (
+                pre.self_mode
+                and self.gx is not None
+                and (self.kept[j] or _splits_tile(pre.x, r1 - r0, hi - lo))
+            ):  # (G_j + G_jᵀ) x_j with fewer products (total is read only)
+                into, xj = self.gx[:, lo:hi], pre.x[:, lo:hi]
+                self.kept[j] = _self_tile_products_(into, xj, total, r0, r1, self.kept[j])
+                continue
             # accumulated by the GEMMs: no (M, d) product a tile to add to the columns' block
             if self.gx is not None:
                 addmm_(self.gx[r0:r1, lo:hi], total, pre.y[:, lo:hi])
@@ -2490,6 +2524,10 @@ class _NestedSums:
     def result(self) -> Sums:
         """``(∂x or None, (∂y or None,) or () in self mode, ∂scale or None, ∂bias or None)``."""
         pre = self.pre
+        for j, kept in enumerate(self.kept):  # blocks whose tiles did not come
+            if kept and self.gx is not None:
+                lo, hi = pre.bounds[j]
+                self.kept[j] = _kept_products_(self.gx[:, lo:hi], pre.x[:, lo:hi], kept)
         if self.gx is not None and self.row_coef:
             _prefix_backward_(self.gx, pre.x, torch.cat(self.row_coef, -1), pre.bounds)
         if self.gy is not None and self.col_coef[0] is not None:
