@@ -585,7 +585,7 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
     """Dense self-mode NT-Xent (one tile of all the rows, ``g`` small enough to stay in cache):
     the rows' and the columns' gradients from one product, ``(∂S + ∂Sᵀ) x``: two ``N² D``
     products in all, forward and backward (a learnable temperature's gradient from the same
-    product). With ``chunk_size`` (n = 4 tiles of 64 rows at D = 32, CPU eager) the backward's
+    product). With ``chunk_size`` (n = 4 tiles of 64 rows at D = 128, CPU eager) the backward's
     ``2n²`` block products become ``2n² − 3n + 2``: each diagonal block once, ``(G_tt + G_ttᵀ)
     x_t``, and each pair of neighbouring tiles' blocks twice, ``V = G_ut + G_tuᵀ`` (the first
     block kept a tile); with a learnable temperature (its gradient reads every block's product),
@@ -609,7 +609,7 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
 
     assert flops() == 2 * (2 * n * n * d)
     assert flops(chunk_size=16) == 3 * (2 * n * n * d)  # small tiles: two products each
-    n, d = 256, 32
+    n, d = 256, 128
     emb = torch.randn(n, d, generator=torch.Generator().manual_seed(3), dtype=F64)
     labels = torch.arange(n) // 4
     tiles, block = 4, 2 * 64 * 64 * d
@@ -619,9 +619,9 @@ def test_a_self_mode_tile_of_every_row_multiplies_once_backward(temperature):
 
 @pytest.mark.parametrize("name", ["ntxent", "supcon"])
 def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name, monkeypatch):
-    """Tiles large enough to split their products (64 rows at D = 32: each diagonal block once,
-    the blocks of the next two tiles met as G_ut + G_tuᵀ; 600 rows, ten tiles, a shorter
-    last one) give the dense call's gradient in float64, every tile through the split."""
+    """Tiles large enough to split their products (64 rows at D = 128: each diagonal block
+    once, the blocks of the next two tiles met as G_ut + G_tuᵀ; 600 rows, ten tiles, a
+    shorter last one) give the dense call's gradient in float64, every tile through the split."""
     split = []
     real = _tiled._GradSums._add_self_tile
 
@@ -630,7 +630,7 @@ def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name,
         return real(self, ds, r0, r1)
 
     monkeypatch.setattr(_tiled._GradSums, "_add_self_tile", spy)
-    emb = torch.randn(600, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
+    emb = torch.randn(600, 128, generator=torch.Generator().manual_seed(5), dtype=F64)
     labels = torch.arange(600) // 3
 
     def grad(**kw):
@@ -645,21 +645,21 @@ def test_self_mode_tiles_that_split_their_products_give_the_dense_gradient(name,
 
 
 def test_self_tiles_added_in_any_order_sum_to_the_whole_products_gradient():
-    """``_GradSums`` of self-mode tiles (eight of 32 rows at D = 128, each keeping the next
+    """``_GradSums`` of self-mode tiles (eight of 64 rows at D = 128, each keeping the next
     two tiles' blocks): whatever order the tiles come in (a block kept for a tile that does
     not come when expected is multiplied on its own; those left at the end, by ``result``),
     the gradient is ``(G + Gᵀ) x``."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(256, 128, generator=gen, dtype=F64)
-    g = torch.randn(256, 256, generator=gen, dtype=F64)
-    assert _tiled._kept_tiles(256, 32) == 2
+    x = torch.randn(512, 128, generator=gen, dtype=F64)
+    g = torch.randn(512, 512, generator=gen, dtype=F64)
+    assert _tiled._kept_tiles(512, 64) == 2
     shuffled = torch.randperm(8, generator=gen).tolist()
     for order in (range(8), range(7, -1, -1), shuffled, [1, 0, 3, 2, 5, 4, 7, 6], [0, 2, 4, 6]):
         into = torch.zeros_like(x)
         sums = _tiled._GradSums(x, _tiled.Columns((x,)), (True, (True,), False, False), into)
-        rows = torch.zeros(256, dtype=torch.bool)
+        rows = torch.zeros(512, dtype=torch.bool)
         for t in order:
-            r0, r1 = 32 * t, 32 * (t + 1)
+            r0, r1 = 64 * t, 64 * (t + 1)
             assert sums._splits(r0, r1)
             sums.add(g[r0:r1].clone(), r0, r1)
             rows[r0:r1] = True

@@ -257,9 +257,9 @@ def test_one_product_costs_the_products_of_one_full_width_call(name):
 def test_one_product_self_mode_tiles_split_their_products_like_one_full_width_call(
     name, monkeypatch
 ):
-    """Self-mode tiles large enough to split (64 rows, blocks of 32 to 64 columns: each
+    """Self-mode tiles large enough to split (128 rows, blocks of 64 to 128 columns: each
     width block's diagonal once, the next two tiles' blocks met as G_ut + G_tuᵀ;
-    600 rows, ten tiles) give the naive sum's loss and gradient in float64, every tile of every
+    800 rows, seven tiles) give the naive sum's loss and gradient in float64, every tile of every
     block through the split, with the matmul FLOPs of one full-width call (SupCon's mean: its
     default avg_nonzero walks twice)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -273,16 +273,17 @@ def test_one_product_self_mode_tiles_split_their_products_like_one_full_width_ca
         return real(into, x, ds, r0, r1, kept)
 
     monkeypatch.setattr(tiled, "_self_tile_products_", spy)
-    kw = {"chunk_size": 64} if name == "ntxent" else {"chunk_size": 64, "reducer": pfr.mean()}
-    base, dims = functools.partial(getattr(L, name), **kw), (128, 64, 32)
-    labels = torch.arange(600) // 3
-    emb = _randn(600, 128, seed=7)
+    kw = {"chunk_size": 128} if name == "ntxent" else {"chunk_size": 128, "reducer": pfr.mean()}
+    base, dims = functools.partial(getattr(L, name), **kw), (256, 128, 64)
+    labels = torch.arange(800) // 3
+    emb = _randn(800, 256, seed=7)
+    assert pf.losses._tiled._kept_tiles(800, 128) == 2
     weights = torch.tensor([1.0, 0.5, 0.25], dtype=F64)
     nested = T.matryoshka(base, dims, weights)
     (x,) = _leaves(emb)
     got = nested(x, labels)
     got = (got, _grads(got, [x]))
-    assert sorted(split) == sorted((w, r0) for w in (32, 32, 64) for r0 in range(0, 600, 64))
+    assert sorted(split) == sorted((w, r0) for w in (64, 64, 128) for r0 in range(0, 800, 128))
     (x,) = _leaves(emb)
     want = sum(w * base(x[:, :d], labels) for w, d in zip(weights, dims, strict=True))
     _assert_same(got, (want, _grads(want, [x])))

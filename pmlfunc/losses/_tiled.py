@@ -1734,8 +1734,7 @@ class _GradSums:
         self.sum_ds: Tensor | None = None
         self.into = into
         self.held: tuple | None = None
-        # (_add_self_tile) blocks kept for later tiles: (rows, columns, the block)
-        self.kept: list[tuple[int, int, int, int, Tensor]] = []
+        self.kept: Kept = []  # blocks kept for later tiles (_self_tile_products_)
 
     def add(self, ds: Tensor | RowScaled, r0: int, r1: int) -> None:
         need_rows, need_cols, need_scale, need_bias = self.needs
@@ -1842,10 +1841,12 @@ class _GradSums:
         return gx, tuple(gy), x_dot, sum_ds
 
 
-# _GradSums._splits: a square block's entries times the width below which a tile keeps its two
-# products a block (the split saves ~2 block products a tile and dispatches a dozen more ops,
-# ~40 µs on this CPU: at 128 x 128 x 8 a block product takes ~3 µs, at 256 x 256 x 128 ~400)
-SPLIT_MIN_WORK = 1 << 17
+# _splits_tile: the least c² · width (a square block's entries times its columns) at which a
+# tile splits its products. The split saves two or more block products a tile (4c² · width
+# FLOPs) and dispatches about a dozen more ops (~40 µs on this CPU); at 2¹⁹ the saving is ~2
+# MFLOP, ~45 µs at this CPU's ~45 GFLOPS (an estimate of the crossover, not a measured one:
+# the tiles that matter, 256 rows at D = 128, are at 2²³)
+SPLIT_MIN_WORK = 1 << 19
 
 
 Kept = list[tuple[int, int, int, int, Tensor]]  # blocks kept for later tiles: rows, columns, G
@@ -1882,7 +1883,7 @@ def _self_tile_products_(into: Tensor, x: Tensor, ds: Tensor, r0: int, r1: int, 
     c = r1 - r0
     for q0 in range(r1, min(m, r1 + _kept_tiles(m, c) * c), c):
         q1 = min(m, q0 + c)  # the next tiles' columns, kept for them
-        waiting.append((r0, r1, q0, q1, ds[:, q0:q1].clone()))
+        waiting.append((r0, r1, q0, q1, _padded_copy(ds[:, q0:q1])))
         done.append((q0, q1))
     start = 0
     for c0, c1 in [*sorted(done), (m, m)]:  # the rest: two products a block
@@ -1890,6 +1891,14 @@ def _self_tile_products_(into: Tensor, x: Tensor, ds: Tensor, r0: int, r1: int, 
             _block_products_(into, ds[:, start:c0], x, (r0, r1), (start, c0))
         start = max(start, c1)
     return waiting
+
+
+def _padded_copy(t: Tensor) -> Tensor:
+    """A copy of a 2-D ``t`` whose rows lie 8 entries further apart than its width: it is read
+    transposed later, and rows a multiple of :data:`~pmlfunc._ops.ALIASED_STRIDE` entries apart
+    (a 256-row tile's block) fall into the same cache sets down a column (:func:`~pmlfunc._ops.unaliased`)."""
+    rows, cols = t.shape
+    return t.new_empty((rows, cols + 8))[:, :cols].copy_(t)
 
 
 def _kept_products_(into: Tensor, x: Tensor, kept: Kept) -> Kept:
@@ -1916,7 +1925,7 @@ def _splits_tile(x: Tensor, c: int, width: int) -> bool:
 
 def _kept_tiles(m: int, c: int) -> int:
     """How many following tiles' blocks a self-mode tile of ``c`` rows keeps
-    (:meth:`_GradSums._add_self_tile`), of ``n = ⌈m / c⌉`` tiles: the most ``k`` whose
+    (:func:`_self_tile_products_`), of ``n = ⌈m / c⌉`` tiles: the most ``k`` whose
     ``k (k + 1) / 2`` live blocks hold at most half a tile's entries (``n / 2`` blocks), at
     least one: 1 at two tiles, 2 at eight, 5 at thirty-two."""
     n = -(-m // c)
