@@ -338,7 +338,9 @@ def test_indicator_compiled_keeps_nan():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("b", [6, 256, 512, 800])  # fused (in cache; 256 and 512: unaliased)
+# 6 to 512: fused (in cache; 256 and 512: unaliased); 800: two products under grad mode, in
+# blocks of 512 without (a shorter last block); 1,024: two whole blocks
+@pytest.mark.parametrize("b", [6, 256, 512, 800, 1024])
 @pytest.mark.parametrize("scale", [None, 64.0, "tensor"])
 def test_self_product_grad_is_the_scaled_gradient_of_both_sides(b, scale):
     gen = torch.Generator().manual_seed(0)
@@ -347,12 +349,38 @@ def test_self_product_grad_is_the_scaled_gradient_of_both_sides(b, scale):
     s = torch.tensor(0.3, dtype=torch.float64) if scale == "tensor" else scale
     want = (g @ x + g.T @ x) * (1.0 if s is None else s)
     tol = 1e-12 * b  # sums of b products (entries up to ~64 · √b)
-    torch.testing.assert_close(_ops.self_product_grad(g, x, s), want, rtol=1e-12, atol=tol)
+    for grad_mode in (False, True):  # (a backward records nothing: grad mode off)
+        with torch.set_grad_enabled(grad_mode):
+            got = _ops.self_product_grad(g, x, s)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=tol)
     # the scale batched on its own under vmap: the fused path may not scale the sum in place
     scales = torch.tensor([0.5, 2.0], dtype=torch.float64)
     got = torch.func.vmap(lambda c: _ops.self_product_grad(g, x, c))(scales)
     want = torch.stack([(g @ x + g.T @ x) * c for c in scales])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=tol)
+
+
+def test_a_large_self_products_gradient_takes_one_products_flops_in_blocks():
+    """Past the fused size, on a CPU with no gradient recorded, ``(g + gᵀ) x`` in square blocks
+    (a pair of blocks a step): the FLOPs of one ``B × B × D`` product, where ``g x + gᵀ x``
+    takes two (still so under grad mode, whose double backward the blocks' in-place adds would
+    complicate)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def addmm_(into, a, b, *_, out_shape=None, **__):  # not in FlopCounterMode's table
+        return 2 * a[0] * a[1] * b[1]
+
+    b, d = 1100, 16
+    g, x = torch.randn(b, b), torch.randn(b, d)
+    for grad_mode, products in ((False, 1), (True, 2)):
+        with (
+            torch.set_grad_enabled(grad_mode),
+            FlopCounterMode(
+                display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}
+            ) as counter,
+        ):
+            _ops.self_product_grad(g, x)
+        assert counter.get_total_flops() == products * 2 * b * b * d
 
 
 @pytest.mark.parametrize("cols", [256, 512, 384, 7])
