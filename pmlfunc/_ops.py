@@ -584,6 +584,12 @@ def unaliased(g: Tensor) -> Tensor:
     gain nothing from it."""
     if g.ndim != 2 or g.stride(-1) != 1 or g.stride(-2) % ALIASED_STRIDE or not readable(g):
         return g
+    return padded_copy(g)
+
+
+def padded_copy(g: Tensor) -> Tensor:
+    """A copy of a 2-D ``g`` whose rows lie 8 entries further apart than its width, for a
+    transposed read (:func:`unaliased`)."""
     rows, cols = g.shape
     return g.new_empty((rows, cols + 8))[:, :cols].copy_(g)
 

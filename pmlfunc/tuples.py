@@ -241,7 +241,15 @@ class PackagedTriplets(MinedTriplets):
     shapes alone; anywhere else they are a ``MinedTriplets``. :meth:`_replace` returns a plain
     ``MinedTriplets``: fields replaced are no longer known to be packaged. The type is the
     promise: fields changed another way (a tree map over the result's tensors) must be made a
-    ``MinedTriplets(*fields)`` first, or they are still read as the packaged rows."""
+    ``MinedTriplets(*fields)`` first, or they are still read as the packaged rows.
+
+    Example:
+        >>> t = PackagedTriplets.of(6, None, torch.float32)
+        >>> t.anchors, t.positives, t.negatives
+        (tensor([0, 3]), tensor([1, 4]), tensor([2, 5]))
+        >>> type(t._replace(valid=torch.tensor([1.0, 0.0]))).__name__
+        'MinedTriplets'
+    """
 
     __slots__ = ()
 
@@ -414,11 +422,10 @@ def check_mined(result: object, shape: tuple[int, int]):
                 raise TypeError(
                     f"indices_tuple.{name} must be an int32 or int64 index tensor, got {t.dtype}"
                 )
-        # packaged rows 0 .. 3T - 1 are in range when there are as many rows (shapes alone)
+        # packaged rows 0 .. 3T - 1 are in range when there are as many rows (shapes alone);
+        # else one reduction, and each field on its own (the first offender) where it fails
         packaged = isinstance(result, PackagedTriplets) and 3 * fields[0].shape[0] <= min(b, m)
-        if not packaged and not _all_below(
-            fields[:3], min(b, m)
-        ):  # else each field, for the first offender
+        if not (packaged or _all_below(fields[:3], min(b, m))):
             for name, t, size in zip(_TRIPLET_FIELDS, fields, (b, m, m), strict=False):
                 _checks.in_range(t, 0, size, f"indices_tuple.{name}", f"for {size} rows")
         return result

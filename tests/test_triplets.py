@@ -543,6 +543,25 @@ def test_packaged_triplets_read_the_rows_view_with_the_values_of_their_indices(l
         assert not _ROW_GATHERS & set(rec.names), rec.names
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dist", ["lp", "lp_raw", "cosine"])
+def test_packaged_triplets_propagate_a_non_finite_row(dist, value, gen):
+    """On the rows' view a NaN or inf entry in any row (an anchor, a positive, a negative) makes
+    the gradient non-finite, never a silent wrong number, and the loss what the indexed path
+    gives (NaN or inf, or finite where an infinitely far negative leaves its hinge at 0)."""
+    d = core.DISTANCES[dist][0]()
+    for row in (0, 4, 8):
+        emb = randn(gen, 9, 4)
+        emb[row, 1] = value
+        packaged = pf.miners.embeddings_already_packaged_as_triplets(emb)
+        (loss, (g,)), (want, _) = (
+            value_and_grads(lambda e, m=m: triplet_margin(e, indices_tuple=m, distance=d), emb)
+            for m in (packaged, MinedTriplets(*packaged))
+        )
+        assert not torch.isfinite(g).all()
+        torch.testing.assert_close(loss, want, equal_nan=True)
+
+
 def test_packaged_triplets_not_over_their_own_rows_are_read_by_index(gen):
     """Packaged triplets the strided view cannot serve give their indices' values all the same:
     over more rows than they cover (a miner's 9 rows in a batch of 12), with swap, with a

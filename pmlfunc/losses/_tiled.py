@@ -121,6 +121,7 @@ from .._ops import (
     inside_transform,
     logaddexp,
     matmul,
+    padded_copy,
     ratio,
     readable,
     renorm_rows,
@@ -1883,7 +1884,8 @@ def _self_tile_products_(into: Tensor, x: Tensor, ds: Tensor, r0: int, r1: int, 
     c = r1 - r0
     for q0 in range(r1, min(m, r1 + _kept_tiles(m, c) * c), c):
         q1 = min(m, q0 + c)  # the next tiles' columns, kept for them
-        waiting.append((r0, r1, q0, q1, _padded_copy(ds[:, q0:q1])))
+        # (read transposed when its tile meets it: padded, as unaliased's copies)
+        waiting.append((r0, r1, q0, q1, padded_copy(ds[:, q0:q1])))
         done.append((q0, q1))
     start = 0
     for c0, c1 in [*sorted(done), (m, m)]:  # the rest: two products a block
@@ -1891,14 +1893,6 @@ def _self_tile_products_(into: Tensor, x: Tensor, ds: Tensor, r0: int, r1: int, 
             _block_products_(into, ds[:, start:c0], x, (r0, r1), (start, c0))
         start = max(start, c1)
     return waiting
-
-
-def _padded_copy(t: Tensor) -> Tensor:
-    """A copy of a 2-D ``t`` whose rows lie 8 entries further apart than its width: it is read
-    transposed later, and rows a multiple of :data:`~pmlfunc._ops.ALIASED_STRIDE` entries apart
-    (a 256-row tile's block) fall into the same cache sets down a column (:func:`~pmlfunc._ops.unaliased`)."""
-    rows, cols = t.shape
-    return t.new_empty((rows, cols + 8))[:, :cols].copy_(t)
 
 
 def _kept_products_(into: Tensor, x: Tensor, kept: Kept) -> Kept:
