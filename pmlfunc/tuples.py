@@ -238,10 +238,12 @@ class PackagedTriplets(MinedTriplets):
     returns. A loss given them on their rows reads the ``(T, 3, D)`` view of the rows (each
     anchor against the next two rows, no gather and no scattered add; as
     ``F.triplet_margin_loss`` on ``e[0::3], e[1::3], e[2::3]``) and checks their range on
-    shapes alone; anywhere else they are a ``MinedTriplets``. :meth:`_replace` returns a plain
-    ``MinedTriplets``: fields replaced are no longer known to be packaged. The type is the
-    promise: fields changed another way (a tree map over the result's tensors) must be made a
-    ``MinedTriplets(*fields)`` first, or they are still read as the packaged rows.
+    shapes alone; anywhere else they are a ``MinedTriplets``.
+
+    Only :meth:`of` makes one. Anything that builds the tuple again from fields (the
+    constructor, ``_make``, ``_replace``, a tree map of ``torch.utils._pytree`` or optree,
+    ``copy``, ``pickle``, a transform's output) gets a plain ``MinedTriplets`` of those fields:
+    fields made another way are no longer known to be packaged, and are read by index.
 
     Example:
         >>> t = PackagedTriplets.of(6, None, torch.float32)
@@ -249,15 +251,27 @@ class PackagedTriplets(MinedTriplets):
         (tensor([0, 3]), tensor([1, 4]), tensor([2, 5]))
         >>> type(t._replace(valid=torch.tensor([1.0, 0.0]))).__name__
         'MinedTriplets'
+        >>> from torch.utils._pytree import tree_map
+        >>> type(tree_map(lambda f: f.flip(0), t)).__name__
+        'MinedTriplets'
     """
 
     __slots__ = ()
+
+    def __new__(cls, anchors: Tensor, positives: Tensor, negatives: Tensor, valid: Tensor):
+        return MinedTriplets(anchors, positives, negatives, valid)
 
     @classmethod
     def of(cls, rows: int, device: torch.device | None, dtype: torch.dtype) -> PackagedTriplets:
         """The ``rows // 3`` triplets of ``rows`` packaged rows, ``valid`` of ``dtype``."""
         a = torch.arange(0, rows, 3, device=device)
-        return cls(a, a + 1, a + 2, torch.ones(a.shape, dtype=dtype, device=device))
+        return tuple.__new__(
+            cls, (a, a + 1, a + 2, torch.ones(a.shape, dtype=dtype, device=device))
+        )
+
+    @classmethod
+    def _make(cls, iterable) -> MinedTriplets:  # type: ignore[override]
+        return MinedTriplets._make(iterable)
 
     def _replace(self, **fields: Tensor) -> MinedTriplets:  # type: ignore[override]
         return MinedTriplets(*self)._replace(**fields)

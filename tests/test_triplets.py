@@ -586,6 +586,38 @@ def test_packaged_triplets_not_over_their_own_rows_are_read_by_index(gen):
         triplet_margin(emb[:6], indices_tuple=packaged)
 
 
+def test_packaged_triplets_rebuilt_from_their_fields_are_plain_mined_triplets(gen):
+    """Only the miner makes PackagedTriplets: a tree map (torch's and optree's), a copy, a
+    pickle, the constructor and ``_make`` rebuild plain MinedTriplets, read by index. A flipped
+    order's per-triplet losses follow the flip (read as the packaged rows they would come back
+    in the rows' order, a silent wrong pairing of losses and anchors)."""
+    import copy
+    import pickle
+
+    import optree
+    from torch.utils._pytree import tree_map
+
+    emb = randn(gen, 12, 5)
+    packaged = pf.miners.embeddings_already_packaged_as_triplets(emb)
+    flip = lambda f: f.flip(0)  # noqa: E731
+    rebuilt = {
+        "torch tree_map": tree_map(flip, packaged),
+        "optree tree_map": optree.tree_map(flip, packaged, namespace="torch"),
+        "copy": copy.copy(packaged),
+        "deepcopy": copy.deepcopy(packaged),
+        "pickle": pickle.loads(pickle.dumps(packaged)),
+        "constructor": PackagedTriplets(*packaged),
+        "_make": PackagedTriplets._make(packaged),
+    }
+    for how, mined in rebuilt.items():
+        assert type(mined) is MinedTriplets, how
+    flipped = rebuilt["torch tree_map"]
+    got = triplet_margin(emb, indices_tuple=flipped, margin=2.0, reducer=pfr.none())["loss"]
+    want = triplet_margin(emb, indices_tuple=packaged, margin=2.0, reducer=pfr.none())["loss"]
+    torch.testing.assert_close(got["losses"], want["losses"].flip(0), rtol=0, atol=0)
+    torch.testing.assert_close(got["anchor_index"], packaged.anchors.flip(0))
+
+
 def test_packaged_euclidean_has_second_derivatives():
     """The packaged rows' Euclidean distances (plain and squared) pass gradcheck and
     gradgradcheck in float64: the backward is written in differentiable ops."""
