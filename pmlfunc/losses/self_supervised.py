@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .. import _checks, _global, _random
 from .._global import total
-from .._ops import einsum, matmul, scalar_like
+from .._ops import apply, einsum, matmul, scalar_like
 from ..reducers import AlreadyReduced, Reducer, elements, mean, none, reduce
 
 __all__ = [
@@ -469,13 +469,83 @@ def barlow_twins(
     eps = _checks.hyper(eps, "eps", nonnegative=True)
     cd = _checks.compute_dtype(a.dtype)
     a, b = a.to(cd), b.to(cd)
-    n = total(torch.full((), a.shape[0], dtype=cd, device=a.device))
     ddof = 1 if unbiased else 0
+    if not (_global.active() or isinstance(lam, Tensor) or isinstance(eps, Tensor)):
+        return apply(_BarlowTwins, a, b, lam, ddof, eps)[0]  # one process, float hyper-parameters
+    n = total(torch.full((), a.shape[0], dtype=cd, device=a.device))
     za, zb = (_standardised(z, n, ddof, eps) for z in (a, b))
     c = total(matmul(za.transpose(0, 1), zb)) / n
     d = c.shape[0]
     off = c.flatten()[1:].view(d - 1, d + 1)[:, :-1]  # the off-diagonal entries, a view
     return (1 - c.diagonal()).pow(2).sum() + scalar_like(lam, c) * off.pow(2).sum()
+
+
+def _barlow_parts(a: Tensor, b: Tensor, ddof: int, eps: float):
+    """``(X_a, X_b, r_a, r_b, C)`` of one process's views: ``X = Z − μ``, ``r = (σ² + ε)^{-1/2}``
+    per dimension (the variance over ``N − ddof``), ``C = Ẑ_aᵀ Ẑ_b / N`` with ``Ẑ = X r``,
+    taken as ``(X_aᵀ X_b) ⊙ r_a r_bᵀ / N`` (the scale on the ``D × D`` product, not on the
+    ``N × D`` rows). Plain sums along the batch: ``var_mean`` and ``vector_norm`` along dim 0
+    are ~25× and ~6× slower on a CPU."""
+    n = a.shape[0]
+    parts = []
+    for z in (a, b):
+        x = z - z.sum(0) / n
+        parts.append((x, torch.rsqrt((x * x).sum(0) / (n - ddof) + eps)))
+    (xa, ra), (xb, rb) = parts
+    c = matmul(xa.transpose(0, 1), xb).mul_(torch.outer(ra, rb).div_(n))
+    return xa, xb, ra, rb, c
+
+
+class _BarlowTwins(torch.autograd.Function):
+    r"""Barlow Twins of one process's views with its backward written out. With ``G = ∂L/∂C``
+    (``2λ C`` off the diagonal, ``−2 (1 − C_ii)`` on it) and ``W = diag(r_a) G diag(r_b) / N``,
+    ``∂L/∂Z_a = X_b Wᵀ − X_a ⊙ r_a² · (N / (N − ddof)) · Σ_e (G ⊙ C)_{de} / N`` and ``∂L/∂Z_b``
+    the same with the roles swapped (``X_a W``, the sums over ``G ⊙ C``'s rows).
+
+    The standardisation's backward, ``r ⊙ (∂Ẑ − mean(∂Ẑ) − Ẑ ⊙ Σ_n (∂Ẑ ⊙ Ẑ) / (N − ddof))``,
+    reads no ``N × D`` sum here: ``mean(∂Ẑ_a) = mean(Ẑ_b) Gᵀ / N`` is 0 (``Ẑ_b`` is centred)
+    and ``Σ_n ∂Ẑ_a ⊙ Ẑ_a = Σ_e (G ⊙ C)_{·e}``. Both are identities in ``Z``, so the form is the
+    gradient everywhere, and differentiating it again gives the second derivatives (a
+    recorded backward, ``create_graph=True``, recomputes the parts from the views in
+    differentiable ops). One process and float hyper-parameters only: the global objective
+    all-reduces ``μ``, ``σ²`` and ``C`` through autograd. Autograd's composed graph of this
+    loss dispatched 106 ops at 512 × 128, forward and backward; this, 60, most of them on
+    ``D``-sized vectors, with two ``N × D`` passes in the backward (lightly's ``F.batch_norm``
+    form was 1.2× faster than the composed one; this is faster than lightly's)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor, lam: float, ddof: int, eps: float):
+        xa, xb, ra, rb, c = _barlow_parts(a, b, ddof, eps)
+        diag = c.diagonal()
+        loss = (1 - diag).square().sum() + lam * ((c * c).sum() - diag.square().sum())
+        return loss, xa, xb, ra, rb, c
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, lam, ddof, eps = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zeros for the parts' cotangents
+        ctx.save_for_backward(a, b, *output[1:])
+        ctx.lam, ctx.ddof, ctx.eps = lam, ddof, eps
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        if g is None:  # only the parts' cotangents
+            return None, None, None, None, None
+        a, b, *parts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # recorded: the parts as functions of the views
+            parts = _barlow_parts(a, b, ctx.ddof, ctx.eps)
+        xa, xb, ra, rb, c = parts
+        n = a.shape[0]
+        gc = c * (2 * ctx.lam / n * g)  # G / N
+        gc.diagonal().copy_((c.diagonal() - 1) * (2 / n * g))
+        w = gc * torch.outer(ra, rb)
+        gcc = (gc * c).mul_(n / (n - ctx.ddof))
+        ga = torch.addmm(xa * (gcc.sum(1) * ra * ra).neg_(), xb, w.transpose(0, 1))
+        gb = torch.addmm(xb * (gcc.sum(0) * rb * rb).neg_(), xa, w)
+        return ga, gb, None, None, None
 
 
 def _two_views(
