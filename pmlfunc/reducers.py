@@ -349,6 +349,8 @@ class _ClassWeighted(Reducer):
         if labels is None:
             raise ValueError("reducer=class_weighted(...) needs labels (the anchors' classes)")
         s, _ = terms.stats()
+        n = self.weights.shape[0]
+        _checks.in_range(labels, 0, n, "labels", f"for reducer=class_weighted's {n} class weights")
         w = self.weights.to(device=s.device, dtype=s.dtype)[labels.long()]
         return ratio((w * s).sum(), normalizer)
 
@@ -427,7 +429,9 @@ def class_weighted(weights: Tensor) -> Reducer:
     """``mean(loss · weights[label(anchor)])`` over all terms (PML ``ClassWeightedReducer``).
 
     Args:
-        weights: ``(num_classes,)`` tensor of per-class weights.
+        weights: ``(num_classes,)`` tensor of per-class weights; a label outside ``[0,
+            num_classes)`` is an ``IndexError`` naming ``labels`` (where PML's reducer reads
+            ``weights[-1]`` for a label of ``-1``).
 
     Example:
         >>> emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])

@@ -135,6 +135,15 @@ def test_reducer_errors():
         )
 
 
+@pytest.mark.parametrize("label", [-1, 3])
+def test_class_weighted_refuses_a_label_without_a_weight(label):
+    """A label outside ``[0, len(weights))`` is an IndexError naming ``labels``: ``-1`` read
+    ``weights[-1]`` (PML's reducer indexes the same way) and returned a number."""
+    emb, labels = torch.randn(6, 3), torch.tensor([0, 0, 1, 1, 2, label])
+    with pytest.raises(IndexError, match=r"labels\[5\] = .*class_weighted's 3 class weights"):
+        pf.losses.contrastive(emb, labels, reducer=pf.reducers.class_weighted(torch.ones(3)))
+
+
 @pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("margin", [0.0, 0.5])
 @pytest.mark.parametrize("ties", [False, True])
