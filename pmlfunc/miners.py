@@ -41,6 +41,7 @@ from .tuples import (
     random_subset,
     sample_pairs,
     sample_without_replacement,
+    source_of,
 )
 
 __all__ = [
@@ -102,9 +103,7 @@ class _Setup:
         self.pos = ~self.neg
         if ref_emb is None:  # the reference-set rule: (i, i) is never a pair
             self.pos.fill_diagonal_(False)
-        self.source = (
-            (self.distance, mat) if mat is not None else (self.distance, embeddings, ref_emb)
-        )
+        self.source = source_of(self.distance, (mat,) if mat is not None else (embeddings, ref_emb))
 
     @property
     def mat(self) -> Tensor:

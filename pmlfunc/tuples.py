@@ -277,6 +277,17 @@ class PackagedTriplets(MinedTriplets):
         return MinedTriplets(*self)._replace(**fields)
 
 
+def source_of(distance: object, tensors: tuple) -> tuple:
+    """What a matrix is computed from, for :class:`TripletWindow`'s ``source``: ``(distance,
+    tensors, their version counters)`` (``None`` for an absent tensor). The counters tell a
+    tensor written in place since (a buffer or queue updated between mining and the loss) from
+    the one the miner read; under ``torch.compile``, which cannot compare them in a graph, they
+    are left out (``()``) and the objects alone are compared."""
+    if torch.compiler.is_compiling():
+        return (distance, tensors, ())
+    return (distance, tensors, tuple(None if t is None else t._version for t in tensors))
+
+
 class TripletWindow(NamedTuple):
     r"""Every triplet ``(a, p, n)`` with ``pos[a, p]``, ``neg[a, n]`` and
     ``low < e_an − e_ap ≤ high``, held implicitly (``O(B·M)`` memory for ``O(B·M²)`` triplets).

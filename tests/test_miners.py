@@ -710,6 +710,24 @@ def test_triplet_window_on_different_values_equals_pml():
     assert_same(got, want, **TOL64)
 
 
+def test_triplet_window_on_embeddings_written_in_place_since_equals_pml():
+    """Mined, then the same tensor's values changed in place (a buffer or queue updated
+    between mining and the loss): its version counter tells the loss that its matrix is not
+    the miner's, which it re-evaluates; PML's loss on the mined triplets and the new values.
+    (The sorted fast path, chosen by the tensor object alone, read the miner's window as if it
+    were the current values' and returned another number.)"""
+    emb, labels = loss_data()
+    x = emb.clone()
+    mined = miners.triplet_margin(x, labels, margin=0.2, type_of_triplets="all")
+    with torch.no_grad():
+        x.copy_(emb + 0.5 * torch.randn(emb.shape, generator=seed(6), dtype=F64))
+    pml_loss = pml_losses.TripletMarginLoss(margin=0.2)
+    want = pml_loss(x, labels, indices_tuple=mined.to_indices())
+    got = pf.losses.triplet_margin(x, labels, margin=0.2, indices_tuple=mined)
+    assert want > 0
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("type_of_triplets", ["all", "semihard"])
 def test_triplet_window_loss_with_another_distance_equals_pml(type_of_triplets):
     """Window mined with ``lp()``, loss with ``cosine()``: the loss re-evaluates the window."""

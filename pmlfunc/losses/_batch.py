@@ -43,6 +43,7 @@ from .._ops import label_rows, sparse_rows
 from ..distances import Distance, resolve
 from ..labels import PairMasks, any_pairs, label_masks, pair_masks
 from ..reducers import Reducer, Terms, reduce
+from ..tuples import source_of
 from ._regularize import regularize
 
 __all__ = [
@@ -320,7 +321,7 @@ def prepare(
     m = b if ref_emb is None else ref_emb.shape[0]
     r0, r1 = (0, b) if rows is None else rows
     cd = _checks.compute_dtype(embeddings.dtype)
-    source = (distance, mat) if mat is not None else (distance, embeddings, ref_emb)
+    source = source_of(distance, (mat,) if mat is not None else (embeddings, ref_emb))
     given = mat is not None
     if given:  # checked now, so that a bad mat fails at the call
         mat = matrix(embeddings, ref_emb, mat, distance, rows, anchors)

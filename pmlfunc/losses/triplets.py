@@ -504,11 +504,13 @@ def _window_hinge_stats(
 
 
 def _same_source(a: tuple, b: tuple) -> bool:
-    """Whether two matrices came from the same ``(distance, tensors...)``: equal distances and
-    the very same tensor objects (then their values are equal, without reading them)."""
-    if len(a) != len(b) or not a or a[0] != b[0]:
+    """Whether two matrices came from the same source (:func:`~pmlfunc.tuples.source_of`):
+    equal distances, the very same tensor objects, not written in place in between (their
+    version counters; under ``torch.compile`` the objects alone). Then their values are equal,
+    without reading them."""
+    if not a or not b or a[0] != b[0] or len(a[1]) != len(b[1]):
         return False
-    return all(x is y for x, y in zip(a[1:], b[1:], strict=True))
+    return all(x is y for x, y in zip(a[1], b[1], strict=True)) and a[2] == b[2]
 
 
 @dataclass(frozen=True, eq=False)
