@@ -144,6 +144,9 @@ class _MaskedLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weights, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # recorded (a second derivative): no op in place
+            e = torch.exp((x - lse.unsqueeze(-1)).clamp(-80.0, 80.0))
+            return e * weights * g.unsqueeze(-1), None, None
         return _mul_fresh_(row_softmax(x, weights, lse), g.unsqueeze(-1)), None, None
 
 
@@ -259,14 +262,17 @@ def unit_rows(x: Tensor, p: float = 2) -> Tensor:
     return apply(_UnitRows, x)[0]
 
 
-def logaddexp(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.logaddexp(a, b)``; under ``torch.compile`` as ``max(a, b) + log1p(e^{−|a − b|})``,
-    the same function to rounding, but for equal infinities (NaN instead of that infinity:
-    non-finite either way). Inductor's CPU code for ``logaddexp`` of a row vector against a
-    column vector in a training graph saves boolean masks for its backward (see
-    :func:`indicator`) and ran ~4x slower than this form (lifted structure at B = 512: 6.7 ->
-    2.1 ms for that part, forward and backward)."""
-    if not torch.compiler.is_compiling():
+def logaddexp(a: Tensor, b: Tensor, *, twice: bool = False) -> Tensor:
+    """``torch.logaddexp(a, b)``; under ``torch.compile``, and with ``twice``, as ``max(a, b) +
+    log1p(e^{−|a − b|})``, the same function to rounding, but for equal infinities (NaN instead
+    of that infinity: non-finite either way). Inductor's CPU code for ``logaddexp`` of a row
+    vector against a column vector in a training graph saves boolean masks for its backward
+    (see :func:`indicator`) and ran ~4x slower than this form (lifted structure at B = 512:
+    6.7 -> 2.1 ms for that part, forward and backward). ``twice``: where an argument may be an
+    empty row's ``−finfo.max`` (:func:`masked_logsumexp`) and the loss is differentiated twice:
+    ``torch.logaddexp``'s second derivative there is NaN (``e^{finfo.max} / (1 + e^{…})²``),
+    this form's 0."""
+    if not (twice or torch.compiler.is_compiling()):
         return torch.logaddexp(a, b)
     return torch.maximum(a, b) + torch.log1p(torch.exp(-(a - b).abs()))
 

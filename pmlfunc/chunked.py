@@ -41,9 +41,10 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import inside_transform
+from ._ops import apply, inside_transform
 from .losses._batch import LossCall, spec_of
 from .losses._regularize import regularize
+from .losses._tiled import _FirstOrder, _twice, _unrecorded
 from .reducers import Reducer
 
 __all__ = ["chunkable", "gradcache", "loss", "value_and_grad"]
@@ -161,7 +162,8 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
 
     The gradient is formed in the forward whether or not a backward follows (evaluate a loss
     without it under ``torch.no_grad()`` with the plain function), and it is a first-order
-    gradient: differentiating it again gives no second-order terms.
+    gradient: differentiating it again (double backward, nested ``torch.func.grad``) raises a
+    ``RuntimeError``; the plain loss is differentiable twice.
 
     Args:
         loss_fn: a chunkable loss (:func:`chunkable`), or a ``functools.partial`` of one.
@@ -197,7 +199,7 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
         out = value.detach()
         if inputs:
             for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
-                out = out + (g.detach().to(v.dtype) * (v - v.detach())).sum().to(out.dtype)
+                out = out + apply(_FirstOrderTerm, v, g.detach().to(v.dtype)).to(out.dtype)
         return out
 
     chunked_loss.__doc__ = (
@@ -205,6 +207,51 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
         "with a plain backward (pmlfunc.chunked.loss)."
     )
     return chunked_loss
+
+
+class _FirstOrderTerm(torch.autograd.Function):
+    """``⟨g, v − sg(v)⟩``: 0 for finite ``v`` (NaN where ``v`` is not), whose gradient with respect
+    to ``v`` is the given ``g`` times the cotangent: how :func:`loss` hands its chunked
+    gradient to autograd. The backward scales ``g`` through :class:`_ScaledFirstOrder` where it
+    is recorded (``create_graph``, ``torch.func``, compile), so that differentiating the
+    gradient again raises instead of silently missing the second-order terms (``g`` is a
+    constant to autograd)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(v: Tensor, g: Tensor) -> Tensor:
+        # v − sg(v): where dynamo differentiates the traced forward itself (torch.func.grad
+        # inside torch.compile) instead of calling backward, this gives the same g
+        return (g * (v - v.detach())).sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        v, g = inputs
+        ctx.save_for_backward(v, g)
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        v, g = ctx.saved_tensors
+        if _unrecorded():
+            return g * cotangent, None
+        return apply(_ScaledFirstOrder, v, g, cotangent), None
+
+
+class _ScaledFirstOrder(_FirstOrder):
+    """``g · cotangent`` as a Function of ``v`` (:class:`_FirstOrderTerm`'s recorded backward):
+    a second differentiation raises."""
+
+    @staticmethod
+    def forward(v: Tensor, g: Tensor, cotangent: Tensor) -> Tensor:
+        return g * cotangent
+
+    backward = staticmethod(
+        _twice(
+            "pmlfunc.chunked.loss's gradient (formed chunk by chunk in the forward)",
+            "differentiate the plain loss",
+        )
+    )
 
 
 def rows_value_and_grad(

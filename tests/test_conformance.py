@@ -7,7 +7,9 @@ Each entry knows how to draw small inputs for its function (labels or multi-hot 
 from its ``*_init``, the hyper-parameters it requires) and which tensors are differentiated (the
 embeddings, a reference set, the params leaves). Every entry is run through:
 
-* ``torch.autograd.gradcheck`` in float64 (losses);
+* ``torch.autograd.gradcheck`` in float64 (losses), and ``gradgradcheck`` (the second
+  derivatives; the first-order entries, those of the tiled engine, the class tiles, matryoshka's
+  one product and ``pf.chunked.loss``, raise saying so);
 * ``torch.func.grad`` equal to autograd's gradient (losses);
 * ``torch.compile(fullgraph=True)`` equal to eager: values and gradients of a loss, the
   fixed-shape result of a miner; and the transformed function compiled, the gradient taken
@@ -1110,6 +1112,13 @@ def test_registry_covers_every_public_loss_and_miner():
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_gradcheck(name):
+    f, inputs = _differentiated(name)
+    assert torch.autograd.gradcheck(f, inputs, **LOSSES[name].gradcheck)
+
+
+def _differentiated(name: str) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+    """An entry's loss as a function of its varying differentiated tensors (float64), and
+    those tensors; skips an entry with none (held constant, with the reason)."""
     entry = LOSSES[name]
     call = entry.make(Draw(F64))
     held, why = entry.constant or ((), "")
@@ -1121,7 +1130,41 @@ def test_gradcheck(name):
     def f(*v):
         return loss_of(call.run(**{**x, **dict(zip(varying, v, strict=True))}))
 
-    assert torch.autograd.gradcheck(f, tuple(x[k] for k in varying), **entry.gradcheck)
+    return f, tuple(x[k] for k in varying)
+
+
+# The entries whose backward is a first-order Function by design: the tiled engine's losses
+# (dense or chunked: CLIP, SigLIP, multiple_negatives_ranking, NT-Xent and SupCon given
+# labels) and what wraps them, the class-tiled losses, matryoshka's one-product matrices and
+# pf.chunked.loss. Differentiating their gradient again raises a RuntimeError saying so and
+# what to call instead; every other loss is differentiable twice.
+_TILED_ENGINE = ("ntxent", "supcon", "clip", "siglip", "multiple_negatives_ranking")
+_FIRST_ORDER_PATHS = ("classes", "matryoshka", "chunked.loss")
+
+
+def _first_order(name: str) -> bool:
+    base, _, path = name.partition("[")
+    return base in _TILED_ENGINE or bool(set(path.rstrip("]").split(",")) & set(_FIRST_ORDER_PATHS))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_second_derivatives(name):
+    """``torch.autograd.gradgradcheck`` in float64 (the gradient's derivatives against finite
+    differences, through a recorded backward), or, for the first-order entries, a
+    ``RuntimeError`` saying they are not differentiable twice. ``LABELS``' singleton class
+    gives rows with no positive pair and a class of one: there the NaN Hessians were
+    (``torch.logaddexp``'s second derivative at an empty row's ``−finfo.max`` in
+    multi_similarity, tuplet_margin and proxy_anchor; ``ge2e`` normalising a zero vector),
+    and the general batch path's log-sum-exp backward wrote its exponentials in place (a
+    double backward of ntxent/supcon with ``mat=``, multi_similarity, circle, lifted
+    structure, tuplet margin raised autograd's in-place error); ``pf.chunked.loss`` returned
+    no second-order terms without a word."""
+    f, inputs = _differentiated(name)
+    if _first_order(name):
+        with pytest.raises(RuntimeError, match="is not differentiable"):
+            torch.autograd.gradgradcheck(f, inputs, **LOSSES[name].gradcheck)
+        return
+    assert torch.autograd.gradgradcheck(f, inputs, **LOSSES[name].gradcheck)
 
 
 @pytest.mark.parametrize("listing", ["default", "always"])

@@ -134,9 +134,15 @@ def ge2e(
     u = F.normalize(x, dim=-1)  # ê: the centroids are means of unit vectors (eq. 4)
     sums = torch.zeros(k, u.shape[-1], dtype=cd, device=u.device).index_add(0, slot, u)
     counts = torch.zeros(k, dtype=cd, device=u.device).index_add(0, slot, torch.ones_like(u[:, 0]))
-    # cos(ê, c) is invariant to c's positive scale: the sums stand for the means.
-    cos = matmul(u, F.normalize(sums, dim=-1).t())  # (B, k)
-    own_cos = (u * F.normalize(sums[slot] - u, dim=-1)).sum(-1)  # cos(ê_ji, c_j^(-i)); 0 alone
+    # cos(ê, c) is invariant to c's positive scale: the sums stand for the means. No zero
+    # vector is normalised (an absent class's sum, a class of one's exclusive centroid): the
+    # second derivative of a norm at 0 is NaN, even where the term's weight is 0. Any nonzero
+    # row stands in (their columns and terms are masked below).
+    present = (counts > 0).unsqueeze(-1)
+    cos = matmul(u, F.normalize(torch.where(present, sums, 1.0), dim=-1).t())  # (B, k)
+    alone = (counts[slot] < 2).unsqueeze(-1)
+    centroid = F.normalize(torch.where(alone, u, sums[slot] - u), dim=-1)
+    own_cos = (u * torch.where(alone, 0.0, centroid)).sum(-1)  # cos(ê_ji, c_j^(-i)); 0 alone
     classes = torch.arange(k, device=slot.device)
     own = slot.unsqueeze(-1) == classes  # (B, k)
     others = (counts > 0) & ~own  # the classes present in the batch but the row's own

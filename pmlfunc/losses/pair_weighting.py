@@ -104,9 +104,12 @@ def _multi_similarity_terms(batch: Batch, *, alpha, beta, base) -> dict[str, Ter
     # e^{−β·s(d−base)}. The constant ∓·base leaves the log-sum-exp: one scaled matrix per part.
     pos_lse = masked_logsumexp(d * (alpha * s), pos) - alpha * s * base
     neg_lse = masked_logsumexp(d * (-beta * s), neg) + beta * s * base
-    # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = −finfo.max, which gives 0.
+    # log(1 + Σ e^x) = logaddexp(lse, 0); an empty row has lse = −finfo.max, which gives 0
+    # (and second derivatives 0 there: twice)
     zero = pos_lse.new_zeros(())
-    per_anchor = torch.logaddexp(pos_lse, zero) / alpha + torch.logaddexp(neg_lse, zero) / beta
+    per_anchor = (
+        logaddexp(pos_lse, zero, twice=True) / alpha + logaddexp(neg_lse, zero, twice=True) / beta
+    )
     return {"loss": elements(per_anchor)}
 
 
@@ -402,7 +405,7 @@ def _tuplet_margin_terms(batch: Batch, *, margin, scale) -> dict[str, Terms]:
     s_pos = s if listed is None else s.gather(-1, listed[0])
     shifted = _cos_minus(s_pos, beta)
     # log(1 + e^x) exactly (F.softplus switches to x above its threshold)
-    losses = logaddexp(neg_lse - scale * shifted, s.new_zeros(()))
+    losses = logaddexp(neg_lse - scale * shifted, s.new_zeros(()), twice=True)
     # 0 off the positive pairs on either path (their weight is 0 anyway)
     losses = losses * indicator(pos) if listed is None else scatter_rows(losses, listed, s)
     return {"loss": DenseTerms(losses, pos, "pos_pair", batch.num_anchors)}

@@ -37,6 +37,7 @@ from .._ops import (
     cross_entropy,
     fresh,
     inside_transform,
+    logaddexp,
     masked_logsumexp,
     matmul,
     renorm_rows,
@@ -186,7 +187,10 @@ def proxy_anchor(
         pos_term, neg_term = _anchor_terms(x, proxies, labels, margin, alpha, distance, shift)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     # log(1 + Σ_x e^z) per proxy (over the batch); a proxy without terms gives 0.
-    pos_term, neg_term = torch.logaddexp(zero, pos_term), torch.logaddexp(zero, neg_term)
+    pos_term, neg_term = (
+        logaddexp(zero, pos_term, twice=True),
+        logaddexp(zero, neg_term, twice=True),
+    )
     counts = torch.zeros(num_classes + 1, dtype=x.dtype, device=x.device)
     counts = counts.index_add(
         0, _owned(labels, num_classes), torch.ones_like(labels, dtype=x.dtype)
