@@ -294,8 +294,9 @@ class TripletWindow(NamedTuple):
 
     The window is evaluated as ``e_ap + low < e_an ≤ e_ap + high`` (PML subtracts first; the two
     agree except within one rounding of a bound). ``source`` records what the miner's matrix
-    came from (the embeddings and reference tensors, or the ``mat`` it was given, and the
-    distance): a triplet loss computed from the same source sorts each row once and reads the
+    came from (the embeddings and reference tensors, or the ``mat`` it was given, their
+    version counters and the distance, :func:`source_of`): a triplet loss computed from the
+    same source, not written in place since, sorts each row once and reads the
     window and its own hinge together in ``O(B·M log M)``; any other loss re-evaluates the window
     triplet by triplet, exactly, in anchor chunks.
     """
