@@ -541,10 +541,17 @@ class _BarlowTwins(torch.autograd.Function):
         n = a.shape[0]
         gc = c * (2 * ctx.lam / n * g)  # G / N
         gc.diagonal().copy_((c.diagonal() - 1) * (2 / n * g))
-        w = gc * torch.outer(ra, rb)
         gcc = (gc * c).mul_(n / (n - ctx.ddof))
-        ga = torch.addmm(xa * (gcc.sum(1) * ra * ra).neg_(), xb, w.transpose(0, 1))
-        gb = torch.addmm(xb * (gcc.sum(0) * rb * rb).neg_(), xa, w)
+        ka, kb = (gcc.sum(1) * ra * ra).neg_(), (gcc.sum(0) * rb * rb).neg_()
+        del gcc  # (D × D buffers: G, then W in its place)
+        w = (
+            gc.mul_(torch.outer(ra, rb))
+            if not torch.is_grad_enabled()
+            else gc * torch.outer(ra, rb)
+        )
+        # (the correction added into the product's buffer: one N × D tensor a gradient)
+        ga = matmul(xb, w.transpose(0, 1)).addcmul_(xa, ka)
+        gb = matmul(xa, w).addcmul_(xb, kb)
         return ga, gb, None, None, None
 
 
