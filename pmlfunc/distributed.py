@@ -358,11 +358,11 @@ def global_objective(
                 f"{_name(loss_fn)} is a function of batch statistics, which global_objective "
                 "all-reduces (no gather): use exchange='gather' (the default)"
             )
-        return _statistics_objective(loss_fn, group, timeout)
+        return _tagged(_statistics_objective(loss_fn, group, timeout), group, timeout)
     if exchange == "ring":
-        return _ring_objective(loss_fn, group, timeout)
+        return _tagged(_ring_objective(loss_fn, group, timeout), group, timeout)
     if _aligned_rows(loss_fn) is not None:
-        return _pair_objective(loss_fn, group, timeout)
+        return _tagged(_pair_objective(loss_fn, group, timeout), group, timeout)
     what = f"global_objective({_name(loss_fn)})"
 
     @functools.wraps(loss_fn)
@@ -389,7 +389,22 @@ def global_objective(
                 return loss_fn(all_emb, all_labels, *args, **kwargs)
             return split((r0, r0 + sizes[session.rank]), session)
 
-    return wrapped
+    return _tagged(wrapped, group, timeout)
+
+
+def _tagged(objective: Callable[..., Tensor], group, timeout) -> Callable[..., Tensor]:
+    """``objective`` with its process group and timeout recorded (:func:`objective_options`)."""
+    objective.__pmlfunc_global__ = (group, timeout)  # type: ignore[attr-defined]
+    return objective
+
+
+def objective_options(fn: object) -> tuple[Any, float | None] | None:
+    """``(group, timeout)`` of a :func:`global_objective` (or a ``functools.partial`` of one),
+    else ``None``: how a transform that adds terms of its own outside the loss (the KL of
+    :func:`pmlfunc.transforms.adaptive_layers`) sums them over the same ranks."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__pmlfunc_global__", None)
 
 
 class _AllReduce(torch.autograd.Function):

@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _global
+from ._global import total
 from ._ops import scalar_tensor
 from .distances import _Dot
 from .losses._batch import spec_of
@@ -162,7 +163,9 @@ class _Matryoshka:
             )
         width = None
         for name, value in given.items():
-            x = _checks.embeddings(value, name) if value.ndim == 2 else _checks.tensor(value, name)
+            # (no rows: the loss's to refuse, or global_objective's to take on an empty rank)
+            plain = value.ndim == 2 and value.shape[0] > 0
+            x = _checks.embeddings(value, name) if plain else _checks.tensor(value, name)
             if width is None:
                 width = x.shape[-1]
             elif x.shape[-1] != width:
@@ -381,21 +384,17 @@ class _AdaptiveLayers:
         prior = n_layers - 1
         if prior == 0:
             return total
-        teacher = None
+        final = kl = None
         if self.temperature > 0 and self.kl_weight != 0:
-            final = torch.cat([_rows(v[-1], n) for n, v in layered.items()])
-            teacher = F.softmax(final.detach() / self.temperature, dim=-1)
+            final = torch.cat([_rows(v[-1], n) for n, v in layered.items()]).detach()
+            kl = _layer_kl_of(self.loss_fn)
         for layer in range(prior):
             w = _layer_weight(self.layer_weighting, indices[layer])
             total = total + layer_loss(layer) * (w / prior * self.prior_layers_weight)
-            if teacher is not None:
+            if kl is not None:
                 student = torch.cat([_rows(v[layer], n) for n, v in layered.items()])
-                kl = F.kl_div(
-                    F.log_softmax(student / self.temperature, dim=-1),
-                    teacher,
-                    reduction="batchmean",
-                )
-                total = total + kl * (self.temperature * self.kl_weight)
+                term = kl(student, final, temperature=self.temperature)
+                total = total + term * (self.temperature * self.kl_weight)
         return total
 
     @property
@@ -408,6 +407,37 @@ class _AdaptiveLayers:
 
     def __repr__(self) -> str:
         return f"adaptive_layers({_name(self.loss_fn)}, layer_weighting={self.layer_weighting!r})"
+
+
+@_global.reduces_statistics("student", "teacher")
+def _layer_kl(student: Tensor, teacher: Tensor, *, temperature: float) -> Tensor:
+    """``KL(softmax(teacher / T) ‖ softmax(student / T))`` of each row, averaged over the rows
+    (``F.kl_div``'s ``batchmean``; ``teacher`` read as a constant). The sum and the number of
+    rows are :func:`~pmlfunc._global.total`'s: under a global objective, the global batch's."""
+    rows = total(torch.full((), student.shape[0], dtype=student.dtype, device=student.device))
+    kl = F.kl_div(
+        F.log_softmax(student / temperature, dim=-1),
+        F.softmax(teacher.detach() / temperature, dim=-1),
+        reduction="sum",
+    )
+    return total(kl) / rows
+
+
+def _layer_kl_of(loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """:func:`_layer_kl`, over the same ranks as ``loss_fn`` where that is a
+    :func:`~pmlfunc.distributed.global_objective` (inside a :func:`matryoshka` too): the KL
+    term is the transform's, outside the loss, and its mean must be the global batch's as the
+    loss is (each rank's own rows' mean gave every rank another loss, and unequal ranks wrong
+    gradients)."""
+    from . import distributed  # (distributed imports the losses this module's callers use)
+
+    while isinstance(loss_fn, _Matryoshka):
+        loss_fn = loss_fn.loss_fn
+    options = distributed.objective_options(loss_fn)
+    if options is None:
+        return _layer_kl
+    group, timeout = options
+    return distributed.global_objective(_layer_kl, group=group, timeout=timeout)
 
 
 def _rows(x: Tensor, name: str) -> Tensor:

@@ -696,3 +696,48 @@ def test_matryoshka_of_the_global_objective_equals_one_process():
         T.matryoshka(L.clip, DIMS), _randn(9, 12), _randn(9, 12, seed=1), params,
         distributed_fn=_nested_ring_clip, sizes=(5, 4), rtol=1e-10, atol=1e-12,
     )  # fmt: skip
+
+
+def test_matryoshka_of_the_global_objective_takes_an_empty_rank():
+    """A rank with no rows: matryoshka leaves the empty batch to the objective inside (it
+    refused it before calling, and the other ranks waited in the objective's first collective
+    until its timeout)."""
+    check_distributed(
+        T.matryoshka(functools.partial(L.ntxent, temperature=0.2), DIMS), _randn(11, 12),
+        torch.arange(11) % 4, distributed_fn=_nested_global_ntxent, sizes=(0, 11), rtol=1e-10,
+        atol=1e-12, timeout=60.0,
+    )  # fmt: skip
+
+
+def _adaptive_global_supcon(layers, labels, sizes):
+    """One rank of ``adaptive_layers(global_objective(supcon))``: its loss and its rows'
+    gradients."""
+    import torch.distributed as dist
+
+    r0 = sum(sizes[: dist.get_rank()])
+    mine = [x[r0 : r0 + sizes[dist.get_rank()]].clone().requires_grad_() for x in layers]
+    loss = T.adaptive_layers(pf.distributed.global_objective(L.supcon))(
+        mine, labels[r0 : r0 + sizes[dist.get_rank()]]
+    )
+    return loss.detach(), torch.autograd.grad(loss, mine)
+
+
+@pytest.mark.parametrize("sizes", [(3, 5), (8, 0)], ids=["unequal", "an-empty-rank"])
+def test_adaptive_layers_of_the_global_objective_equals_one_process(sizes):
+    """The KL term, the transform's own (outside the loss), is averaged over the global
+    batch's rows as the loss is: every rank returns the single-process loss and its rows get
+    ``W · ∂L/∂x`` (DDP's mean is the single-process gradient). Averaged over each rank's own
+    rows it gave each rank another loss, unequal ranks wrong gradients, an empty rank NaN."""
+    layers = [_randn(8, 5, seed=s) for s in range(3)]
+    labels = torch.arange(8) // 2
+    leaves = [x.clone().requires_grad_() for x in layers]
+    want = T.adaptive_layers(L.supcon)(leaves, labels)
+    want_grads = torch.autograd.grad(want, leaves)
+    ranks = pf.testing.spawn_ranks(
+        _adaptive_global_supcon, layers, labels, sizes, world_size=2, timeout=60.0
+    )
+    for loss, _ in ranks:
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+    for i, want_grad in enumerate(want_grads):
+        got = torch.cat([grads[i] for _, grads in ranks]) / len(sizes)
+        torch.testing.assert_close(got, want_grad, rtol=1e-10, atol=1e-12)
