@@ -57,6 +57,7 @@ from . import _checks, _global
 from . import params as _params
 from ._agree import DEFAULT_TIMEOUT, RankError, Session
 from .losses._tiled import unpartial
+from .reducers import _ClassWeighted, class_weighted
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -610,6 +611,14 @@ def sharded_classes(
 
     def sharded(embeddings: Tensor, labels: Tensor, params: Any, **kwargs: Any) -> Tensor:
         generator = _sampling_generator(kwargs, sample_rate, what)
+        if kwargs.get("weight_regularizer") is not None and (
+            generator is not None or is_active(group)
+        ):
+            raise ValueError(
+                f"{what}: weight_regularizer= reads the whole class table, and a sharded or "
+                "sampled call holds part of it (each rank's regularizer of its own rows gave "
+                "every rank another loss); add the regularizer of the full table yourself"
+            )
         if not is_active(group):
             if generator is None:
                 return loss_fn(embeddings, labels, params, **kwargs)
@@ -733,6 +742,9 @@ def _sampled(
     for name in _PER_CLASS:
         if isinstance(kwargs.get(name), Tensor):
             kwargs[name] = kwargs[name][kept.to(kwargs[name].device)]
+    reducer = kwargs.get("reducer")
+    if isinstance(reducer, _ClassWeighted):  # its weights are read by the renumbered labels
+        kwargs["reducer"] = class_weighted(reducer.weights[kept.to(reducer.weights.device)])
     return sub, order[labels.long()], kwargs, int(kept[:offset].sum()), int(kept.sum())
 
 

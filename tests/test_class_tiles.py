@@ -423,6 +423,40 @@ def test_a_sparse_gradient_holds_the_kept_rows_only_and_equals_the_dense_one():
     assert torch.equal(moved, kept)
 
 
+def test_sampling_slices_class_weighted_weights_as_it_renumbers_the_labels():
+    """``class_weighted(w)`` is read by the labels, which sampling renumbers among the kept
+    classes: its weights are sliced to the kept classes too (each row read another class's
+    weight before, without a word)."""
+    x, labels, params = _draw("cosface", 8, 30, 5, dtype=F64)
+    w = torch.arange(1.0, 31.0, dtype=F64)
+    loss_fn = pf.distributed.sharded_classes(pfl.cosface, sample_rate=0.3)
+    got = loss_fn(
+        x, labels, params, generator=torch.Generator().manual_seed(1),
+        reducer=pf.reducers.class_weighted(w),
+    )  # fmt: skip
+    kept = _kept_reference(30, labels, 0.3, 1)
+    assert 0 < int(kept.sum()) < 30
+    idx, order = kept.nonzero().squeeze(1), torch.cumsum(kept, 0) - 1
+    want = pfl.cosface(
+        x, order[labels], {"weight": params["weight"][idx]},
+        reducer=pf.reducers.class_weighted(w[idx]),
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_weight_regularizer_is_refused_on_a_sampled_or_sharded_table():
+    """The weight regularizer reads the whole table, which a sampled call (or a rank of a
+    sharded one) holds part of: refused, where each rank's regularizer of its own rows gave
+    every rank another loss."""
+    x, labels, params = _draw("cosface", 8, 30, 5, dtype=F64)
+    loss_fn = pf.distributed.sharded_classes(pfl.cosface, sample_rate=0.5)
+    with pytest.raises(ValueError, match="weight_regularizer= reads the whole class table"):
+        loss_fn(
+            x, labels, params, generator=torch.Generator().manual_seed(0),
+            weight_regularizer=pf.regularizers.lp, weight_reg_weight=0.5,
+        )  # fmt: skip
+
+
 def test_sparse_grad_needs_sampling():
     with pytest.raises(ValueError, match="sparse_grad=True is for sampled classes"):
         pf.distributed.sharded_classes(pfl.arcface, sparse_grad=True)
