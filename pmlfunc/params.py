@@ -182,6 +182,11 @@ def tree_flatten(params) -> tuple[Tensor, Callable[[Tensor], Any]]:
     flat = torch.cat([t.reshape(-1) for t in leaves]) if leaves else torch.empty(0)
 
     def unflatten(vector: Tensor) -> Any:
+        if vector.ndim != 1 or vector.numel() != flat.numel():
+            raise ValueError(
+                f"unflatten needs a 1-D vector of the tree's {flat.numel()} entries, got shape "
+                f"{tuple(vector.shape)}"
+            )
         out, start = [], 0
         for shape in shapes:
             n = math.prod(shape)

@@ -95,3 +95,6 @@ def test_tree_tools():
     back = unflatten(flat * 2)
     torch.testing.assert_close(back["a"], tree["weight"] * 2)
     torch.testing.assert_close(back["b"], tree["scale"] * 2)
+    for wrong in (flat[:-1], torch.cat([flat, flat]), flat.view(1, -1)):  # (cut silently before)
+        with pytest.raises(ValueError, match="1-D vector of the tree's 13 entries"):
+            unflatten(wrong)

@@ -853,6 +853,9 @@ def test_init_shapes_dtype_reproducible_and_equal_to_pml(name):
     finally:
         torch.random.set_rng_state(state)
     assert torch.equal(w, pml_w)
+    # every dtype: drawn in float32 and cast (p2s_grad's drew a float64 table of its own)
+    w64 = spec["init"](c, d, generator=torch.Generator().manual_seed(5), dtype=F64)
+    assert torch.equal(w64[spec["key"]], pml_w.to(F64))
 
 
 def test_init_distributions():

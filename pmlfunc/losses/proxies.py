@@ -912,9 +912,11 @@ def p2s_grad_init(
         tensor([1., 1., 1., 1., 1., 1., 1., 1., 1., 1.])
     """
     c, d = _sizes(num_classes, embedding_size)
-    w = torch.empty((d, c), dtype=dtype, device=_params.generator_device(generator, device))
+    # drawn and renormalised in float32, then cast (as _params.init_normal): one generator
+    # state gives PML's values in every dtype (a float64 draw gave another table)
+    w = torch.empty((d, c), dtype=torch.float32, device=_params.generator_device(generator, device))
     w = w.uniform_(-1.0, 1.0, generator=generator).renorm(2, 1, _RENORM_MAX).mul(1.0 / _RENORM_MAX)
-    return {"weight": w.t().contiguous()}
+    return {"weight": w.t().contiguous().to(dtype)}
 
 
 # the class logits (pmlfunc.losses.class_logits): each loss's distance resolved as in the loss
