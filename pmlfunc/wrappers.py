@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._ops import readable
 from .queues import check_counters, ring_write
 from .tuples import MinedPairs, MinedTriplets, TripletMask, TripletWindow
 
@@ -198,10 +199,15 @@ def cross_batch_memory(
     Returns:
         ``(loss, new_memory)``.
 
-    Before the memory is full, the unfilled slots never form pairs (PML slices them off). A
-    miner still sees them as candidates before its result is restricted, so a miner that picks
-    one candidate per anchor (batch-hard, HDC, multi-similarity) can differ from PML's during the
-    first ``memory_size / batch_size`` steps; once the memory is full they agree.
+    Before the memory is full, the loss and the miner read the filled slots only, as PML's
+    slice: in eager mode on a CPU, where the count is read for free. Elsewhere (CUDA, compiled,
+    inside ``torch.func``: no host sync, fixed shapes) every slot is passed and the unfilled
+    ones never form pairs, which is the same loss for every loss whose terms are its pairs; but
+    ``nca`` and ``angular`` also read references outside the pairs (NCA's softmax over every
+    reference, angular's negative term), and a miner that picks one candidate per anchor
+    (batch-hard, HDC, multi-similarity) sees the empty slots as candidates before its result is
+    restricted: those differ from PML's during the first ``memory_size / batch_size`` steps
+    there, and agree once the memory is full.
 
     The state is checked on every call (and by :func:`enqueue`): a tensor of another dtype,
     shape or device than :func:`cross_batch_memory_init` makes raises a ``TypeError`` or
@@ -223,8 +229,19 @@ def cross_batch_memory(
         raise ValueError("cross_batch_memory supplies ref_emb, ref_labels and indices_tuple itself")
     memory, slots = enqueue(memory, embeddings, labels)
     mem_emb, mem_labels = memory["embeddings"], memory["labels"]
-    size = mem_emb.shape[0]
-    filled = (torch.arange(size, device=mem_emb.device) < memory["count"]).to(torch.float32)
+    size, index, count = mem_emb.shape[0], memory["index"], memory["count"]
+    # the filled slots are the `count` last written, up to `index` (slots 0 .. count − 1 from
+    # an initial memory, before the ring wraps)
+    if readable(count) and int(count) < size:  # PML's slice of the filled slots, oldest first
+        n = int(count)
+        start = index - n
+        kept = (start + torch.arange(n, device=index.device)) % size
+        mem_emb, mem_labels = mem_emb.index_select(0, kept), mem_labels.index_select(0, kept)
+        slots = (slots - start) % size  # each row's place among them
+        filled = torch.ones(n, device=mem_emb.device)
+    else:
+        age = (index - 1 - torch.arange(size, device=mem_emb.device)) % size  # 0: the newest
+        filled = (age < count).to(torch.float32)
     same = (labels.unsqueeze(-1) == mem_labels.unsqueeze(0)).to(torch.float32)
     own = torch.zeros_like(same).scatter(
         -1, slots.unsqueeze(-1), torch.ones_like(same[:, :1])

@@ -26,6 +26,9 @@ LOSSES = {
     ),
     "multi_similarity": (pf.losses.multi_similarity, lambda: pml_losses.MultiSimilarityLoss()),
     "triplet_margin": (pf.losses.triplet_margin, lambda: pml_losses.TripletMarginLoss(0.2)),
+    # these two read references outside the pairs (NCA's softmax, angular's negative term)
+    "nca": (pf.losses.nca, lambda: pml_losses.NCALoss()),
+    "angular": (pf.losses.angular, lambda: pml_losses.AngularLoss()),
 }
 MINERS = {
     None: (None, None),
@@ -48,9 +51,9 @@ def test_matches_pml_cross_batch_memory_over_steps(loss, miner):
     ).double()
     memory = wrappers.cross_batch_memory_init(S, D, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
-    # Before the memory is full a miner that picks per anchor may see unfilled slots (documented);
-    # this comparison starts once the memory is full (step 4 of 6-row batches in 20 slots).
-    first_compared = 0 if miner in (None, "pair_margin") else 4
+    # From the first step: in eager mode on a CPU the loss and the miner read the filled slots
+    # only (PML's slice). Passing the empty slots gave NCA and angular another loss, and
+    # per-anchor miners other picks, for the 4 steps (of 6-row batches in 20 slots) before full.
     for step in range(8):  # 48 rows through 20 slots: the ring wraps twice
         emb = torch.randn(B, D, generator=gen, dtype=torch.float64, requires_grad=True)
         labels = torch.randint(0, 4, (B,), generator=gen)
@@ -58,9 +61,8 @@ def test_matches_pml_cross_batch_memory_over_steps(loss, miner):
         (g_want,) = torch.autograd.grad(want, emb)
         got, memory = wrappers.cross_batch_memory(ours, emb, labels, memory, miner=our_miner)
         (g_got,) = torch.autograd.grad(got, emb)
-        if step >= first_compared:
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"step {step}")
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12, msg=f"step {step}")
     torch.testing.assert_close(memory["embeddings"], pml.embedding_memory)
     torch.testing.assert_close(memory["labels"], pml.label_memory)
     assert int(memory["index"]) == pml.queue_idx
@@ -81,24 +83,45 @@ def test_enqueue_is_a_pure_ring_buffer():
     assert int(new["index"]) == 1 and int(new["count"]) == 5
 
 
-def test_unfilled_slots_and_own_slot_never_pair():
+@pytest.mark.parametrize("count_read", [True, False], ids=["eager-cpu", "not-read"])
+def test_unfilled_slots_and_own_slot_never_pair(count_read, monkeypatch):
+    """In eager mode on a CPU the loss reads the filled slots only (PML's slice); where the
+    count is not read (CUDA, compiled, torch.func) every slot, the unfilled ones in no pair."""
+    if not count_read:
+        monkeypatch.setattr(wrappers, "readable", lambda t: False)
     memory = wrappers.cross_batch_memory_init(10, 3, dtype=torch.float64)
     emb = torch.randn(2, 3, dtype=torch.float64)
     labels = torch.tensor([1, 1])
     seen = {}
 
     def spy(e, y, *, ref_emb, ref_labels, indices_tuple):
-        seen["pairs"] = indices_tuple
+        seen["pairs"], seen["ref"] = indices_tuple, ref_emb
         return pf.losses.contrastive(
             e, y, ref_emb=ref_emb, ref_labels=ref_labels, indices_tuple=indices_tuple
         )
 
     wrappers.cross_batch_memory(spy, emb, labels, memory)
     pos, neg = seen["pairs"]
+    assert seen["ref"].shape[0] == (2 if count_read else 10)
     # slots 0 and 1 hold the batch; each anchor pairs with the other's slot only; unfilled
     # slots (labels 0, different from 1) are not negatives
-    assert pos.tolist()[0][:3] == [0.0, 1.0, 0.0] and pos.tolist()[1][:3] == [1.0, 0.0, 0.0]
+    assert pos.tolist()[0][:3] == [0.0, 1.0, 0.0][: pos.shape[1]]
+    assert pos.tolist()[1][:3] == [1.0, 0.0, 0.0][: pos.shape[1]]
     assert pos.sum() == 2 and neg.sum() == 0
+
+
+def test_a_memory_whose_filled_slots_do_not_start_at_zero_is_read_in_ring_order():
+    """The filled slots are the ``count`` last written, up to ``index``: a memory whose count
+    was reset (count 0, index 7) holds the next batch in slots 7, 8, 9, 0, and the loss reads
+    those rows, whether the count is read (sliced) or not (masked)."""
+    memory = {**wrappers.cross_batch_memory_init(10, 3, dtype=torch.float64)}
+    memory["index"] = torch.tensor(7)
+    emb = torch.randn(4, 3, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1])
+    want = pf.losses.contrastive(emb, labels)
+    got, new = wrappers.cross_batch_memory(pf.losses.contrastive, emb, labels, memory)
+    assert int(new["count"]) == 4 and int(new["index"]) == 1
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.compile
