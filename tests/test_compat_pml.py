@@ -174,6 +174,19 @@ LEARNABLE = {
 }
 
 
+def test_margin_loss_with_a_fixed_beta_has_pmls_empty_state():
+    """``MarginLoss()`` (``learn_beta=False``): ``beta`` a plain tensor as in PML, no parameter
+    and no state_dict entry, so a checkpoint loads strictly both ways (a frozen parameter here
+    made each side's load fail on ``beta``)."""
+    emb, labels, _, _ = inputs(F64)
+    theirs, ours = pml_losses.MarginLoss().double(), losses.MarginLoss().double()
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == []
+    assert list(ours.parameters()) == list(theirs.parameters()) == []
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    assert_same(run(ours, emb, labels), run(theirs, emb, labels), F64)
+
+
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("name", list(LEARNABLE))
 def test_learnable_losses_equal_pmls_with_each_others_state(name, dtype):

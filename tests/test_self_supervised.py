@@ -238,6 +238,12 @@ def test_barlow_twins_refuses_the_ring():
         ({"lambda_param": -1.0}, ValueError, "lambda_param"),
         ({"eps": -1.0}, ValueError, "eps"),
         ({"emb_a": torch.zeros(0, 4, dtype=F64)}, ValueError, "emb_a"),
+        # one row (NaN, or with eps a finite D: lightly's batch norm refuses it too)
+        (
+            {"emb_a": torch.randn(1, 4, dtype=F64), "emb_b": torch.randn(1, 4, dtype=F64)},
+            ValueError,
+            "at least 2 rows in emb_a",
+        ),
     ],
 )
 def test_barlow_twins_bad_input_raises_naming_the_argument(change, error, match):

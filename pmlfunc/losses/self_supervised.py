@@ -465,6 +465,11 @@ def barlow_twins(
     Redundancy Reduction", ICML 2021.
     """
     a, b = _two_views(emb_a, emb_b, "barlow_twins")
+    if a.shape[0] < 2 and not _global.active():  # (a rank of a global objective may hold one)
+        raise ValueError(
+            "barlow_twins needs a batch of at least 2 rows in emb_a (one row's variance is 0 "
+            f"or undefined), got {a.shape[0]}"
+        )
     lam = _checks.hyper(lambda_param, "lambda_param", nonnegative=True)
     eps = _checks.hyper(eps, "eps", nonnegative=True)
     cd = _checks.compute_dtype(a.dtype)

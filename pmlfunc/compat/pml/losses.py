@@ -405,8 +405,8 @@ class P2SGradLoss(_Learnable):
 
 
 class MarginLoss(Loss):
-    """``beta`` is an ``nn.Parameter`` as in PML (``(num_classes,)`` with ``learn_beta`` and
-    ``num_classes``, else ``(1,)``; learnable only with ``learn_beta``)."""
+    """``beta`` as in PML: an ``nn.Parameter`` with ``learn_beta`` (``(num_classes,)`` with
+    ``num_classes``, else ``(1,)``), else a plain ``(1,)`` tensor, in no ``state_dict``."""
 
     function = _l.margin
     signature = ("margin", "nu", "beta", "triplets_per_anchor", "learn_beta", "num_classes")
@@ -417,7 +417,9 @@ class MarginLoss(Loss):
         super().__init__(*args, **kwargs)
         learn, classes = bool(self.argument("learn_beta")), self.argument("num_classes")
         value = _l.margin_init(float(self.argument("beta")), classes if learn else None)["beta"]
-        self.beta = nn.Parameter(value, requires_grad=learn)
+        # PML's layout: a parameter only when learned, else a plain tensor (no state_dict
+        # entry: a checkpoint loads strictly both ways)
+        self.beta = nn.Parameter(value) if learn else value
 
     def params(self) -> dict[str, Tensor] | None:
         # a fixed beta is a hyper-parameter (no ν·β term), a learned one the function's params
