@@ -1192,6 +1192,14 @@ def test_func_grad_equals_autograd(name, listing, monkeypatch):
     assert any(w.abs().max() > 0 for w in want), "every gradient is zero: nothing was compared"
 
 
+def _without_versions(result: Any) -> Any:
+    """A miner's result without its source's version counters (a TripletWindow's: read in
+    eager mode only, ``()`` in a compiled graph, which cannot compare them; ``source_of``)."""
+    if isinstance(result, pf.tuples.TripletWindow):
+        return result._replace(source=result.source[:2])
+    return result
+
+
 def _assert_outputs_equal(got: Any, want: Any, **tol: float) -> None:
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
@@ -1215,7 +1223,8 @@ def test_compile_fullgraph_equals_eager(name):
     torch._dynamo.reset()
     compiled = torch.compile(call.run, fullgraph=True, backend=entry.backend)
     if name.startswith("miners."):
-        _assert_outputs_equal(compiled(**call.wrt), call.run(**call.wrt))
+        got, want = (_without_versions(r) for r in (compiled(**call.wrt), call.run(**call.wrt)))
+        _assert_outputs_equal(got, want)
     else:
         got, got_grads = value_and_grads(compiled, call)
         want, want_grads = value_and_grads(call.run, call)
