@@ -784,7 +784,7 @@ class _Lp(_Budgeted):
         else:
             mat = torch.cdist(x, x if y is None else y, p=self.p)
         if self.power != 1:
-            mat = mat**self.power
+            mat = _powered(mat, self.power)
         return mat
 
     def _indexed_pairs(self, x: Tensor, y: Tensor | None, i: Tensor, j: Tensor) -> Tensor:
@@ -806,7 +806,17 @@ class _Lp(_Budgeted):
         if self.p == 2 and self.power == 2:
             return (diff * diff).sum(-1)
         d = torch.linalg.vector_norm(diff, self.p, dim=-1)  # its gradient at 0 is 0
-        return d if self.power == 1 else d**self.power
+        return d if self.power == 1 else _powered(d, self.power)
+
+
+def _powered(d: Tensor, power: float) -> Tensor:
+    """``d ** power``; for ``power < 1`` with a zero gradient where ``d = 0`` (``power ·
+    d^(power − 1)`` is infinite there, and a self distance's diagonal made every gradient NaN
+    under a finite loss; ``torch.cdist``'s backward, PML's, gives 0). NaN stays NaN."""
+    if power >= 1:
+        return d**power
+    zero = d == 0
+    return torch.where(zero, 0.0, torch.where(zero, 1.0, d) ** power)
 
 
 def lp(

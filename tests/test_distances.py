@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import distances as pml_d
+from pytorch_metric_learning import losses as pml_losses
 from tracking import LargestTensor
 
 import pmlfunc as pf
@@ -1090,3 +1091,40 @@ def test_one_sided_near_entries_compiled(gen):
         assert torch.isfinite(xr.grad).all()
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_power_below_one_has_pmls_finite_gradient_at_zero_distance(p, normalize):
+    """``lp(power=0.5)``: ``d^0.5``'s derivative is infinite at ``d = 0`` (a self distance's
+    diagonal, a duplicate row), which made every gradient NaN under a finite loss; it is 0
+    there, as ``torch.cdist``'s backward (PML's). Matrix, listed pairs and a loss, float64."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    x[5] = x[0]  # a duplicate: a zero off the diagonal too
+    y = torch.tensor([0, 0, 1, 1, 2, 2])
+    ours = pf.distances.lp(p=p, power=0.5, normalize=normalize)
+    theirs = pml_d.LpDistance(p=p, power=0.5, normalize_embeddings=normalize)
+    for fn, ref in (
+        (lambda e: ours(e).sum(), lambda e: theirs(e).sum()),
+        (
+            lambda e: pf.losses.contrastive(e, y, distance=ours),
+            lambda e: pml_losses.ContrastiveLoss(distance=theirs)(e, y),
+        ),
+        (
+            lambda e: pf.losses.triplet_margin(
+                e,
+                y,
+                distance=ours,
+                indices_tuple=(torch.tensor([0]), torch.tensor([1]), torch.tensor([5])),
+            ),
+            lambda e: pml_losses.TripletMarginLoss(margin=0.2, distance=theirs)(
+                e, y, (torch.tensor([0]), torch.tensor([1]), torch.tensor([5]))
+            ),
+        ),
+    ):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (ga,) = torch.autograd.grad(fn(a), a)
+        (gb,) = torch.autograd.grad(ref(b), b)
+        assert torch.isfinite(ga).all()
+        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)

@@ -681,3 +681,17 @@ def test_bad_input(gen):
     for exc, word, fn in cases:
         with pytest.raises(exc, match=word):
             fn()
+
+
+@pytest.mark.parametrize(
+    "distance",
+    [pf.distances.lp(), pf.distances.dot(), pf.distances.snr()],
+    ids=["lp", "dot", "snr"],
+)
+def test_histogram_refuses_a_distance_outside_its_bins(distance):
+    """The bins cover similarities in [-1, 1]: another distance's values fell outside them and
+    gave a "probability" of 16 (lp), 24 (dot) or 104 (snr); PML crashes with an index error."""
+    emb, labels = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    with pytest.raises(ValueError, match=r"distance must be cosine\(\) or dot\(normalize=True\)"):
+        pf.losses.histogram(emb, labels, distance=distance)
+    pf.losses.histogram(emb, labels, distance=pf.distances.dot(normalize=True))

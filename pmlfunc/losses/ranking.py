@@ -270,7 +270,9 @@ def histogram(
         delta: bin width ``Δ``; if both are given, ``delta == 2 / n_bins`` is required.
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb`` and
             ``ref_labels`` (as in PML); ``distance``:
-            default ``cosine()`` (values are expected in ``[−1, 1]``); ``reducer``: must be
+            default ``cosine()``: a similarity in ``[−1, 1]`` (``cosine()`` or ``dot(normalize=True)``;
+            any other distance is a ``ValueError``, where its values fell outside the bins and
+            gave a "probability" of 16 or 104); ``reducer``: must be
             ``None``: the loss is already reduced (PML ignores any reducer).
 
     Returns:
@@ -304,6 +306,12 @@ def _histogram_terms(batch: Batch, *, n_bins, delta) -> dict[str, Terms]:
             )
     if delta is None:
         delta = 2 / (100 if n_bins is None else n_bins)
+    dist = batch.distance
+    if not (dist.is_similarity and getattr(dist, "normalize", False)):
+        raise ValueError(
+            "histogram's bins cover similarities in [-1, 1]: distance must be cosine() or "
+            f"dot(normalize=True), got {dist!r}"
+        )
     size = round(1 + 2 / delta)
     if size < 2:
         raise ValueError(f"delta={delta} gives fewer than two histogram nodes")
