@@ -6,7 +6,7 @@
 | :func:`row_logsumexp` / :func:`row_softmax` | its forward and its gradient, as plain functions (tiles) |
 | :func:`masked` | ``x`` on kept entries, ``−finfo.max`` elsewhere |
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
-| :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well |
+| :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well (and, ``twice``, with a finite second derivative at ``−finfo.max``) |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
 | :func:`count_true` | the true entries of a bool mask, by an ``int32`` sum |
 | :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |

@@ -555,6 +555,11 @@ def safe_euclidean(
         >>> safe_euclidean(x).diagonal()
         tensor([0., 0., 0., 0.])
     """
+    _checks.embeddings(x, "x")  # (as a Distance checks its inputs)
+    if y is not None:
+        _checks.embeddings(y, "y")
+        _checks.same_space(x, y, "y", "x")
+    exact_budget = _checks.integer(exact_budget, "exact_budget", minimum=0)
     out_dtype = x.dtype
     cd = _checks.compute_dtype(out_dtype)
     xc = x.to(cd)

@@ -1128,3 +1128,21 @@ def test_a_power_below_one_has_pmls_finite_gradient_at_zero_distance(p, normaliz
         (gb,) = torch.autograd.grad(ref(b), b)
         assert torch.isfinite(ga).all()
         torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "error", "match"),
+    [
+        (torch.randn(3, 2), torch.randn(4, 2, dtype=torch.float64), TypeError, "y has dtype"),
+        (torch.randn(3), None, ValueError, "x must be 2-D"),
+        (torch.randn(3, 2), torch.randn(4, 5), ValueError, "y"),
+        (torch.zeros(0, 2), None, ValueError, "x is an empty batch"),
+    ],
+    ids=["mixed-dtypes", "1-d", "widths", "empty"],
+)
+def test_safe_euclidean_checks_its_inputs_as_a_distance_does(x, y, error, match):
+    """The public function checks what every Distance checks (a float64 ``y`` was rounded to
+    ``x``'s float32 silently, an empty batch returned a (0, 0) tensor, other shapes raised
+    torch's errors naming no argument)."""
+    with pytest.raises(error, match=match):
+        safe_euclidean(x, y)
