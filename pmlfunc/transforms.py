@@ -54,7 +54,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, _global
-from ._global import total
 from ._ops import scalar_tensor
 from .distances import _Dot
 from .losses._batch import spec_of
@@ -414,13 +413,14 @@ def _layer_kl(student: Tensor, teacher: Tensor, *, temperature: float) -> Tensor
     """``KL(softmax(teacher / T) ‖ softmax(student / T))`` of each row, averaged over the rows
     (``F.kl_div``'s ``batchmean``; ``teacher`` read as a constant). The sum and the number of
     rows are :func:`~pmlfunc._global.total`'s: under a global objective, the global batch's."""
-    rows = total(torch.full((), student.shape[0], dtype=student.dtype, device=student.device))
+    n = torch.full((), student.shape[0], dtype=student.dtype, device=student.device)
+    rows = _global.total(n)
     kl = F.kl_div(
         F.log_softmax(student / temperature, dim=-1),
         F.softmax(teacher.detach() / temperature, dim=-1),
         reduction="sum",
     )
-    return total(kl) / rows
+    return _global.total(kl) / rows
 
 
 def _layer_kl_of(loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
