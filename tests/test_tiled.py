@@ -407,6 +407,26 @@ def test_gradient_taken_inside_the_compiled_function_equals_eager_and_dense(gen,
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("chunk", [None, 3], ids=["dense", "tiled"])
+def test_a_backward_through_vmap_of_clip_with_labels_equals_a_loop(gen, chunk):
+    """``vmap`` of CLIP with labels, then ``.backward()`` on its outputs: the stacked gradients
+    of each batch's loss. Its positives' weights were added into a tile buffer with ``out=``,
+    for which vmap has no batching rule (the backward raised; ``vmap(grad)`` worked)."""
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    params = pfl.clip_init(dtype=F64)
+    stack = torch.randn(2, 8, 2 * D, generator=gen, dtype=F64)
+
+    def loss(x):
+        return pfl.clip(x[:, :D], x[:, D:], params, labels=labels, chunk_size=chunk)
+
+    x = stack.clone().requires_grad_(True)
+    torch.func.vmap(loss)(x).sum().backward()
+    for i in range(2):
+        xi = stack[i].clone().requires_grad_(True)
+        loss(xi).backward()
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("name", ["ntxent", "supcon"])
 def test_tiled_loss_compiles_inside_grad_and_vmap(gen, name):

@@ -1315,7 +1315,10 @@ def _clip_positives_ds_(ds: Tensor, pos, eye, row_pos, row_coef, col_pos, col_co
         ds.diagonal(offset=eye, dim1=-2, dim2=-1).sub_(row_coef + col_coef[eye : eye + r])
         return ds
     w_r = (row_coef / row_pos.clamp_min(1.0)).unsqueeze(-1)
-    w = torch.add(w_r, col_coef / col_pos.clamp_min(1.0), out=buf)
+    w_c = col_coef / col_pos.clamp_min(1.0)
+    if buf is None or inside_transform():  # (vmap has no batching rule for out=)
+        return ds.sub_(torch.where(pos, w_r + w_c, 0.0))
+    w = torch.add(w_r, w_c, out=buf)
     return ds.sub_(w.masked_fill_(pos.logical_not(), 0.0))
 
 
