@@ -6,6 +6,7 @@
 | :func:`row_logsumexp` / :func:`row_softmax` | its forward and its gradient, as plain functions (tiles) |
 | :func:`masked` | ``x`` on kept entries, ``−finfo.max`` elsewhere |
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
+| :class:`FirstOrder`, :func:`first_order_backward`, :func:`unrecorded` | a gradient formed as a Function of its own, whose second differentiation raises (the tiled engine, ``pf.chunked.loss``) |
 | :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well (and, ``twice``, with a finite second derivative at ``−finfo.max``) |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
 | :func:`count_true` | the true entries of a bool mask, by an ``int32`` sum |
@@ -108,6 +109,8 @@ def row_softmax(x: Tensor, weights: Tensor, lse: Tensor) -> Tensor:
     with respect to ``x`` (0 on rows with nothing kept). Four passes: a kept entry has
     ``x ≤ lse``, so clamping the exponent to ``[−80, 80]`` changes no kept value and keeps
     ``e^{x − lse}`` finite where ``w = 0`` (no :func:`masked` buffer)."""
+    if torch.is_grad_enabled():  # recorded (a second derivative): out of place, autograd's
+        return torch.exp((x - lse.unsqueeze(-1)).clamp(-80.0, 80.0)) * weights
     e = (x - lse.unsqueeze(-1)).clamp_(-80.0, 80.0).exp_()
     return _mul_fresh_(e, weights)
 
@@ -144,10 +147,10 @@ class _MaskedLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weights, lse = ctx.saved_tensors
+        p = row_softmax(x, weights, lse)
         if torch.is_grad_enabled():  # recorded (a second derivative): no op in place
-            e = torch.exp((x - lse.unsqueeze(-1)).clamp(-80.0, 80.0))
-            return e * weights * g.unsqueeze(-1), None, None
-        return _mul_fresh_(row_softmax(x, weights, lse), g.unsqueeze(-1)), None, None
+            return p * g.unsqueeze(-1), None, None
+        return _mul_fresh_(p, g.unsqueeze(-1)), None, None
 
 
 def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -162,6 +165,43 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     if _unwrap_dead_wrappers is None or torch.compiler.is_compiling() or _transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*_unwrap_dead_wrappers(args))  # type: ignore[misc]
+
+
+def first_order_backward(what: str, instead: str):
+    """The backward of a :class:`FirstOrder` Function: raises that ``what`` is not
+    differentiable (a second time), and says what to do ``instead``."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{what} is not differentiable (double backward, torch.func.hessian); {instead}"
+        )
+
+    return backward
+
+
+class FirstOrder(torch.autograd.Function):
+    """A first-order backward as a Function of its own: its forward forms the gradients (no
+    context to set up), its backward raises (a subclass sets ``backward`` to a
+    :func:`first_order_backward`). As a Function, the first-order backward records no graph under
+    ``create_graph=True`` or ``torch.func.grad``, so memory stays bounded, and a second
+    differentiation fails loudly instead of silently missing terms."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+
+def unrecorded() -> bool:
+    """Whether nothing records a backward's operations: plain eager autograd without
+    ``create_graph`` (grad mode off in the backward), no ``torch.func`` transform, not
+    compiling. There the formed gradients are scaled directly; elsewhere through
+    a :class:`FirstOrder` Function, whose backward raises on a second differentiation (a
+    Function applied costs ~20 µs on a CPU)."""
+    return (
+        not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not inside_transform()
+    )
 
 
 def masked_logsumexp(x: Tensor, weights: Tensor, keep: Tensor | None = None) -> Tensor:

@@ -41,10 +41,9 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import apply, inside_transform
+from ._ops import FirstOrder, apply, first_order_backward, inside_transform, unrecorded
 from .losses._batch import LossCall, spec_of
 from .losses._regularize import regularize
-from .losses._tiled import _FirstOrder, _twice, _unrecorded
 from .reducers import Reducer
 
 __all__ = ["chunkable", "gradcache", "loss", "value_and_grad"]
@@ -199,7 +198,7 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
         out = value.detach()
         if inputs:
             for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
-                out = out + apply(_FirstOrderTerm, v, g.detach().to(v.dtype)).to(out.dtype)
+                out = out + apply(FirstOrderTerm, v, g.detach().to(v.dtype)).to(out.dtype)
         return out
 
     chunked_loss.__doc__ = (
@@ -209,7 +208,7 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
     return chunked_loss
 
 
-class _FirstOrderTerm(torch.autograd.Function):
+class FirstOrderTerm(torch.autograd.Function):
     """``⟨g, v − sg(v)⟩``: 0 for finite ``v`` (NaN where ``v`` is not), whose gradient with respect
     to ``v`` is the given ``g`` times the cotangent: how :func:`loss` hands its chunked
     gradient to autograd. The backward scales ``g`` through :class:`_ScaledFirstOrder` where it
@@ -233,13 +232,13 @@ class _FirstOrderTerm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cotangent):
         v, g = ctx.saved_tensors
-        if _unrecorded():
+        if unrecorded():
             return g * cotangent, None
         return apply(_ScaledFirstOrder, v, g, cotangent), None
 
 
-class _ScaledFirstOrder(_FirstOrder):
-    """``g · cotangent`` as a Function of ``v`` (:class:`_FirstOrderTerm`'s recorded backward):
+class _ScaledFirstOrder(FirstOrder):
+    """``g · cotangent`` as a Function of ``v`` (:class:`FirstOrderTerm`'s recorded backward):
     a second differentiation raises."""
 
     @staticmethod
@@ -247,7 +246,7 @@ class _ScaledFirstOrder(_FirstOrder):
         return g * cotangent
 
     backward = staticmethod(
-        _twice(
+        first_order_backward(
             "pmlfunc.chunked.loss's gradient (formed chunk by chunk in the forward)",
             "differentiate the plain loss",
         )

@@ -114,9 +114,11 @@ from .._ops import (
     _NORMALIZE_EPS,
     SELF_PRODUCT_FUSE_LIMIT,
     SPARSE_FRACTION,
+    FirstOrder,
     addmm_,
     apply,
     count_true,
+    first_order_backward,
     fresh,
     inside_transform,
     logaddexp,
@@ -127,6 +129,7 @@ from .._ops import (
     renorm_rows,
     self_product_grad,
     unit_rows,
+    unrecorded,
 )
 from ..distances import _Dot, cosine, resolve
 from ..reducers import Reducer
@@ -2035,33 +2038,7 @@ def _slots(needs) -> list[bool]:
     return [need_x, *need_y, need_scale, need_bias]
 
 
-def _twice(what: str, instead: str):
-    """The backward of a :class:`_FirstOrder` Function: raises that ``what`` is not
-    differentiable (a second time), and says what to do ``instead``."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"{what} is not differentiable (double backward, torch.func.hessian); {instead}"
-        )
-
-    return backward
-
-
-class _FirstOrder(torch.autograd.Function):
-    """A first-order backward as a Function of its own: its forward forms the gradients (no
-    context to set up), its backward raises (a subclass sets ``backward`` to a
-    :func:`_twice`). As a Function, the first-order backward records no graph under
-    ``create_graph=True`` or ``torch.func.grad``, so memory stays bounded, and a second
-    differentiation fails loudly instead of silently missing terms."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-
-_tiled_not_twice = _twice(
+_tiled_notfirst_order_backward = first_order_backward(
     "the tiled engine's gradient (clip, siglip, multiple_negatives_ranking, and ntxent/supcon "
     "given labels, dense or chunk_size=...)",
     "for ntxent/supcon, pass the similarity matrix as mat= (the general batch path, "
@@ -2069,8 +2046,8 @@ _tiled_not_twice = _twice(
 )
 
 
-class _TiledGrads(_FirstOrder):
-    """The one-block backward (:class:`_FirstOrder`): its forward walks the tiles, recomputes
+class _TiledGrads(FirstOrder):
+    """The one-block backward (:class:`FirstOrder`): its forward walks the tiles, recomputes
     each and accumulates the requested gradients ``[∂x][∂segment …][∂scale][∂bias]``
     (``needs``); its backward raises."""
 
@@ -2098,15 +2075,15 @@ class _TiledGrads(_FirstOrder):
         gy = () if self_mode else tuple(t if n else None for t, n in zip(gy, need_y, strict=True))
         return _times_cotangent(gx, gy, x_dot, sum_ds, scale, g)
 
-    backward = staticmethod(_tiled_not_twice)
+    backward = staticmethod(_tiled_notfirst_order_backward)
 
 
-class _Scaled(_FirstOrder):
+class _Scaled(FirstOrder):
     """The gradients the forward walk formed (:func:`fused_loss`; ``formed``, in
     :func:`_slots` order) times the cotangent ``g`` (the rows' and columns' also times the logit
     scale): the backward of the row-complete kinds, a Function of the loss's inputs ``x``, the
     columns, ``scale`` and ``bias`` (which it does not read) so that, as :class:`_TiledGrads`,
-    it records no graph and a second differentiation raises (:class:`_FirstOrder`)."""
+    it records no graph and a second differentiation raises (:class:`FirstOrder`)."""
 
     @staticmethod
     def forward(x, y0, y1, y2, y3, y4, scale, bias, g, needs, f0, f1, f2, f3, f4, f5, f6, f7):
@@ -2114,7 +2091,7 @@ class _Scaled(_FirstOrder):
         gx, *gy, g_scale, g_bias = _formed_slots(needs, (f0, f1, f2, f3, f4, f5, f6, f7))
         return _times_cotangent(gx, gy, g_scale, g_bias, scale, g)
 
-    backward = staticmethod(_tiled_not_twice)
+    backward = staticmethod(_tiled_notfirst_order_backward)
 
 
 def _formed_slots(needs, formed) -> tuple:
@@ -2123,17 +2100,6 @@ def _formed_slots(needs, formed) -> tuple:
     g_bias)``."""
     given = iter(formed)
     return tuple(next(given) if n else None for n in _slots(needs))
-
-
-def _unrecorded() -> bool:
-    """Whether nothing records a backward's operations: plain eager autograd without
-    ``create_graph`` (grad mode off in the backward), no ``torch.func`` transform, not
-    compiling. There the formed gradients are scaled directly; elsewhere through
-    :class:`_Scaled`, whose backward raises on a second differentiation (a Function applied
-    costs ~20 µs on a CPU)."""
-    return (
-        not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not inside_transform()
-    )
 
 
 def _wanted_grads(formed_needs, wanted, x, ys, scale, bias, g, formed, recompute) -> list:
@@ -2145,7 +2111,7 @@ def _wanted_grads(formed_needs, wanted, x, ys, scale, bias, g, formed, recompute
     if formed_needs is not None and all(
         f or not w for f, w in zip(_slots(formed_needs), wanted, strict=True)
     ):
-        if _unrecorded():  # nothing records the scaled gradients: no Function needed
+        if unrecorded():  # nothing records the scaled gradients: no Function needed
             gx, *gy, g_scale, g_bias = _formed_slots(formed_needs, formed)
             grads = iter(_times_cotangent(gx, gy, g_scale, g_bias, scale, g))
         else:
@@ -2672,8 +2638,8 @@ class _NestedLoss(torch.autograd.Function):
         return (gx, gy, None, None, g_scale, g_bias, g_weights, *(None,) * 6)
 
 
-class _NestedGrads(_FirstOrder):
-    """The nested walk's backward (:class:`_FirstOrder`): every tile recomputed from its
+class _NestedGrads(FirstOrder):
+    """The nested walk's backward (:class:`FirstOrder`): every tile recomputed from its
     blocks, a width at a time, from the forward's statistics; its backward raises."""
 
     @staticmethod
@@ -2689,7 +2655,7 @@ class _NestedGrads(_FirstOrder):
         )  # fmt: skip
         return _times_cotangent(gx, gy, x_dot, sum_ds, scale, g)
 
-    backward = staticmethod(_tiled_not_twice)
+    backward = staticmethod(_tiled_notfirst_order_backward)
 
 
 NESTED_KINDS = ("ntxent", "supcon", "clip", "siglip")
@@ -2766,8 +2732,8 @@ class _PrefixMatrices(torch.autograd.Function):
         return gx, gy, None, None
 
 
-class _PrefixMatricesGrads(_FirstOrder):
-    """:class:`_PrefixMatrices`' backward (:class:`_FirstOrder`): ``(∂x, ∂y)`` from the
+class _PrefixMatricesGrads(FirstOrder):
+    """:class:`_PrefixMatrices`' backward (:class:`FirstOrder`): ``(∂x, ∂y)`` from the
     widths' gradients ``g`` ``(K, N, M)`` and, when ``unit``, their logits."""
 
     @staticmethod
@@ -2787,7 +2753,7 @@ class _PrefixMatricesGrads(_FirstOrder):
         return gx if need_x else None, gy[0] if need_y and gy else None
 
     backward = staticmethod(
-        _twice(
+        first_order_backward(
             "matryoshka's one-product matrices (a pair loss on cosine() or dot())",
             "call the loss a width at a time (differentiable twice)",
         )
@@ -3081,21 +3047,21 @@ def class_backward(kind: Classes, u, x, weight, labels, aux, stat, gs, gt, gn, n
     return tuple(out)
 
 
-_not_twice = _twice(
+_notfirst_order_backward = first_order_backward(
     "the class-tiled losses' gradient (class_chunk_size=...)",
     "leave class_chunk_size=None for the dense loss, differentiable twice",
 )
 
 
-class _ClassGrads(_FirstOrder):
-    """:func:`class_backward` as a Function whose backward raises (:class:`_FirstOrder`): the
+class _ClassGrads(FirstOrder):
+    """:func:`class_backward` as a Function whose backward raises (:class:`FirstOrder`): the
     first-order backward records no graph, a second differentiation fails loudly."""
 
     @staticmethod
     def forward(u, x, weight, labels, aux, stat, gs, gt, gn, kind, needs):
         return class_backward(kind, u, x, weight, labels, aux, stat, gs, gt, gn, needs)
 
-    backward = staticmethod(_not_twice)
+    backward = staticmethod(_notfirst_order_backward)
 
 
 def _class_needs(ctx) -> tuple[bool, ...]:
@@ -3181,7 +3147,7 @@ class _ShardedClassStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gs, gt, gn=None):
         if torch.is_grad_enabled():  # create_graph=True: this backward records no graph
-            _not_twice(ctx)
+            _notfirst_order_backward(ctx)
         u, x, weight, labels, aux, stat = ctx.saved_tensors
         needs = _class_needs(ctx)
         shard = ctx.shard
