@@ -158,6 +158,100 @@ def test_safe_euclidean_error_bound(dtype, kind, self_mode):
     assert torch.all(err <= rel * ref + ab * scale), float((err - rel * ref).max())
 
 
+def _close_pairs(gap: float) -> torch.Tensor:
+    """64 rows of 128 in pairs ``gap`` apart (relative to their norms), float32."""
+    g = _gen(5)
+    base = torch.randn(32, 128, generator=g)
+    return torch.cat([base, base + gap * torch.randn(32, 128, generator=g)])
+
+
+def _gradient_errors(x, self_mode, squared, grad=torch.func.grad):
+    """The largest row-wise relative error of ``safe_euclidean``'s float32 gradient (taken by
+    ``grad``) against the float64 direct-difference gradient of the same inputs, for a random
+    upstream gradient: ``x``'s, and ``y``'s (a reversed copy: exact copies, at distance 0)."""
+    inputs = (x,) if self_mode else (x, x.flip(0).contiguous())
+    upstream = torch.randn(len(x), len(x), generator=_gen(6))
+
+    def loss(*leaves):
+        return (safe_euclidean(*leaves, squared=squared) * upstream.to(leaves[0].dtype)).sum()
+
+    def direct(*leaves):  # float64 differences; a zero distance's gradient 0, as safe_euclidean's
+        d2 = (leaves[0][:, None] - leaves[-1][None]).pow(2).sum(-1)
+        d = d2 if squared else torch.where(d2 == 0, 1.0, d2).sqrt()
+        return (d * upstream.double()).sum()
+
+    got = grad(loss, argnums=tuple(range(len(inputs))))(*inputs)
+    want = torch.func.grad(direct, argnums=tuple(range(len(inputs))))(*[t.double() for t in inputs])
+    errors = [
+        (a.detach().double() - b).norm(dim=1) / b.norm(dim=1)
+        for a, b in zip(got, want, strict=True)
+    ]
+    return max(float(e.max()) for e in errors)
+
+
+@pytest.mark.parametrize("self_mode", [True, False], ids=["self", "cross"])
+@pytest.mark.parametrize("squared", [False, True], ids=["d", "d2"])
+@pytest.mark.parametrize("gap", [1e-3, 1e-5])
+def test_gradient_of_near_entries_is_taken_from_their_differences(gap, squared, self_mode):
+    """The backward's two matmuls, ``x_i Σ_j w_ij − Σ_j w_ij y_j``, cancel where ``y_j`` is near
+    ``x_i`` (an error ``~eps·‖x‖/d`` relative: 0.4–1 % at 1e-5 apart); the entries the forward
+    recomputed from their differences have their gradient from the differences too. Float32
+    rounding against the float64 gradient of the same inputs, self and cross, ``d`` and ``d²``."""
+    assert _gradient_errors(_close_pairs(gap), self_mode, squared) < 2e-6
+
+
+def test_gradient_of_near_entries_needs_the_correction():
+    """The case above is hard: with the correction off, the gradient is far outside its bound."""
+    from pmlfunc import distances as dist
+
+    x = _close_pairs(1e-5)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dist, "_near_correction", lambda w, *args, **kwargs: (w, None))
+        assert _gradient_errors(x, True, False) > 1e-3
+
+
+@pytest.mark.parametrize("self_mode", [True, False], ids=["self", "cross"])
+@pytest.mark.parametrize("path", ["accelerator-columns", "vmap", "compile", "double-backward"])
+def test_gradient_of_near_entries_on_every_path(monkeypatch, path, self_mode):
+    """The same gradient where the near columns are each row's top-k (an accelerator's), under
+    ``vmap`` (a batch of one), compiled (the in-place operator) and with a graph recorded
+    (``create_graph``: the correction's ops out of place)."""
+    from pmlfunc import distances as dist
+
+    x = _close_pairs(1e-5)
+    grad = torch.func.grad
+    if path == "accelerator-columns":
+        monkeypatch.setattr(dist, "_near_columns", _topk_columns)
+    elif path == "vmap":
+
+        def grad(f, argnums):  # a transform of the plain grad
+            def batched(*leaves):
+                one = [t.unsqueeze(0) for t in leaves]
+                return [g[0] for g in torch.func.vmap(torch.func.grad(f, argnums))(*one)]
+
+            return batched
+    elif path == "compile":
+        torch._dynamo.reset()
+
+        def grad(f, argnums):
+            def compiled(*leaves):
+                leaves = [t.detach().requires_grad_() for t in leaves]
+                torch.compile(f, fullgraph=True)(*leaves).backward()
+                return [t.grad for t in leaves]
+
+            return compiled
+    else:
+
+        def grad(f, argnums):
+            def recorded(*leaves):
+                leaves = [t.detach().requires_grad_() for t in leaves]
+                return torch.autograd.grad(f(*leaves), leaves, create_graph=True)
+
+            return recorded
+
+    assert _gradient_errors(x, self_mode, False, grad) < 2e-6
+
+
 @pytest.mark.parametrize("kind", ["nearby", "duplicate"])
 def test_plain_expansion_fails_where_safe_one_holds(kind):
     """The cases above are hard: the unscreened expansion is far outside the bound."""
