@@ -13,7 +13,7 @@
 | :func:`unit_rows` | ``F.normalize`` along the last dim, with a written-out backward for ``p = 2`` |
 | :func:`scalar_like`, :func:`shift`, :func:`rshift` | a hyper-parameter combined with a tensor |
 | :func:`cross_entropy` | per-row ``logsumexp(z) − z[label]`` |
-| :func:`matmul`, :func:`einsum`, :func:`addmm_` | in the operands' dtype, also under ``torch.autocast`` (``addmm_``: accumulated in place) |
+| :func:`matmul`, :func:`einsum`, :func:`addmm_`; :func:`no_autocast` | in the operands' dtype, also under ``torch.autocast`` (``addmm_``: accumulated in place); the context they run in (also around a backward run inside a forward) |
 | :func:`self_product_grad` | the gradient of ``x xᵀ``, one product where the transposed add is cheaper |
 | :func:`bin_floor` | a histogram node index valid for any input (NaN, ±inf included) |
 | :func:`scatter_`, :func:`index_copy_` | in place where the transforms allow |
@@ -27,6 +27,7 @@ with a scattered mask is ~25× slower than a multiply-add.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ __all__ = [
     "masked",
     "masked_logsumexp",
     "matmul",
+    "no_autocast",
     "ratio",
     "renorm_rows",
     "row_logsumexp",
@@ -345,16 +347,24 @@ def _autocast_on(device: str) -> bool:
     return torch.compiler.is_compiling() or torch.is_autocast_enabled(device)
 
 
+def no_autocast(ref: Tensor) -> contextlib.AbstractContextManager[Any]:
+    """A context with autocast off on ``ref``'s device (a no-op context where it is off: it
+    costs ~3 µs a call): inside it, ops run in their operands' dtypes. For pmlfunc's own
+    products, and for a backward it runs inside its forward (the chunked and first-order paths:
+    a CPU backward runs on the calling thread, in the user's autocast region)."""
+    device = _autocast_device(ref)
+    if not _autocast_on(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
+
+
 def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """``a @ b`` with autocast off: in the operands' dtype (float32 for a loss's low-precision
     inputs), also inside ``torch.autocast``. Under autocast a matmul runs in bfloat16/float16,
     which turns the Euclidean expansion's cancellation and every reduction's sums into wrong
     numbers; a loss's matmuls are a small part of a step. ``out``: a buffer to write into (eager,
     no autograd)."""
-    device = _autocast_device(a)
-    if not _autocast_on(device):  # the context costs ~3 µs a call: skip it when it is a no-op
-        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-    with torch.autocast(device, enabled=False):
+    with no_autocast(a):
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 
@@ -365,19 +375,13 @@ def addmm_(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     transforms the product is added to ``c`` (``add_``)."""
     if not torch.compiler.is_compiling() and inside_transform():
         return c.add_(matmul(a, b))
-    device = _autocast_device(a)
-    if not _autocast_on(device):
-        return c.addmm_(a, b)
-    with torch.autocast(device, enabled=False):
+    with no_autocast(a):
         return c.addmm_(a, b)
 
 
 def einsum(equation: str, *operands: Tensor) -> Tensor:
     """``torch.einsum`` with autocast off (as :func:`matmul`)."""
-    device = _autocast_device(operands[0])
-    if not _autocast_on(device):
-        return torch.einsum(equation, *operands)
-    with torch.autocast(device, enabled=False):
+    with no_autocast(operands[0]):
         return torch.einsum(equation, *operands)
 
 

@@ -41,7 +41,14 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._ops import FirstOrder, apply, first_order_backward, inside_transform, unrecorded
+from ._ops import (
+    FirstOrder,
+    apply,
+    first_order_backward,
+    inside_transform,
+    no_autocast,
+    unrecorded,
+)
 from .losses._batch import LossCall, spec_of
 from .losses._regularize import regularize
 from .reducers import Reducer
@@ -336,9 +343,10 @@ def _vjp(fn: Callable[..., Any], primals: tuple[Tensor, ...]) -> tuple[Any, Any,
 
         def traced(i: int, cotangent: Tensor) -> tuple[Tensor, ...]:
             # torch.func.vjp takes a cotangent for every output: zeros for the others
-            return vjp_fn(
-                tuple(cotangent if j == i else torch.zeros_like(o) for j, o in enumerate(out))
-            )
+            with no_autocast(cotangent):  # (the backward in its recorded dtypes, see eager)
+                return vjp_fn(
+                    tuple(cotangent if j == i else torch.zeros_like(o) for j, o in enumerate(out))
+                )
 
         return out, aux, traced
     leaves = tuple(p.detach().requires_grad_(True) for p in primals)
@@ -348,9 +356,12 @@ def _vjp(fn: Callable[..., Any], primals: tuple[Tensor, ...]) -> tuple[Any, Any,
     def eager(i: int, cotangent: Tensor) -> tuple[Tensor, ...]:
         if not out[i].requires_grad:  # an output that depends on no primal
             return tuple(torch.zeros_like(x) for x in leaves)
-        grads = torch.autograd.grad(
-            out[i], leaves, cotangent, retain_graph=i < len(out) - 1, allow_unused=True
-        )
+        # autocast off: the user's autocast region would cast the backward's products (a CPU
+        # backward runs on this thread) where the forward recorded them in float32
+        with no_autocast(cotangent):
+            grads = torch.autograd.grad(
+                out[i], leaves, cotangent, retain_graph=i < len(out) - 1, allow_unused=True
+            )
         return tuple(
             torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves, strict=True)
         )
@@ -388,7 +399,8 @@ def _whole(
         whole = _with_hyper(call, hyper, [leaves[n] for n in hyper])
         loss = loss_of(dataclasses.replace(whole, embeddings=x, ref_emb=ref))
         wrt = [leaves[n] for n in names]
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        with no_autocast(loss):  # (as _vjp's)
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     out = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True))
     return loss.detach(), (out[0] if len(names) == 1 else out)
 

@@ -14,6 +14,7 @@ from pmlfunc.chunked import rows_value_and_grad
 F64 = torch.float64
 LABELS = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4, 5, 5]  # uneven classes and a singleton
 REF_LABELS = [0, 1, 2, 5, 6, 0, 3, 3, 9]
+LABELS_64 = torch.arange(64) % 6
 LOSSES = {
     "contrastive": pf.losses.contrastive,
     "triplet_margin": pf.losses.triplet_margin,
@@ -400,3 +401,26 @@ def test_errors():
         pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, temperature=0.0)
     with pytest.raises(ValueError, match="ref_emb was given without ref_labels"):
         pf.chunked.value_and_grad(pf.losses.ntxent, 4)(emb, labels, ref_emb=kw["ref_emb"])
+
+
+@pytest.mark.parametrize("name", ["decoupled_contrastive", "instance", "ntxent"])
+@pytest.mark.parametrize("entry", ["value_and_grad", "loss"])
+def test_autocast_gives_the_float32_gradient(name, entry):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with float32 embeddings, the
+    chunked gradient is the float32 one: the chunks' backward runs inside the forward, where
+    the user's autocast region would cast its products (decoupled contrastive and instance,
+    whose backward autograd records: 2e-3 off)."""
+    emb, labels = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), LABELS_64
+    fn = getattr(pf.losses, name)
+
+    def run(enabled):
+        x = emb.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            if entry == "value_and_grad":
+                return pf.chunked.value_and_grad(fn, chunk_size=16)(x, labels)
+            loss = pf.chunked.loss(fn, 16)(x, labels)
+        return loss, torch.autograd.grad(loss, x)[0]
+
+    (want, want_grad), (got, got_grad) = run(False), run(True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)

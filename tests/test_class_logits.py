@@ -179,6 +179,19 @@ def test_outliers_and_dominant_centres_are_pmls(degrees):
     torch.testing.assert_close(got_centres, want_centres.t()[has_rows], rtol=0, atol=0)
 
 
+def test_outliers_under_autocast_are_the_float32_ones():
+    """The cosines in float32 also inside ``torch.autocast`` (a bfloat16 product flipped 3 of
+    4,096 decisions)."""
+    g = torch.Generator().manual_seed(0)
+    params = pfl.subcenter_arcface_init(8, 64, sub_centers=3, generator=g)
+    x, labels = torch.randn(4096, 64, generator=g), torch.randint(0, 8, (4096,), generator=g)
+    want = pfl.subcenter_arcface_outliers(x, labels, params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pfl.subcenter_arcface_outliers(x, labels, params)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_outliers_refuse_bad_labels():
     params = pfl.subcenter_arcface_init(C, D)
     with pytest.raises(ValueError, match="labels"):

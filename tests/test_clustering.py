@@ -248,6 +248,17 @@ def test_kmeans_equals_sklearn_lloyd_in_float32():
     torch.testing.assert_close(ours.centroids, torch.from_numpy(ref.cluster_centers_))
 
 
+def test_kmeans_under_autocast_is_the_float32_clustering():
+    """The distance products in float32 also inside ``torch.autocast`` (in bfloat16, a seeded
+    k-means++ run sent half of 2,000 rows to other clusters)."""
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0))
+    want = kmeans(x, 20, generator=torch.tensor(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = kmeans(x, 20, generator=torch.tensor(7))
+    assert torch.equal(got.assignments, want.assignments)
+    assert torch.equal(got.centroids, want.centroids)
+
+
 @pytest.mark.parametrize("far", [[2], [2, 4]], ids=["one-empty", "two-empty"])
 def test_kmeans_reseeds_empty_clusters_at_the_farthest_rows_as_sklearn(far):
     """Initial centroids far from every row leave their clusters empty; each is re-seeded at

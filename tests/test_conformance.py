@@ -1555,6 +1555,27 @@ def test_low_precision_gives_a_finite_float32_loss_close_to_float64(name, mode):
         assert g.dtype == v.dtype and torch.isfinite(g).all(), k
 
 
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_autocast_changes_neither_the_loss_nor_its_gradients(name):
+    """Float32 inputs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the backward
+    outside it (as ``GradScaler`` steps): the loss and every gradient are the float32 call's,
+    to float32 rounding. pmlfunc's products run with autocast off, also a backward it runs
+    inside its forward (the first-order and chunked paths), which the user's autocast region
+    would otherwise cast to bfloat16 (2e-3 off, silently)."""
+    call = LOSSES[name].make(Draw(F32))
+
+    def run(enabled: bool):
+        x = {k: v.detach().clone().requires_grad_() for k, v in call.wrt.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            loss = loss_of(call.run(**x))
+        return loss, torch.autograd.grad(loss, list(x.values()))
+
+    (want, want_grads), (got, got_grads) = run(False), run(True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # defaults: PML 2.9.0's, but where the docs' table of deliberate differences says otherwise
 # ----------------------------------------------------------------------------------------------

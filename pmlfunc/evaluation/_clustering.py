@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _ops
 from .._random import seed_tensor, uniform
 
 _DEFAULT_SEED = 1234  # faiss's default k-means seed, the one PML's FaissKMeans runs with
@@ -46,8 +46,8 @@ def _assign(x: Tensor, centroids: Tensor, chunk_size: int) -> Tensor:
     """
     c_sq = (centroids * centroids).sum(1)
     ct = centroids.t()
-    parts = [
-        torch.addmm(c_sq, x[s : s + chunk_size], ct, beta=1, alpha=-2).argmin(1)
+    parts = [  # (the products in float32 also under torch.autocast: _ops.matmul)
+        _ops.matmul(x[s : s + chunk_size], ct).mul_(-2.0).add_(c_sq).argmin(1)
         for s in range(0, x.shape[0], chunk_size)
     ]
     return torch.cat(parts)
@@ -56,7 +56,8 @@ def _assign(x: Tensor, centroids: Tensor, chunk_size: int) -> Tensor:
 def _sq_dists(x: Tensor, x_sq: Tensor, y: Tensor) -> Tensor:
     """``(len(x), len(y))`` squared Euclidean distances by the expansion, clamped at 0."""
     y_sq = (y * y).sum(1)
-    return torch.addmm(x_sq.unsqueeze(1) + y_sq, x, y.t(), beta=1, alpha=-2).clamp_min(0)
+    d2 = (x_sq.unsqueeze(1) + y_sq).add_(_ops.matmul(x, y.t()), alpha=-2)
+    return d2.clamp_min_(0)
 
 
 def _kmeans_plusplus(

@@ -375,7 +375,7 @@ class Columns:
             return g
         c0, c1 = self.spans()[i]
         seg, inv = self.segments[i], self.inv[c0:c1]
-        along = (seg.unsqueeze(-2) @ g.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # y_j · g_j
+        along = matmul(seg.unsqueeze(-2), g.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # y_j · g_j
         w = torch.where(self.norm[c0:c1] >= _NORMALIZE_EPS, along * inv * inv, 0.0)
         return g.addcmul_(seg, w.neg().unsqueeze(-1))
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _checks, _global
 from .. import params as _params
-from .._ops import cross_entropy, matmul, scalar_like
+from .._ops import cross_entropy, einsum, matmul, scalar_like
 from ..reducers import Reducer, elements, mean, reduce
 from ..tuples import sample_weights
 from ._logits import CLASS_LOGITS, class_inputs
@@ -640,7 +640,7 @@ def subcenter_arcface_outliers(
         x, weight = class_inputs(embeddings, labels, params, "weight", 3, True, False)
         labels = labels.long()
         w = F.normalize(weight.to(x.dtype)[labels], p=2, dim=-1)  # (B, K, D): the rows' classes
-        cos = torch.einsum("bd,bkd->bk", F.normalize(x, p=2, dim=1), w)
+        cos = einsum("bd,bkd->bk", F.normalize(x, p=2, dim=1), w)
         votes = x.new_zeros(weight.shape[0], weight.shape[1])
         votes.index_put_((labels, cos.argmax(1)), x.new_ones(()), accumulate=True)
         dominant = torch.where(votes.sum(1) > 0, votes.argmax(1), -1)
