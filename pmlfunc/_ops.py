@@ -7,6 +7,7 @@
 | :func:`masked` | ``x`` on kept entries, ``−finfo.max`` elsewhere |
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :class:`FirstOrder`, :func:`first_order_backward`, :func:`unrecorded` | a gradient formed as a Function of its own, whose second differentiation raises (the tiled engine, ``pf.chunked.loss``) |
+| :func:`sigmoid`, :func:`sigmoid_` | ``σ(x)`` with its subnormal tail (``torch.sigmoid`` returns 0 below −88.7 in float32); in place with ``1 − σ`` |
 | :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well (and, ``twice``, with a finite second derivative at ``−finfo.max``) |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
 | :func:`count_true` | the true entries of a bool mask, by an ``int32`` sum |
@@ -64,6 +65,8 @@ __all__ = [
     "scatter_rows",
     "self_product_grad",
     "shift",
+    "sigmoid",
+    "sigmoid_",
     "sparse_rows",
     "unit_rows",
 ]
@@ -302,6 +305,31 @@ def unit_rows(x: Tensor, p: float = 2) -> Tensor:
     if p != 2:
         return F.normalize(x, p=p, dim=-1)
     return apply(_UnitRows, x)[0]
+
+
+SIGMOID_CLAMP = 80.0  # σ(x) rounds to 1 in float32 and float64 long before e^80 overflows
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """``σ(x)`` with its subnormal tail: ``e / (1 + e)``, ``e = exp(min(x, 80))``.
+    ``torch.sigmoid`` computes ``1 / (1 + e^{−x})`` and returns 0 once ``e^{−x}`` overflows
+    (``x < −88.7`` in float32), where ``σ(x) ≈ e^x`` is still a (subnormal) number: NT-Xent's
+    ``−log(σ + ε)`` with ``ε = finfo.tiny`` reads it (a logit 88–104 below its negatives'
+    log-sum-exp: temperatures of 0.005 and below) and lost up to 0.4 of a term and its whole
+    gradient there. Differentiable (the gradient ``e / (1 + e)²``, 0 above the clamp, where
+    ``σ'`` is below ``e^{−80}``)."""
+    e = torch.exp(torch.clamp_max(x, SIGMOID_CLAMP))
+    return e / (1.0 + e)
+
+
+def sigmoid_(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(σ(x), σ(x)(1 − σ(x)))`` as :func:`sigmoid` computes them, ``σ`` in ``x``'s buffer, one
+    new tensor (``σ(1 − σ) = σ / (1 + e)``, exact where ``σ`` nears 1): σ's derivative. Not
+    differentiable (a first-order walk's)."""
+    e = x.clamp_max_(SIGMOID_CLAMP).exp_()
+    den = torch.add(e, 1.0)
+    sig = e.div_(den)  # (a division: σ ≤ 1, where e · (1/(1+e)) may not be)
+    return sig, den.reciprocal_().mul_(sig)
 
 
 def logaddexp(a: Tensor, b: Tensor, *, twice: bool = False) -> Tensor:

@@ -10,6 +10,8 @@ compared with PML's ``SupConLoss``. The properties every loss keeps are in test_
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,55 @@ def random_multi_hot(gen, rows, classes, p=0.4):
 def test_nonpositive_temperature_raises(fn, value):
     with pytest.raises(ValueError, match="temperature"):
         fn(torch.randn(6, 4), lab([0, 0, 1, 1, 2, 2]), temperature=value)
+
+
+_TINY_T_EMB = torch.randn(32, 32, generator=torch.Generator().manual_seed(0))
+_TINY_T_LABELS = torch.arange(32) // 4
+
+
+@functools.cache
+def _tiny_temperature_reference(reducer: str):
+    """The float64 loss and gradient of NT-Xent at τ = 0.005 with float32's ε, checked to have
+    positives in the band where ``torch.sigmoid`` flushes to 0 in float32."""
+    emb, labels, t = _TINY_T_EMB, _TINY_T_LABELS, 0.005
+    unit = F.normalize(emb.double(), dim=-1)
+    s = unit @ unit.T / t
+    same = labels[:, None] == labels[None]
+    lse = s.masked_fill(same, -torch.inf).logsumexp(-1, keepdim=True)
+    z = (s - lse)[same & ~torch.eye(len(emb), dtype=torch.bool)]
+    assert ((z > -104) & (z < -88.7)).any()
+    x64 = emb.double().requires_grad_()
+    spec = ("avg_nonzero", {}) if reducer == "batch" else ("mean", {})
+    want = softmax.ntxent(x64, labels, temperature=t, reducer=spec, eps=torch.finfo(F32).tiny)
+    return want.detach(), torch.autograd.grad(want, x64)[0]
+
+
+@pytest.mark.parametrize("path", ["engine", "tiled", "batch", "static"])
+def test_ntxent_at_tiny_temperatures_keeps_the_sigmoids_subnormal_tail(path):
+    """At τ = 0.005 some positives' ``z = S − lse_neg`` fall in (−104, −88.7), where
+    ``torch.sigmoid`` returns 0 in float32 but ``σ(z)`` is a subnormal number comparable to
+    ``ε = finfo.tiny``: PML's ``−log(σ + ε)`` (and its gradient ``σ/(σ + ε)``) reads it. Float32
+    against the float64 formula with float32's ε, on every path: the engine, tiled, the batch
+    path (``avg_nonzero``) and the static masked path (inside ``torch.func.grad``)."""
+    emb, labels, t = _TINY_T_EMB, _TINY_T_LABELS, 0.005
+    want, want_grad = _tiny_temperature_reference("batch" if path == "batch" else "mean")
+
+    kw = {"chunk_size": 16} if path == "tiled" else {}
+    if path == "batch":
+        kw["reducer"] = pf.reducers.avg_nonzero()
+
+    def loss(e):
+        return ntxent(e, labels, temperature=t, **kw)
+
+    if path == "static":
+        got, grad = torch.func.grad_and_value(loss)(emb)[::-1]
+    else:
+        e = emb.clone().requires_grad_()
+        got = loss(e)
+        (grad,) = torch.autograd.grad(got, e)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    err = (grad.double() - want_grad).norm(dim=1) / want_grad.norm(dim=1)
+    assert float(err.max()) < 1e-4  # before: 2.9e-2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -128,6 +128,7 @@ from .._ops import (
     readable,
     renorm_rows,
     self_product_grad,
+    sigmoid_,
     unit_rows,
     unrecorded,
 )
@@ -550,8 +551,14 @@ def _ntxent_q_(z: Tensor, pos: Tensor, *, reuse: bool = False) -> tuple[Tensor, 
     which covers plain autograd only: ``torch.func.grad`` of ``inductor_prims.fma`` fails in
     eager mode too)."""
     r = z.masked_fill_(pos.logical_not(), 100.0) if reuse else torch.where(pos, z, 100.0)
-    r = r.sigmoid_()
-    q = torch.rsub(r, 1.0).mul_(r)  # σ(1 − σ)
+    return _ntxent_q_of_(r)
+
+
+def _ntxent_q_of_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q, σ(z) + ε)`` of :func:`_ntxent_q_` at every entry of ``z`` (destroyed), with σ's
+    subnormal tail (:func:`~pmlfunc._ops.sigmoid_`: ``torch.sigmoid`` is 0 below −88.7 in
+    float32, where ``σ(z)`` is still comparable to ``ε`` and gives the term its gradient)."""
+    r, q = sigmoid_(z)  # σ, σ(1 − σ)
     return q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
 
 
@@ -643,9 +650,8 @@ def _ntxent_listed(s: Tensor, lse: Tensor, pos, memo: dict | None = None, at_pos
     if listed is None:
         return None
     rows, cols = listed
-    r = torch.sigmoid((s[rows, cols] if at_pos is None else at_pos) - lse[rows])
-    q = torch.rsub(r, 1.0).mul_(r)
-    return rows, cols, q.div_(r.add_(torch.finfo(r.dtype).tiny)), r
+    q, r = _ntxent_q_of_((s[rows, cols] if at_pos is None else at_pos) - lse[rows])
+    return rows, cols, q, r
 
 
 def _ntxent_fold_(s: Tensor, pos, neg, lse: Tensor | None, grad: bool, memo=None):

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import _checks
 from .._inputs import matrix
-from .._ops import masked_logsumexp, matmul, scalar_like
+from .._ops import masked_logsumexp, matmul, scalar_like, sigmoid
 from ..distances import cosine, resolve
 from ..labels import pair_masks
 from ..reducers import DenseTerms, Terms, avg_nonzero, elements, mean, reduce
@@ -55,7 +55,9 @@ def ntxent(
                      + \epsilon\Big)
 
     with ``ε = finfo(dtype).tiny`` as in PML (it caps a term at ``-log ε``). Computed from one
-    log-sum-exp per row.
+    log-sum-exp per row, the ratio as ``σ(s_ap/τ − lse_n)`` with its subnormal tail (a ratio
+    between ``e^{−104}`` and ``ε`` still moves the term and gives it its gradient, as in PML;
+    ``torch.sigmoid`` returns 0 there: :func:`pmlfunc._ops.sigmoid`).
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -95,8 +97,9 @@ def _ntxent_terms(batch: Batch, *, temperature) -> dict[str, Terms]:
     z = batch.scaled_similarity(1.0 / temperature)
     neg = batch.masks.neg  # counts weight repeated negatives, as in PML
     neg_lse = masked_logsumexp(z, neg, batch.keep(neg))
-    # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid.
-    ratio = torch.sigmoid(z - neg_lse.unsqueeze(-1))
+    # PML's term, literally: -log(e^z / (e^z + Σ_n e^{z_n}) + ε) with the ratio a sigmoid
+    # (with its subnormal tail, as PML's ratio has it: _ops.sigmoid)
+    ratio = sigmoid(z - neg_lse.unsqueeze(-1))
     losses = -torch.log(ratio + torch.finfo(z.dtype).tiny)
     return {"loss": DenseTerms(losses, batch.masks.pos, "pos_pair", batch.num_anchors)}
 

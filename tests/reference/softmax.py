@@ -35,15 +35,17 @@ def ntxent(
     ref_emb=None,
     ref_labels=None,
     indices_tuple=None,
+    eps=None,
 ):
-    """PML's ``NTXentLoss``: per positive pair, −log(e^{s_ap/τ} / (e^{s_ap/τ} + Σ_n e^{s_an/τ}))
-    over the anchor's negatives; 0 unless there is a positive and a negative pair."""
+    """PML's ``NTXentLoss``: per positive pair, −log(e^{s_ap/τ} / (e^{s_ap/τ} + Σ_n e^{s_an/τ})
+    + ε) over the anchor's negatives (``eps``: ε, default ``finfo(emb.dtype).tiny``); 0 unless
+    there is a positive and a negative pair."""
     self_mode, _, rl, mat = setup(emb, labels, ref_emb, ref_labels, distance)
     pos, neg = pair_lists(labels, rl, self_mode, indices_tuple)
     if not pos or not neg:  # PML: zero loss unless there is a positive and a negative pair
         return zero(emb)
     sign = 1.0 if is_similarity(distance) else -1.0
-    tiny = torch.finfo(emb.dtype).tiny
+    tiny = torch.finfo(emb.dtype).tiny if eps is None else eps
     losses = []
     for a, p in pos:
         num = torch.exp(sign * mat[a][p] / temperature)
