@@ -309,6 +309,15 @@ def test_histogram_pml_defaults_and_delta(gen):
         assert_same(got, want, **TOL[F32])  # (d)
 
 
+@pytest.mark.parametrize("delta", [0.45, 0.6, 0.9, 3.0])
+def test_histogram_refuses_a_delta_that_does_not_divide_2(gen, delta):
+    """The nodes are ``−1, −1 + Δ, ..., 1``: a ``Δ`` that does not divide 2 leaves the last node
+    short of +1, and a similarity above it was extrapolated (a "probability" of 1.05 where the
+    estimate is 1). PML fails there; pmlfunc says which argument and why."""
+    with pytest.raises(ValueError, match="delta must divide 2"):
+        histogram(randn(gen, 6, 3), lab([0, 0, 1, 1, 2, 2]), delta=delta)
+
+
 def _list_every_row(monkeypatch) -> list[bool]:
     """Make the CPU eager path list every anchor's columns (``sparse_rows`` takes only sparse
     rows by default, none in these small batches) and record, per ``sigmoid_ranks`` call,

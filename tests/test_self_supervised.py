@@ -486,8 +486,12 @@ def _swav_crops(gen, n=6, v_h=2, v_l=3, k=4):
 
 @pytest.mark.parametrize(
     "hp",
-    [{}, {"temperature": 0.3, "sinkhorn_iterations": 5, "sinkhorn_epsilon": 0.1}],
-    ids=["default", "hp"],
+    [
+        {},
+        {"temperature": 0.3, "sinkhorn_iterations": 5, "sinkhorn_epsilon": 0.1},
+        {"sinkhorn_iterations": 0},  # the codes times B still: each sample's sum 1 on average
+    ],
+    ids=["default", "hp", "no-iteration"],
 )
 @pytest.mark.parametrize("with_low", [True, False], ids=["low-resolution", "high-only"])
 def test_swav_equals_the_float64_loops(gen, hp, with_low):
@@ -510,19 +514,26 @@ def test_swav_equals_the_float64_loops(gen, hp, with_low):
 def test_swav_with_a_queue_equals_lightly(gen, dtype):
     """``queue_outputs``: earlier rows join the Sinkhorn equipartition and are dropped; lightly's
     ``SwaVLoss(...)(high, low, queue_outputs)`` with its lists stacked on dimension 1. Without a
-    queue, lightly's too."""
+    queue, lightly's too; with no Sinkhorn iteration, the codes times the rows (queue included),
+    as lightly's and the authors'."""
     module = _lightly("swav_loss.py")
     high, low = _swav_crops(gen, n=6, v_h=2, v_l=3, k=4)
     high, low = high.to(dtype), low.to(dtype)
     queue = randn(gen, 10, 2, 4, dtype=dtype).tanh()
-    for q in (queue, None):
-        lightly = module.SwaVLoss()
+    for q, iterations in ((queue, 3), (None, 3), (queue, 0)):
+        lightly = module.SwaVLoss(sinkhorn_iterations=iterations)
 
         def theirs(h, lo, q=q, lightly=lightly):
             queued = None if q is None else list(q.unbind(1))
             return lightly(list(h.unbind(1)), list(lo.unbind(1)), queued).squeeze()
 
-        got = value_and_grads(lambda h, lo, q=q: pf.losses.swav(h, lo, queue_outputs=q), high, low)
+        got = value_and_grads(
+            lambda h, lo, q=q, it=iterations: pf.losses.swav(
+                h, lo, queue_outputs=q, sinkhorn_iterations=it
+            ),
+            high,
+            low,
+        )
         assert_same(got, value_and_grads(theirs, high, low), **TOL[dtype])
     with_queue = pf.losses.swav(high, low, queue_outputs=queue)
     assert not torch.equal(with_queue, pf.losses.swav(high, low))  # the queue changed the codes

@@ -267,7 +267,9 @@ def histogram(
         embeddings: ``(B, D)`` float tensor.
         labels: ``(B,)`` integer class ids (may be ``None`` with an ``indices_tuple``).
         n_bins: number of bins ``R`` (default ``100`` when ``delta`` is not given).
-        delta: bin width ``Δ``; if both are given, ``delta == 2 / n_bins`` is required.
+        delta: bin width ``Δ``, dividing 2 (nodes short of +1 would extrapolate: a
+            "probability" above 1; a ``ValueError``, where PML fails); if both are given,
+            ``delta == 2 / n_bins`` is required.
         **inputs: the shared inputs (:class:`~pmlfunc.losses.BatchInputs`) but ``ref_emb`` and
             ``ref_labels`` (as in PML); ``distance``:
             default ``cosine()``: a similarity in ``[−1, 1]`` (``cosine()`` or ``dot(normalize=True)``;
@@ -312,7 +314,12 @@ def _histogram_terms(batch: Batch, *, n_bins, delta) -> dict[str, Terms]:
             "histogram's bins cover similarities in [-1, 1]: distance must be cosine() or "
             f"dot(normalize=True), got {dist!r}"
         )
-    size = round(1 + 2 / delta)
+    bins = 2 / delta
+    if abs(bins - round(bins)) > 1e-9 * bins:  # nodes short of +1 would extrapolate (PML: fails)
+        raise ValueError(
+            f"delta must divide 2 (the nodes -1, -1 + delta, ..., 1; delta = 2/n_bins), got {delta}"
+        )
+    size = round(1 + bins)
     if size < 2:
         raise ValueError(f"delta={delta} gives fewer than two histogram nodes")
     s = batch.mat

@@ -923,9 +923,13 @@ def swav(
 def _sinkhorn(scores: Tensor, eps: float | Tensor, iterations: int) -> Tensor:
     """Sinkhorn–Knopp codes of each crop's scores ``(N, V, K)`` (crops independent): ``Q =
     exp(s / ε)`` normalised to sum 1, then ``iterations`` rounds of prototype rows (summed over
-    the batch: :func:`pmlfunc._global.total`) and sample columns; each sample's codes sum to 1."""
+    the batch: :func:`pmlfunc._global.total`) and sample columns; each sample's codes sum to 1.
+    With no round, the whole matrix times the batch's rows ``B`` (the authors' last ``Q *= B``,
+    lightly's): the samples' codes sum to 1 on average (not to ``1 / B``)."""
     q = torch.exp(scores / eps)
     q = q / total(q.sum((0, 2), keepdim=True))  # per crop: the whole matrix sums to 1
+    if iterations == 0:
+        return q * total(q.new_full((), float(q.shape[0])))
     for _ in range(iterations):
         q = q / total(q.sum(0, keepdim=True))  # each prototype's row over the batch
         q = q / q.sum(-1, keepdim=True)  # each sample's column
