@@ -103,26 +103,33 @@ def test_angular_unnormalised_negatives_and_other_angles(alpha, gen):
     assert_same(got, run_pml("angular", emb, labels, alpha=alpha), **TOL[F64])
 
 
+def _listing(monkeypatch):
+    """The listings ``Batch.listed`` returns from here on (``None``: the static path)."""
+    from pmlfunc.losses._batch import Batch
+
+    listed = []
+    real = Batch.listed
+    monkeypatch.setattr(
+        Batch, "listed", lambda self, *a, **k: listed.append(real(self, *a, **k)) or listed[-1]
+    )
+    return listed
+
+
 FEW_POSITIVES = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # one positive per row of 16
 
 
 @pytest.mark.parametrize("with_ref", [False, True])
 @pytest.mark.parametrize("layout", [FEW_POSITIVES, UNEVEN])
 def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monkeypatch):
-    """In CPU eager mode, with few positive pairs, the terms come from the listed pairs (one row
-    dot product each; listed from the labels, ``Batch.listed``); under a torch.func transform
-    (as under compile or on an accelerator) from the static Gram matmul. Both equal PML."""
-    from pmlfunc.losses._batch import Batch
-
+    """In CPU eager mode, with few positive pairs, the terms come from the listed pairs (a
+    log-sum-exp over the anchor's negatives each; listed from the labels, ``Batch.listed``);
+    under a torch.func transform (as under compile or on an accelerator) from the static Gram
+    matmul. Both equal PML."""
     emb, labels = data(gen, layout)
     ref, ref_labels = (
         (randn(gen, len(REF_LABELS), D), lab(REF_LABELS)) if with_ref else (None, None)
     )
-    listed = []
-    real = Batch.listed
-    monkeypatch.setattr(
-        Batch, "listed", lambda self, *a, **k: listed.append(real(self, *a, **k)) or listed[-1]
-    )
+    listed = _listing(monkeypatch)
     eager = run_pf("angular", emb, labels, ref, ref_labels)
     other = labels if ref is None else ref_labels
     same = labels[:, None] == other[None, :]
@@ -141,6 +148,160 @@ def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monke
     assert listed[-1] is None  # inside the transform: the static path
     assert_same(eager, (value, list(grads)), **TOL[F64])
     assert_same(eager, run_pml("angular", emb, labels, ref, ref_labels), **TOL[F64])
+
+
+@pytest.mark.parametrize("case", ["self", "ref", "tuple"])
+def test_nca_listed_positives_equal_every_column_masked(case, gen, monkeypatch):
+    """In CPU eager mode, with few positives per row, each row's log-sum-exp over its positives
+    reads their listed columns alone; under a torch.func transform every column, masked. Both
+    equal PML (float64)."""
+    emb, labels = data(gen, FEW_POSITIVES)
+    ref, ref_labels = (randn(gen, 16, D), lab(FEW_POSITIVES)) if case == "ref" else (None, None)
+    pairs = pml_mined("pairs", emb, labels) if case == "tuple" else None
+    kw = {"softmax_scale": 3.0, "indices_tuple": pairs}
+    listed = _listing(monkeypatch)
+    eager = run_pf("nca", emb, labels, ref, ref_labels, **kw)
+    assert listed[-1] is not None  # the listed path
+    args = (emb,) if ref is None else (emb, ref)
+
+    def loss(*t):
+        extra = {} if ref is None else {"ref_emb": t[1], "ref_labels": ref_labels}
+        return nca(t[0], labels, **extra, **kw)
+
+    grads, value = torch.func.grad_and_value(loss, argnums=tuple(range(len(args))))(*args)
+    assert listed[-1] is None  # inside the transform: every column
+    assert_same(eager, (value, list(grads)), **TOL[F64])
+    pml = run_pml("nca", emb, labels, ref, ref_labels, pairs, softmax_scale=3.0)
+    assert_same(eager, pml, **TOL[F64])
+
+
+def _angular_data(gen, scale, with_ref):
+    """Rows of norm ``scale`` (float64) around their class's centre, as trained embeddings
+    are: 32 rows in 8 classes of 4, or 16 query rows in 4 classes of 4 against 32 references
+    in 8 classes of 4; at most 4 positives per row: listed in CPU eager mode. With α = 80° and
+    unit rows (or α = 40° and rows of norm 50) the logits ``4t (x̂_a + x̂_p)·x_n`` span ~250
+    nats: float32 exponentials underflow unless a pair's sum is shifted by a maximum over its
+    negatives."""
+    centres = randn(gen, 8, 8)
+
+    def rows(labels):
+        x = centres[labels] + 0.5 * randn(gen, len(labels), 8)
+        return torch.nn.functional.normalize(x, dim=-1) * scale
+
+    labels = torch.arange(16 if with_ref else 32) // 4
+    if not with_ref:
+        return rows(labels), labels, None, None
+    ref_labels = torch.arange(32) % 8
+    return rows(labels), labels, rows(ref_labels), ref_labels
+
+
+def _angular_f32(emb, labels, ref, ref_labels, alpha, transform=False):
+    """pmlfunc's float32 value and gradients, eagerly or under ``torch.func.grad_and_value``
+    (the static Gram-matmul path)."""
+    args = [emb.float()] if ref is None else [emb.float(), ref.float()]
+
+    def loss(*t):
+        extra = {} if ref is None else {"ref_emb": t[1], "ref_labels": ref_labels}
+        return angular(t[0], labels, alpha=alpha, **extra)
+
+    if not transform:
+        return value_and_grads(loss, *args)
+    grads, value = torch.func.grad_and_value(loss, argnums=tuple(range(len(args))))(*args)
+    return value, list(grads)
+
+
+LARGE_LOGITS = [(80.0, 1.0), (40.0, 50.0), (85.0, 1.0)]  # (α, row norm)
+
+
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize(("alpha", "scale"), LARGE_LOGITS)
+def test_angular_float32_listed_pairs_are_exact_at_large_logits(
+    alpha, scale, with_ref, gen, monkeypatch
+):
+    """Each listed pair's log-sum-exp is shifted by its own maximum over the anchor's negatives:
+    float32 equals the float64 loop reference and PML 2.9.0 in float32 (the shared shifts of the
+    Gram matmul underflowed: the loss was up to 2x the true one, the gradient ~100 % off)."""
+    emb, labels, ref, ref_labels = _angular_data(gen, scale, with_ref)
+    listed = _listing(monkeypatch)
+    got = _angular_f32(emb, labels, ref, ref_labels, alpha)
+    assert listed[-1] is not None  # the listed path
+    tol = {"rtol": 1e-4, "atol": 1e-5 * float(got[1][0].abs().max())}
+    assert_same(got, run_ref("angular", emb, labels, ref, ref_labels, alpha=alpha), **tol)
+    pml = run_pml("angular", emb.float(), labels, ref, ref_labels, alpha=alpha)
+    assert_same(got, pml, **tol)
+
+
+@pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
+@pytest.mark.parametrize(("alpha", "scale"), LARGE_LOGITS[:2])
+def test_angular_float32_static_path_shifts_by_the_negatives_maximum(
+    alpha, scale, with_ref, gen, monkeypatch
+):
+    """The static path (under ``torch.func`` transforms, compile and on accelerators) keeps the
+    Gram matmul, each side shifted by its maximum over the pair's negatives (not over every
+    column, the positive's own and its class included, which pushed the negatives' exponentials
+    below float32's range): float32 equals the float64 loop reference where a pair's largest
+    term is within ~87 nats of the shifts (here: these batches)."""
+    emb, labels, ref, ref_labels = _angular_data(gen, scale, with_ref)
+    listed = _listing(monkeypatch)
+    got = _angular_f32(emb, labels, ref, ref_labels, alpha, transform=True)
+    assert listed[-1] is None  # the static path
+    tol = {"rtol": 1e-4, "atol": 1e-5 * float(got[1][0].abs().max())}
+    assert_same(got, run_ref("angular", emb, labels, ref, ref_labels, alpha=alpha), **tol)
+
+
+def test_angular_listed_anchor_without_negatives_adds_zero_with_zero_gradient(gen, monkeypatch):
+    """A listed pair whose anchor has no negative (every reference shares its label; the tuple
+    lists the pairs) adds log(1 + 0) = 0 with finite, zero gradients: its masked log-sum-exp is
+    ``−finfo.max``, not a NaN from an empty maximum."""
+    emb, labels = randn(gen, 6, 8), lab([0, 0, 0, 1, 1, 1])
+    ref, ref_labels = randn(gen, 32, 8), lab([1] * 32)
+    # anchors 0-2 (label 0): every reference is a negative; 3-5 (label 1): none is
+    pairs = (lab([0, 1, 3, 4]), lab([2, 5, 31, 30]), lab([0, 3]), lab([31, 0]))
+    listed = _listing(monkeypatch)
+    got = run_pf("angular", emb, labels, ref, ref_labels, indices_tuple=pairs)
+    assert listed[-1] is not None  # the listed path (four pairs)
+    assert all(torch.isfinite(g).all() for g in got[1])
+    assert torch.count_nonzero(got[1][0][3:]) == 0  # the anchors without negatives
+    want = run_ref("angular", emb, labels, ref, ref_labels, indices_tuple=pairs)
+    assert_same(got, want, **REF_TOL)
+    assert_same(got, run_pml("angular", emb, labels, ref, ref_labels, pairs), **TOL[F64])
+
+
+def _nca_subnormal_case():
+    """128 rows in 32 random classes with σ = 64: one anchor's probability is subnormal in
+    float32 (~1e-42: −log p ≈ 96, finite), so 1/p overflows."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(128, 32, generator=g), torch.randint(0, 32, (128,), generator=g)
+
+
+@pytest.mark.parametrize("transform", [False, True], ids=["eager", "func_grad"])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_nca_subnormal_probability_keeps_a_finite_gradient(dtype, transform):
+    """−log p as −lse_{j ∈ P(i)} log_softmax(z_i)_j: where p is subnormal in float32 the loss
+    and its gradient equal float64's (PML's form −log Σ softmax gave NaN in all 4096 gradient
+    entries: 1/p = inf, inf·0 = NaN in the softmax's backward), eagerly (the positives listed)
+    and under ``torch.func.grad`` (every column masked)."""
+    x, labels = _nca_subnormal_case()
+    xd = x.to(dtype)
+    z = -64.0 * pfd.lp(power=2)(xd.float())
+    z.fill_diagonal_(torch.finfo(F32).min)
+    p = (torch.softmax(z, -1) * (labels[:, None] == labels[None]).float()).sum(-1)
+    assert ((p > 0) & (p < torch.finfo(F32).tiny)).any()  # the case this covers
+
+    def loss(e):
+        return nca(e, labels, softmax_scale=64.0)
+
+    if transform:
+        g, value = torch.func.grad_and_value(loss)(xd)
+        got = (value, [g])
+    else:
+        got = value_and_grads(loss, xd)
+    assert torch.isfinite(got[0]) and torch.isfinite(got[1][0]).all()
+    want = value_and_grads(loss, xd.double())  # float64 of the same (rounded) inputs
+    rtol = 1e-4 if dtype == F32 else 2e-2  # bfloat16: the gradient is rounded to 8 bits
+    assert_same(got, want, rtol=rtol, atol=rtol * float(want[1][0].abs().max()))
+    if dtype == F32:  # the value is PML 2.9.0's (its gradient is NaN)
+        torch.testing.assert_close(got[0], run_pml("nca", xd, labels, softmax_scale=64.0)[0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .._ops import (
     scatter_rows,
 )
 from ..distances import Distance, _Lp, cosine, lp, resolve
+from ..labels import label_masks
 from ..reducers import DenseTerms, Reducer, Terms, elements, mean, reduce
 from ..tuples import MinedTriplets, is_mined, sample_weights
 from ._batch import Batch, BatchInputs, batch_loss, refuse, spec
@@ -68,9 +69,13 @@ def nca(
         \ell_i = -\log \sum_{j \in P(i)} \frac{e^{z_{ij}}}{\sum_k e^{z_{ik}}}
                = \operatorname{lse}_{k}\, z_{ik} - \operatorname{lse}_{j \in P(i)} z_{ij}
 
-    computed as PML does: one softmax per row (the anchor's own column weighted exactly 0),
-    summed over the positives. As in PML, an anchor whose probability is exactly 0 (it has
-    no positive, or it underflows) is left out of the mean; with ``indices_tuple`` each term is
+    computed as PML does, one softmax per row summed over the positives (the anchor's own column
+    weighted exactly 0 in self mode), in CPU eager mode where no anchor's probability is
+    subnormal; there, on accelerators and in traced code by the second form (the positives'
+    log-sum-exp over their listed columns alone when they are few), whose gradient stays finite
+    where PML's is NaN in every row (``1/p`` overflows). As in PML, an anchor whose probability
+    is 0 (it has no positive, or it underflows: below the dtype's smallest subnormal number in
+    the second form) is left out of the mean; with ``indices_tuple`` each term is
     multiplied by the anchor's count in the tuple over the largest count (PML's
     ``convert_to_weights``; the tuple does not change the pairs, which come from the labels).
 
@@ -112,9 +117,33 @@ def _nca_terms(batch: Batch, *, softmax_scale) -> dict[str, Terms]:
     z = batch.scaled_similarity(softmax_scale)  # a fresh tensor: the fill below is ours
     if batch.diagonal is not None:  # the anchor's own column: weight exactly 0 in the softmax
         z.diagonal(batch.diagonal).fill_(torch.finfo(z.dtype).min)
-    p = (torch.softmax(z, dim=-1) * pos).sum(-1)  # PML's form: one fused softmax per row
-    keep = p.detach() != 0  # PML drops anchors whose p is exactly 0
-    losses = torch.where(keep, -torch.where(keep, p, torch.ones_like(p)).log(), 0.0)
+    listed = batch.listed(pos)  # in CPU eager mode, with few positives: their columns alone
+    p = None
+    if readable(z):  # PML's form, one fused softmax a row, where no p is subnormal (below)
+        soft = torch.softmax(z, dim=-1)
+        if listed is None:
+            p = (soft * pos).sum(-1)
+        else:
+            p = (soft.gather(-1, listed[0]) * listed[1].to(z.dtype)).sum(-1)
+        if bool(((p > 0) & (p < torch.finfo(p.dtype).tiny)).any()):
+            p = None
+    if p is not None:
+        keep = p.detach() != 0  # PML drops anchors whose p is exactly 0
+        losses = torch.where(keep, -torch.where(keep, p, torch.ones_like(p)).log(), 0.0)
+    else:
+        # −log p = lse_k z_ik − lse_{j ∈ P(i)} z_ij: finite gradients where p is subnormal (PML's
+        # 1/p overflows to inf there: inf·0 = NaN in the softmax's backward, in every row); one
+        # more pass of exponentials, so only there, on accelerators and in traced code
+        if listed is None:
+            lse_pos = masked_logsumexp(z, pos)
+        else:
+            lse_pos = masked_logsumexp(z.gather(-1, listed[0]), listed[1].to(z.dtype))
+        log_p = lse_pos - torch.logsumexp(z, dim=-1)
+        # left out as by PML: no positive (lse_pos = −finfo.max), or p below the dtype's
+        # smallest subnormal (it rounds to 0); a NaN row is kept (its loss is NaN)
+        finfo = torch.finfo(z.dtype)
+        keep = ~(log_p.detach() < math.log(finfo.tiny * finfo.eps))
+        losses = torch.where(keep, -log_p, 0.0)
     b = batch.embeddings.shape[0]
     mw = sample_weights(
         batch.indices_tuple, b, z.dtype, z.device, anchors_only=batch.ref_emb is not None
@@ -270,16 +299,26 @@ def angular(
 
     over the negatives ``N(a)`` of the anchor by label (also with an ``indices_tuple``, whose
     positive pairs are the terms; as in PML). PML builds a ``(pairs × M)`` tensor (100 GB in its
-    issue #329); here the log-sum-exp of every pair comes from Gram matrices:
-    ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max}`` and
-    ``B = e^{v_pn − max}``, ``u = 4t x̂_a·x_n``, ``v = 4t x̂_p·x_n``: one matmul, ``O(B·M + M²)``
-    memory. In CPU eager mode, when no anchor has positives in more than an eighth of the
-    columns, only their entries of ``A Bᵀ`` are computed (``O(B·K·M)`` for at most ``K``
-    positives per anchor, instead of ``O(B·M²)``); on an accelerator and under
-    ``torch.compile`` the matmul (static shapes) runs.
-    Exact unless a pair's largest term is more than ~80 (float32; ~700 in float64)
-    below the row maxima used as shifts, i.e. ``8t·max‖x_n‖ ≳ 80`` (e.g. α ≳ 72° with unit
-    embeddings in float32); such terms underflow to 0 instead.
+    issue #329); here, with ``u_an = 4t x̂_a·x_n`` and ``v_pn = 4t x̂_p·x_n``, two ways:
+
+    - In CPU eager mode, when no anchor has positives in more than an eighth of the columns,
+      each anchor's positive columns are listed and every pair's log-sum-exp of
+      ``u_an + v_pn`` over ``N(a)`` is taken as such (``O(B·K·M)`` memory for at most ``K``
+      positives per anchor): exact whatever the values, as PML.
+    - Elsewhere (on an accelerator, under ``torch.compile`` and ``torch.func`` transforms, with
+      many positives per anchor: the static path) from Gram matrices:
+      ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max_n u_an}`` and
+      ``B = [n ∈ N(p)]·e^{v_pn − max_n v_pn}``, the maxima over the negatives (``N(p) = N(a)``
+      for a same-label pair; with an ``indices_tuple``, whose pairs need not share a label,
+      ``B`` is unmasked and shifted by the maximum over every column): one matmul,
+      ``O(B·M + M²)`` memory. The largest product ``e^{u_an + v_pn − shifts}`` is below 1
+      where the ``n`` that maximises ``u_an`` and the one that maximises ``v_pn`` differ; when
+      every product of a pair is below ~``e^{-87}`` (float32; ``e^{-708}`` in float64, more
+      with an ``indices_tuple``) the sum underflows and the pair's log-sum-exp is read as that
+      threshold plus the shifts: an overestimate of the term by up to the gap, with no
+      gradient through its log-sum-exp. That takes ``8t·max‖x_n‖ ≳ 87``, e.g. α ≳ 73° with
+      unit embeddings in float32, and negatives near the anchor and the positive but far
+      apart.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -336,27 +375,46 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     u = (4 * t) * (cos_ar * ref_norm)  # 4t x̂_a·x_n, (rows, M)
     # 4t x̂_p·x_n, (M, M): u itself in self mode (anchors are the references)
     v = u if batch.ref_emb is None else (4 * t) * matmul(ref_hat, ref.transpose(-1, -2))
-    low = torch.finfo(cd).min
-    u_max = torch.where(neg > 0, u, low).amax(-1, keepdim=True)
-    has_neg = ~(u_max <= low)  # a NaN row counts as having negatives: its loss is NaN
-    u_max = torch.where(has_neg, u_max, 0.0).detach()
-    v_max = v.amax(-1, keepdim=True).detach()
-    # Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts} = (A Bᵀ)_{ap}
-    a = neg * torch.exp(torch.where(neg > 0, u - u_max, -100.0))
-    b = torch.exp(v - v_max)
     listed = batch.listed(pos)  # the labels' listing where pos is theirs
-    if listed is None:  # every entry by one matmul (the static path)
-        w = matmul(a, b.transpose(-1, -2))
-        keep = has_neg.to(cd) * indicator(pos)
-        losses = _angular_term(w, u_max, v_max.transpose(-1, -2), cos_ar, keep, t)
-    else:  # each anchor's positive columns only: (rows, K) entries by a batched mat-vec
+    if listed is not None:  # each anchor's positive columns: an exact log-sum-exp per pair
         idx, valid = listed
         rows, k = idx.shape
-        b_listed = b.index_select(0, idx.reshape(-1)).view(rows, k, -1)
-        w = matmul(b_listed, a.unsqueeze(-1)).squeeze(-1)
-        v_shift, cos_ap = v_max[idx, 0], cos_ar.gather(-1, idx)
-        term = _angular_term(w, u_max, v_shift, cos_ap, (has_neg & valid).to(cd), t)
-        losses = scatter_rows(term, listed, cos_ar)
+        # z_akn = u_an + v_pn for the anchor's k-th positive p: (rows, K, M), over N(a) only
+        z = v.index_select(0, idx.reshape(-1)).view(rows, k, -1) + u.unsqueeze(-2)
+        lse = masked_logsumexp(z, neg.unsqueeze(-2))  # −finfo.max without a negative: loss 0
+        term = _angular_term(lse, cos_ar.gather(-1, idx), valid.to(cd), t, twice=True)
+        return _angular_loss(batch, scatter_rows(term, listed, cos_ar), pos)
+    # every entry by one matmul (the static path): Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
+    # = (A Bᵀ)_{ap}, each factor shifted by the maximum over the negatives it sums
+    a, u_max, has_neg = _exp_below_max(u, neg)
+    if batch.indices_tuple is not None:  # the tuple's pairs need not share a label: N(p) ≠ N(a)
+        v_max = v.amax(-1, keepdim=True).detach()  # every column: B ≤ 1, never overflows
+        b = torch.exp(v - v_max)
+    elif batch.ref_emb is None:  # N(p) = N(a) for a same-label pair, and v = u: B = A
+        b, v_max = a, u_max
+    else:  # N(a) = the references of another label than p's: p's negatives among them
+        assert batch.ref_labels is not None  # needs_labels: ref_emb comes with ref_labels
+        b, v_max, _ = _exp_below_max(v, label_masks(batch.ref_labels, dtype=cd).neg)
+    w = matmul(a, b.transpose(-1, -2))
+    lse = torch.log(w.clamp_min(torch.finfo(cd).tiny)) + u_max + v_max.transpose(-1, -2)
+    keep = has_neg.to(cd) * indicator(pos)
+    return _angular_loss(batch, _angular_term(lse, cos_ar, keep, t), pos)
+
+
+def _exp_below_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``([mask]·e^{x − max}, max, has_any)`` with the maximum (detached, ``(R, 1)``) over each
+    row's masked entries, 0 for a row without any (``has_any`` false; a NaN row has: it stays
+    NaN); the entries off the mask are exactly 0 (their exponent is never taken above 0)."""
+    low = torch.finfo(x.dtype).min
+    x_max = torch.where(mask > 0, x, low).amax(-1, keepdim=True)
+    has_any = ~(x_max <= low)
+    x_max = torch.where(has_any, x_max, 0.0).detach()
+    return mask * torch.exp(torch.where(mask > 0, x - x_max, -100.0)), x_max, has_any
+
+
+def _angular_loss(batch: Batch, losses: Tensor, pos: Tensor) -> dict[str, Terms]:
+    """The ``(rows, M)`` pair terms weighted by the positive pairs (0 when an
+    ``indices_tuple`` lists no pair of a kind, as in PML)."""
     weights = pos
     if batch.indices_tuple is not None:  # PML: 0 when the tuple lists no pair of a kind
         has_p, has_n = batch.any_pairs()
@@ -365,15 +423,20 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
 
 
 def _angular_term(
-    w: Tensor, u_shift: Tensor, v_shift: Tensor, cos_ap: Tensor, keep: Tensor, t: float | Tensor
+    lse: Tensor,
+    cos_ap: Tensor,
+    keep: Tensor,
+    t: float | Tensor,
+    *,
+    twice: bool = False,
 ) -> Tensor:
-    """``log(1 + e^f)`` with ``f = log w + shifts − 2(1 + t) x̂_a·x̂_p``, times the 0/1 float
-    ``keep`` (not a ``where``: no bool mask for a compiled backward to save, see
-    :func:`~pmlfunc._ops.indicator`; ``f`` is finite off ``keep`` for finite inputs), for whole
-    matrices or listed pairs alike."""
-    lse = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny)) + u_shift + v_shift
+    """``log(1 + e^f)`` with ``f = lse − 2(1 + t) x̂_a·x̂_p`` (``lse`` the log-sum-exp over the
+    anchor's negatives), times the 0/1 float ``keep`` (not a ``where``: no bool mask for a
+    compiled backward to save, see :func:`~pmlfunc._ops.indicator`; ``f`` is finite off
+    ``keep`` for finite inputs), for whole matrices or listed pairs alike. ``twice``: ``lse``
+    may be ``−finfo.max`` (:func:`~pmlfunc._ops.logaddexp`)."""
     f = lse - (2 * (1 + t)) * cos_ap
-    return logaddexp(f, f.new_zeros(())) * keep
+    return logaddexp(f, f.new_zeros(()), twice=twice) * keep
 
 
 def instance(

@@ -57,7 +57,7 @@ def ntxent(
     with ``ε = finfo(dtype).tiny`` as in PML (it caps a term at ``-log ε``). Computed from one
     log-sum-exp per row, the ratio as ``σ(s_ap/τ − lse_n)`` with its subnormal tail (a ratio
     between ``e^{−104}`` and ``ε`` still moves the term and gives it its gradient, as in PML;
-    ``torch.sigmoid`` returns 0 there: :func:`pmlfunc._ops.sigmoid`).
+    ``torch.sigmoid`` returns 0 there: ``pmlfunc._ops.sigmoid``).
 
     Args:
         embeddings: ``(B, D)`` float tensor.
