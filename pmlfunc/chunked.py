@@ -159,8 +159,9 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
     r"""An anchor-decomposable loss as a chunked loss with a plain ``backward()``.
 
     The forward runs :func:`value_and_grad` (every chunk's share and gradient, one pass) and
-    returns the loss as ``L + Σ_v ⟨∂L/∂v, v − sg(v)⟩`` over the embeddings, the reference set
-    and every floating tensor hyper-parameter: the value is ``L`` exactly (each added term is a
+    returns the loss as ``L + Σ_v ⟨∂L/∂v, v − sg(v)⟩`` over the embeddings, the reference set,
+    every floating tensor hyper-parameter and a tensor ``embedding_reg_weight`` (whose gradient
+    is the regularizer's value): the value is ``L`` exactly (each added term is a
     product with an exact zero) and the gradient reaching each ``v`` is the chunked ``∂L/∂v``.
     So any chunkable loss (triplet, contrastive, multi-similarity, ...) trains through
     ``loss.backward()``, :func:`gradcache` or ``torch.func.grad`` in ``O(chunk × M)`` memory, as
@@ -206,13 +207,29 @@ def loss(loss_fn: Callable[..., Tensor], chunk_size: int) -> Callable[..., Tenso
         if inputs:
             for v, g in zip(inputs.values(), grads if len(names) > 1 else (grads,), strict=True):
                 out = out + apply(FirstOrderTerm, v, g.detach().to(v.dtype)).to(out.dtype)
-        return out
+        reg = _reg_weight_term(call)
+        return out if reg is None else out + reg.to(out.dtype)
 
     chunked_loss.__doc__ = (
         f"{getattr(loss_fn, '__name__', 'a loss')} chunked {chunk_size} anchors at a time, "
         "with a plain backward (pmlfunc.chunked.loss)."
     )
     return chunked_loss
+
+
+def _reg_weight_term(call: LossCall) -> Tensor | None:
+    """The gradient of a learnable ``embedding_reg_weight`` (a floating tensor that requires
+    grad, or any in traced code) as a :class:`FirstOrderTerm`: ``∂L/∂w = regularizer(x)``,
+    the regularizer's value (the chunks' sum already holds ``w · regularizer(x)``); else
+    ``None``."""
+    w = call.embedding_reg_weight
+    learnable = isinstance(w, Tensor) and w.is_floating_point() and (_traced() or w.requires_grad)
+    if call.embedding_regularizer is None or not learnable:
+        return None
+    assert isinstance(w, Tensor)
+    with torch.no_grad() if not _traced() else contextlib.nullcontext():
+        reg = call.embedding_regularizer(call.embeddings)
+    return apply(FirstOrderTerm, w, reg.detach().to(w.dtype))
 
 
 class FirstOrderTerm(torch.autograd.Function):

@@ -424,3 +424,27 @@ def test_autocast_gives_the_float32_gradient(name, entry):
     (want, want_grad), (got, got_grad) = run(False), run(True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["backward", "func.grad"])
+def test_a_learnable_embedding_reg_weight_gets_the_regularizers_value_as_its_gradient(how):
+    """``∂L/∂w = regularizer(x)``, as the plain loss's autograd gives it (the chunked forward
+    adds ``w · regularizer(x)`` without a graph: its gradient was None, 0 under torch.func)."""
+    emb = torch.randn(17, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(17) % 5
+    reg = pf.regularizers.lp
+
+    def grad_of(fn):
+        def value(w):
+            return fn(emb, labels, embedding_regularizer=reg, embedding_reg_weight=w)
+
+        if how == "func.grad":
+            return torch.func.grad(value)(torch.tensor(0.3, dtype=F64))
+        w = torch.tensor(0.3, dtype=F64, requires_grad=True)
+        return torch.autograd.grad(value(w), w)[0]
+
+    want = grad_of(pf.losses.triplet_margin)
+    torch.testing.assert_close(want, reg(emb), rtol=1e-12, atol=0)
+    for chunk in (7, 100):
+        got = grad_of(pf.chunked.loss(pf.losses.triplet_margin, chunk))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

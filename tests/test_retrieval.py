@@ -174,7 +174,28 @@ def test_max_logit_scale_clamps_the_learnable_scale_with_a_zero_gradient_above()
     assert g == 0
 
 
-def test_a_tensor_scale_and_hardness_strength_are_differentiable_hyper_parameters():
+def test_a_hardness_strength_that_requires_grad_is_refused_not_left_without_a_gradient():
+    """The engine applies the strength to its tiles and forms no gradient for it: a learnable
+    one would silently stay where it is (its gradient None, 0 under torch.func)."""
+    q, p, n = _batch()
+    alpha = torch.tensor(0.7, dtype=F64, requires_grad=True)
+    for chunk_size in (None, 7):
+        with pytest.raises(ValueError, match=r"hardness_strength .* not learnable"):
+            mnrl(
+                q,
+                p,
+                n,
+                hardness_mode="all_negatives",
+                hardness_strength=alpha,
+                chunk_size=chunk_size,
+            )
+    with pytest.raises(ValueError, match="hardness_strength"):
+        torch.func.grad(
+            lambda a: mnrl(q, p, n, hardness_mode="all_negatives", hardness_strength=a)
+        )(alpha.detach())
+
+
+def test_a_tensor_scale_and_a_fixed_tensor_hardness_strength():
     q, p, n = _batch()
     t = torch.tensor(15.0, dtype=F64, requires_grad=True)
     alpha = torch.tensor(4.0, dtype=F64)

@@ -145,7 +145,8 @@ def multiple_negatives_ranking(
         hardness_mode: ``None`` (default), ``"in_batch_negatives"`` (the other rows'
             documents), ``"hard_negatives"`` (the row's own hard negatives) or
             ``"all_negatives"`` (every document but the positive).
-        hardness_strength: ``α ≥ 0`` (default 0: no effect), a number or 0-d tensor.
+        hardness_strength: ``α ≥ 0`` (default 0: no effect), a number or 0-d tensor that does
+            not require grad (it is not learnable: a ``ValueError``).
         anchor_ids: ``None`` or ``(N,)`` integer ids of the queries.
         positive_ids: ``None`` or ``(N,)`` integer ids of the positive documents.
         guide: ``None`` or ``(guide_anchors, guide_positives[, guide_negatives])``: the guide
@@ -380,6 +381,13 @@ def _retrieval_call(
     red = tiled_reducer("siglip" if sigmoid else "retrieval", reducer, what)
     chunk = None if chunk_size is None else _checks.chunk_size(chunk_size)
     strength = _checks.hyper(hardness_strength, "hardness_strength", nonnegative=True)
+    if isinstance(strength, Tensor) and strength.requires_grad:
+        # the engine applies it to its tiles in place and forms no gradient for it: refused, not
+        # silently left without one (sentence-transformers' is a fixed number too)
+        raise ValueError(
+            "hardness_strength must be a number or a tensor that does not require grad: it is "
+            "not learnable (the engine differentiates the embeddings, the scale and the bias)"
+        )
     cd = _checks.compute_dtype(anchors.dtype)
     dev = anchors.device
     if params is not None:
