@@ -467,6 +467,19 @@ class _Sums:
             [*parts] if not self.norms else [a + b for a, b in zip(self.norms, parts, strict=True)]
         )
 
+    def add(self, name: str, k: int, g: Tensor, rows: tuple[int, int] | None = None) -> None:
+        """``grads[name][k] += g`` (on ``rows`` only when given). In place on the buffer, but
+        inside ``torch.func`` transforms, where ``g`` may be batched and the buffer (shaped as
+        an unbatched input: a ``vmap`` over a hyper-parameter alone) not: out of place."""
+        buf = self.grads[name][k]
+        if torch.compiler.is_compiling() or not inside_transform():
+            (buf if rows is None else buf[rows[0] : rows[1]]).add_(g)
+        elif rows is None:
+            self.grads[name][k] = buf + g
+        else:
+            r0, r1 = rows
+            self.grads[name][k] = buf.slice_scatter(buf[r0:r1] + g, 0, r0, r1)
+
     def divided(self, reducer: Reducer, zero: Tensor) -> Tensor:
         """The loss: ``Σ_k divide(shares[k], norms[k])`` (``zero`` when nothing was summed)."""
         for s, n in zip(self.shares, self.norms, strict=False):
@@ -557,13 +570,13 @@ def _chunked(
                 sums.shares[k] = sums.shares[k] + o
             grads = pullback(k, one)
             if want_x:
-                sums.grads["embeddings"][k][r0:r1].add_(grads[0])
+                sums.add("embeddings", k, grads[0], (r0, r1))
                 if ref_hat is None:
-                    sums.grads["embeddings"][k] += grads[1]
+                    sums.add("embeddings", k, grads[1])
             if want_ref:
-                sums.grads["ref_emb"][k] += grads[1]
+                sums.add("ref_emb", k, grads[1])
             for j, n in enumerate(hyper):
-                sums.grads[n][k] += grads[1 + len(refs) + j]
+                sums.add(n, k, grads[1 + len(refs) + j])
     total = sums.divided(reducer, torch.zeros((), dtype=cd, device=embeddings.device))
     grad_x = x_back(0, sums.gradient(reducer, "embeddings", x_hat))[0] if want_x else None
     total, grad_x = _regularized(call, total, grad_x)

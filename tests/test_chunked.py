@@ -448,3 +448,30 @@ def test_a_learnable_embedding_reg_weight_gets_the_regularizers_value_as_its_gra
     for chunk in (7, 100):
         got = grad_of(pf.chunked.loss(pf.losses.triplet_margin, chunk))
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_vmap_over_hyper_parameters_alone_equals_a_loop():
+    """``vmap(grad)`` over a hyper-parameter with unbatched embeddings (and over embeddings and
+    one hyper-parameter with another left unbatched): the chunks' gradients are batched, the
+    buffers not, so they add out of place there (it raised a shape error)."""
+    g = torch.Generator().manual_seed(0)
+    emb, labels = torch.randn(17, 5, dtype=F64, generator=g), torch.arange(17) % 5
+    ntx = pf.chunked.loss(pf.losses.ntxent, 7)
+    ts = torch.tensor([0.1, 0.3, 1.0], dtype=F64)
+    got = torch.func.vmap(torch.func.grad(lambda t: ntx(emb, labels, temperature=t)))(ts)
+    want = torch.stack([torch.func.grad(lambda t: ntx(emb, labels, temperature=t))(t) for t in ts])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+    ms = pf.chunked.loss(pf.losses.multi_similarity, 7)
+    beta = torch.tensor(50.0, dtype=F64)
+    embs = torch.randn(3, 17, 5, dtype=F64, generator=g)
+    alphas = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+
+    def grads(e, a):
+        return torch.func.grad(lambda e, a: ms(e, labels, alpha=a, beta=beta), argnums=(0, 1))(e, a)
+
+    got_e, got_a = torch.func.vmap(grads)(embs, alphas)
+    for i in range(3):
+        want_e, want_a = grads(embs[i], alphas[i])
+        torch.testing.assert_close(got_e[i], want_e, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got_a[i], want_a, rtol=1e-12, atol=0)
