@@ -152,9 +152,9 @@ def test_angular_listed_pairs_equal_the_gram_matmul(layout, with_ref, gen, monke
 
 @pytest.mark.parametrize("case", ["self", "ref", "tuple"])
 def test_nca_listed_positives_equal_every_column_masked(case, gen, monkeypatch):
-    """In CPU eager mode, with few positives per row, each row's log-sum-exp over its positives
-    reads their listed columns alone; under a torch.func transform every column, masked. Both
-    equal PML (float64)."""
+    """In CPU eager mode, with few positives per row, each row's probability (PML's form: its
+    softmax summed over the positives) reads their listed columns alone; under a torch.func
+    transform every column, masked, in the log-sum-exp form. Both equal PML (float64)."""
     emb, labels = data(gen, FEW_POSITIVES)
     ref, ref_labels = (randn(gen, 16, D), lab(FEW_POSITIVES)) if case == "ref" else (None, None)
     pairs = pml_mined("pairs", emb, labels) if case == "tuple" else None
