@@ -414,11 +414,131 @@ def test_pml_arguments_are_checked_like_pmls_constructors():
         losses.TripletMarginLoss(triplets_per_anchor=5)(*inputs(F64)[:2])
 
 
-def test_an_attribute_set_after_construction_takes_effect_as_in_pml():
+# (class, attribute path, value set after construction): PML reads its attributes at every
+# call; the compat objects took only the constructor's arguments and defaults into account (a
+# temperature schedule, a swapped reducer or distance silently kept the old one)
+AFTER_CONSTRUCTION = [
+    ("TripletMarginLoss", "margin", 0.4),
+    ("NTXentLoss", "temperature", 0.5),
+    ("SupConLoss", "temperature", 0.5),
+    ("ContrastiveLoss", "neg_margin", 0.5),
+    ("MultiSimilarityLoss", "base", 0.8),
+    ("TripletMarginLoss", "swap", True),
+    ("CircleLoss", "gamma", 32),
+    ("TupletMarginLoss", "scale", 16),
+    ("ContrastiveLoss", "distance", "CosineSimilarity"),
+    ("TripletMarginLoss", "reducer", "MeanReducer"),
+    ("ContrastiveLoss", "embedding_regularizer", "LpRegularizer"),
+    ("ContrastiveLoss", "distance.power", 2),
+    ("ContrastiveLoss", "distance.normalize_embeddings", False),
+    # PML's own units: radians (constructor: degrees), 1/γ
+    ("ArcFaceLoss", "margin", 0.1745),
+    ("TupletMarginLoss", "margin", 0.1745),
+    ("AngularLoss", "alpha", torch.tensor(0.7854, dtype=F64)),  # PML's tan() needs a tensor
+    ("SoftTripleLoss", "gamma", 20.0),
+]
+
+
+def _pair_after_construction(name):
+    """PML's and the compat class built alike (learnable ones with PML's parameters copied)."""
+    kwargs = {"distance": "LpDistance"} if name == "ContrastiveLoss" else {}
+    if name in ("ArcFaceLoss", "SoftTripleLoss"):
+        kwargs = {"num_classes": C, "embedding_size": D}
+    if name == "AngularLoss":
+        kwargs = {"alpha": 40}
+
+    def build(lib, dist):
+        made = {k: getattr(dist, v)() if k == "distance" else v for k, v in kwargs.items()}
+        return getattr(lib, name)(**made)
+
+    theirs, ours = build(pml_losses, pml_distances), build(losses, distances)
+    if list(theirs.parameters()):
+        theirs, ours = theirs.to(F64), ours.to(F64)
+        ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize(("name", "path", "value"), AFTER_CONSTRUCTION, ids=lambda v: str(v))
+def test_an_attribute_set_after_construction_takes_effect_as_in_pml(name, path, value):
     emb, labels, _, _ = inputs(F64)
-    ours, theirs = losses.TripletMarginLoss(), pml_losses.TripletMarginLoss()
-    ours.margin = theirs.margin = 0.4
+    ours, theirs = _pair_after_construction(name)
+    assert_same(run(ours, emb, labels), run(theirs, emb, labels), F64)  # before
+    *owner, attr = path.split(".")
+    for obj, lib in ((ours, pml), (theirs, None)):
+        target = obj
+        for part in owner:
+            target = getattr(target, part)
+        if isinstance(value, str):  # a class of the same family, each library's own
+            family = {"CosineSimilarity": "distances", "MeanReducer": "reducers"}.get(
+                value, "regularizers"
+            )
+            mod = (
+                getattr(pml, family)
+                if lib is pml
+                else {
+                    "distances": pml_distances,
+                    "reducers": pml_reducers,
+                    "regularizers": pml_regularizers,
+                }[family]
+            )
+            setattr(target, attr, getattr(mod, value)())
+        else:
+            setattr(target, attr, value)
+    if not owner and not isinstance(value, str):
+        # the attribute itself reads as PML's (its units: radians, 1/γ)
+        torch.testing.assert_close(
+            torch.as_tensor(getattr(ours, attr), dtype=F64),
+            torch.as_tensor(getattr(theirs, attr), dtype=F64),
+        )
     assert_same(run(ours, emb, labels), run(theirs, emb, labels), F64)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("ArcFaceLoss", {"num_classes": C, "embedding_size": D, "margin": 20.0}),
+        ("SubCenterArcFaceLoss", {"num_classes": C, "embedding_size": D}),
+        ("TupletMarginLoss", {"margin": 5.73}),
+        ("AngularLoss", {"alpha": 45}),
+        ("SoftTripleLoss", {"num_classes": C, "embedding_size": D, "gamma": 0.1}),
+    ],
+)
+def test_attributes_read_in_pmls_units(name, kwargs):
+    """PML converts some arguments when it stores them (a margin in degrees to radians, γ to
+    ``1/γ``): a logged or scheduled attribute means what it means in PML."""
+    ours, theirs = getattr(losses, name)(**kwargs), getattr(pml_losses, name)(**kwargs)
+    attr = "alpha" if name == "AngularLoss" else "gamma" if name == "SoftTripleLoss" else "margin"
+    torch.testing.assert_close(
+        torch.as_tensor(getattr(ours, attr), dtype=F64),
+        torch.as_tensor(getattr(theirs, attr), dtype=F64),
+    )
+
+
+def _tuples(mined):
+    """A miner's result as sorted lists of its pairs (``(a1, p)``, ``(a2, n)``) or triplets."""
+    lists = [t.tolist() for t in mined]
+    groups = [lists[:2], lists[2:]] if len(lists) == 4 else [lists]
+    return [sorted(zip(*g, strict=True)) for g in groups]
+
+
+def test_a_miners_and_a_self_supervised_wrappers_attributes_set_later_take_effect():
+    emb, labels, _, _ = inputs(F64)
+    for name, attr, value in (
+        ("MultiSimilarityMiner", "epsilon", 0.5),
+        ("TripletMarginMiner", "margin", 0.05),
+        ("TripletMarginMiner", "type_of_triplets", "hard"),
+        ("AngularMiner", "angle", 0.5236),  # radians, as PML holds it
+    ):
+        ours, theirs = getattr(miners, name)(), getattr(pml_miners, name)()
+        setattr(ours, attr, value)
+        setattr(theirs, attr, value)
+        got, want = ours(emb, labels), theirs(emb, labels)
+        assert _tuples(got) == _tuples(want), (name, attr)
+    ours = losses.SelfSupervisedLoss(losses.NTXentLoss())
+    theirs = pml_losses.SelfSupervisedLoss(pml_losses.NTXentLoss())
+    ours.symmetric = theirs.symmetric = False
+    ref = emb.flip(1)
+    torch.testing.assert_close(ours(emb, ref), theirs(emb, ref), rtol=1e-9, atol=1e-11)
 
 
 def _built(name):

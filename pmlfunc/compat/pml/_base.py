@@ -23,10 +23,14 @@ __all__ = [
     "Loss",
     "Miner",
     "bind",
+    "degrees",
     "given",
     "global_seed",
     "no_grad_copy",
+    "radians",
+    "reciprocal",
     "required",
+    "same",
     "to_pure",
 ]
 
@@ -38,12 +42,15 @@ class Compat(nn.Module):
         signature: PML's constructor arguments in their positional order.
         defaults: PML 2.9.0's default of each argument of ``signature`` whose pmlfunc default
             differs or that pmlfunc does not take (``required`` marks one without a default).
-        degrees: the arguments PML takes in degrees and the function in radians.
+        units: the arguments PML keeps as an attribute in other units than its constructor's
+            (ArcFace's margin in radians, SoftTriple's ``1/γ``): ``{name: (constructor value ->
+            PML's attribute, attribute -> the function's argument)}``; the attribute holds PML's
+            value, so code that reads or sets it (a margin schedule) means what it does in PML.
     """
 
     signature: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[Mapping[str, Any]] = {}
-    degrees: ClassVar[tuple[str, ...]] = ()
+    units: ClassVar[Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]] = {}
     shared: ClassVar[tuple[str, ...]] = ()  # PML's base-class keywords this family takes
     consumed: ClassVar[tuple[str, ...]] = ()  # kept as attributes, not passed to the function
 
@@ -51,9 +58,21 @@ class Compat(nn.Module):
         super().__init__()
         self._names: tuple[str, ...] = ()
         for name, value in bind(type(self), args, kwargs).items():
+            if name in self.units and value is not None:
+                value = self.units[name][0](value)
             setattr(self, name, value)
-            if name not in self.consumed:
-                self._names = (*self._names, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set as ``nn.Module`` does; an argument of the class's (``signature``, ``shared``;
+        not ``consumed``) joins the function's options whenever it is set, in the constructor
+        or after it (``loss.temperature = 0.5`` in a schedule, as PML reads ``self.temperature``
+        at every call)."""
+        super().__setattr__(name, value)
+        cls = type(self)
+        if (name in cls.signature or name in cls.shared) and name not in cls.consumed:
+            names = self.__dict__.get("_names")
+            if names is not None and name not in names:
+                object.__setattr__(self, "_names", (*names, name))
 
     def argument(self, name: str) -> Any:
         """The constructor argument ``name`` as it stands now."""
@@ -64,8 +83,8 @@ class Compat(nn.Module):
         out = {}
         for name in self._names:
             value = to_pure(getattr(self, name))
-            if name in self.degrees and value is not None:
-                value = value * (math.pi / 180.0)
+            if name in self.units and value is not None:
+                value = self.units[name][1](value)
             out[name] = value
         return out
 
@@ -74,6 +93,26 @@ class Compat(nn.Module):
 
 
 _REQUIRED = object()
+
+
+def radians(value: Any) -> Any:
+    """Degrees to radians (``np.radians``'s value), a number or a tensor."""
+    return value * (math.pi / 180.0)
+
+
+def degrees(value: Any) -> Any:
+    """Radians to degrees; a CPU 0-d tensor (PML's ``AngularLoss.alpha``) as a number."""
+    if isinstance(value, Tensor) and value.device.type == "cpu" and not value.requires_grad:
+        value = float(value)
+    return value * (180.0 / math.pi)
+
+
+def same(value: Any) -> Any:
+    return value
+
+
+def reciprocal(value: Any) -> Any:
+    return 1.0 / value
 
 
 def bind(cls: type[Compat], args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,13 @@ class _Distance(Compat):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.function = self.build(**self.options())
+        self.function  # noqa: B018 (the arguments checked now)
+
+    @property
+    def function(self) -> _d.Distance:
+        """The pmlfunc distance of the attributes as they stand (``dist.power = 2`` after
+        construction takes effect, as PML reads its attributes at every call)."""
+        return self.build(**self.options())
 
     def build(self, **options: Any) -> _d.Distance:
         raise NotImplementedError

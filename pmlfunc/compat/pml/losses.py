@@ -3,8 +3,10 @@
 Each class is PML's name, its constructor's positional order, the defaults where PML 2.9.0's
 differ from the function's, and the function: ``loss(embeddings, labels, indices_tuple=None,
 ref_emb=None, ref_labels=None)`` calls it with the constructor's arguments (compat distances,
-reducers and regularizers handed over as their ``.function``). Where the function takes radians
-and PML degrees (``ArcFaceLoss``, ``SubCenterArcFaceLoss``) the value is converted.
+reducers and regularizers handed over as their ``.function``). An argument PML keeps in other
+units than its constructor's (``ArcFaceLoss``/``SubCenterArcFaceLoss``/``TupletMarginLoss``'s
+margin and ``AngularLoss``'s alpha in radians, ``SoftTripleLoss``'s ``1/γ``) is held as PML
+holds it and converted for the function at each call.
 
 The learnable losses hold their parameters as ``nn.Parameter`` under PML's names and in PML's
 layouts (``W`` of shape ``(D, C)`` or ``(D, C·K)``, ``fc``, ``weight``, ``proxies``, ``beta``),
@@ -35,7 +37,17 @@ from torch import Tensor, nn
 
 from ... import losses as _l
 from ... import wrappers as _w
-from ._base import Loss, given, global_seed, no_grad_copy, required
+from ._base import (
+    Loss,
+    degrees,
+    given,
+    global_seed,
+    no_grad_copy,
+    radians,
+    reciprocal,
+    required,
+    same,
+)
 
 __all__ = [
     "AngularLoss",
@@ -83,8 +95,11 @@ __all__ = [
 # batch losses: the function's own names and defaults, PML's positional order
 # ---------------------------------------------------------------------------------------------
 class AngularLoss(Loss):
+    """``.alpha`` holds PML's value, a 0-d tensor in radians (the function's degrees)."""
+
     function = _l.angular
     signature = ("alpha",)
+    units = {"alpha": (lambda v: torch.tensor(radians(v), dtype=torch.float64), degrees)}
 
 
 class CircleLoss(Loss):
@@ -189,10 +204,12 @@ class TripletMarginLoss(Loss):
 
 
 class TupletMarginLoss(Loss):
-    """The margin in degrees, as PML's (the function converts it, as PML does)."""
+    """The margin given in degrees, as PML's; ``.margin`` holds PML's value in radians (the
+    function takes degrees)."""
 
     function = _l.tuplet_margin
     signature = ("margin", "scale")
+    units = {"margin": (radians, degrees)}
 
 
 class VICRegLoss(Loss):
@@ -319,12 +336,13 @@ class CosFaceLoss(LargeMarginSoftmaxLoss):
 
 
 class ArcFaceLoss(LargeMarginSoftmaxLoss):
-    """``margin`` in degrees, PML's (default 28.6): converted to the function's radians."""
+    """``margin`` given in degrees, PML's (default 28.6); ``.margin`` holds PML's value in
+    radians, the function's unit."""
 
     function = _l.arcface
     init = _l.arcface_init
     defaults = {**_SIZES, "margin": 28.6, "scale": 64}
-    degrees = ("margin",)
+    units = {"margin": (radians, same)}
 
 
 class SubCenterArcFaceLoss(ArcFaceLoss):
@@ -382,6 +400,9 @@ class ProxyNCALoss(ProxyAnchorLoss):
 
 
 class SoftTripleLoss(NormalizedSoftmaxLoss):
+    """``.gamma`` holds PML's value, ``1/γ`` (the function takes ``γ``)."""
+
+    units = {"gamma": (reciprocal, reciprocal)}
     function = _l.soft_triple
     init = _l.soft_triple_init
     signature = (*_CLASSES, "centers_per_class", "la", "gamma", "margin")

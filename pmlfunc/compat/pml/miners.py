@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import miners as _m
-from ._base import Miner, global_seed
+from ._base import Miner, degrees, global_seed, radians
 
 __all__ = [
     "AngularMiner",
@@ -36,8 +36,11 @@ __all__ = [
 
 
 class AngularMiner(Miner):
+    """``.angle`` holds PML's value in radians (the function takes degrees)."""
+
     function = _m.angular
     signature = ("angle",)
+    units = {"angle": (radians, degrees)}
     shared = ()
 
 

@@ -37,7 +37,13 @@ __all__ = [
 class _Reducer(Compat):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.function: _r.Reducer = self.build(**self.options())
+        self.function  # noqa: B018 (the arguments checked now)
+
+    @property
+    def function(self) -> _r.Reducer:
+        """The pmlfunc reducer of the attributes as they stand (``reducer.low = 0.3`` after
+        construction takes effect, as in PML)."""
+        return self.build(**self.options())
 
     def build(self, **options: Any) -> _r.Reducer:
         raise NotImplementedError

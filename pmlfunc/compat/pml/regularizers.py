@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -32,9 +32,11 @@ class _Regularizer(Compat):
     pure: ClassVar[Callable[..., Tensor]]
     shared = ("reducer",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.function = functools.partial(type(self).pure, **self.options())
+    @property
+    def function(self) -> Callable[[Tensor], Tensor]:
+        """The pmlfunc regularizer with the attributes as they stand (``reg.power = 2`` after
+        construction takes effect, as in PML)."""
+        return functools.partial(type(self).pure, **self.options())
 
     def forward(self, x: Tensor) -> Tensor:
         return self.function(x)

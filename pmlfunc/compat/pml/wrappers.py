@@ -29,7 +29,10 @@ Differs from PML: with a miner that keeps one candidate per anchor (batch-hard, 
 multi-similarity), the mined tuples can differ from PML's until the memory has been filled once
 (the function's miner sees the empty slots as candidates before restricting to filled ones;
 :func:`~pmlfunc.wrappers.cross_batch_memory`); threshold miners (pair margin, triplet margin)
-and no miner agree from the first call. ``MultipleLosses`` with miners rejects an
+and no miner agree from the first call. HDC's fraction cut can fall between two pairs of equal
+distance (``(i, j)`` and ``(j, i)`` of a self matrix) at any call, filled or not: pmlfunc keeps
+the first by position, PML's ``topk`` its own choice (:func:`pmlfunc.miners.hdc`), so the
+triplets it feeds the loss can differ there. ``MultipleLosses`` with miners rejects an
 ``indices_tuple`` with ``ValueError`` (PML: ``AssertionError``), and only when a miner is set
 (PML: also with a list of ``None`` miners).
 
