@@ -231,6 +231,24 @@ def test_angular_float32_listed_pairs_are_exact_at_large_logits(
     assert_same(got, pml, **tol)
 
 
+def test_angular_float32_dense_batch_in_eager_mode_falls_back_to_exact_pairs(monkeypatch):
+    """A batch with many positives per anchor (16 rows, 4 classes: not listed) takes the Gram
+    matmul; at PML's default α = 40° with raw norms up to 280 some pairs' sums fall below
+    float32's normal range there, even with the factors' headroom (norms 10–70 made the loss
+    99.62 against 98.79 before it, gradients 42 % off). In CPU eager mode such a batch is
+    recomputed on its listed pairs: float32 equals float64 and PML."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(16) % 4
+    norms = torch.linspace(30, 250, 16, dtype=F64).unsqueeze(1) / 6**0.5
+    emb = torch.randn(16, 6, generator=g, dtype=F64) * norms
+    listed = _listing(monkeypatch)
+    got = _angular_f32(emb, labels, None, None, 40.0)
+    assert listed[0] is None and listed[-1] is not None  # dense first, then the exact pairs
+    tol = {"rtol": 1e-5, "atol": 1e-5 * float(got[1][0].abs().max())}
+    assert_same(got, run_ref("angular", emb, labels, None, None, alpha=40.0), **tol)
+    assert_same(got, run_pml("angular", emb.float(), labels, None, None, alpha=40.0), **tol)
+
+
 @pytest.mark.parametrize("with_ref", [False, True], ids=["self", "ref"])
 @pytest.mark.parametrize(("alpha", "scale"), LARGE_LOGITS[:2])
 def test_angular_float32_static_path_shifts_by_the_negatives_maximum(

@@ -307,18 +307,20 @@ def angular(
       positives per anchor): exact whatever the values, as PML.
     - Elsewhere (on an accelerator, under ``torch.compile`` and ``torch.func`` transforms, with
       many positives per anchor: the static path) from Gram matrices:
-      ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max_n u_an}`` and
-      ``B = [n ∈ N(p)]·e^{v_pn − max_n v_pn}``, the maxima over the negatives (``N(p) = N(a)``
-      for a same-label pair; with an ``indices_tuple``, whose pairs need not share a label,
-      ``B`` is unmasked and shifted by the maximum over every column): one matmul,
-      ``O(B·M + M²)`` memory. The largest product ``e^{u_an + v_pn − shifts}`` is below 1
-      where the ``n`` that maximises ``u_an`` and the one that maximises ``v_pn`` differ; when
-      every product of a pair is below ~``e^{-87}`` (float32; ``e^{-708}`` in float64, more
-      with an ``indices_tuple``) the sum underflows and the pair's log-sum-exp is read as that
-      threshold plus the shifts: an overestimate of the term by up to the gap, with no
-      gradient through its log-sum-exp. That takes ``8t·max‖x_n‖ ≳ 87``, e.g. α ≳ 73° with
-      unit embeddings in float32, and negatives near the anchor and the positive but far
-      apart.
+      ``Σ_n e^{u_an + v_pn} = (A Bᵀ)_{ap}`` with ``A = [n ∈ N(a)]·e^{u_an − max_n u_an + H}``
+      and ``B = [n ∈ N(p)]·e^{v_pn − max_n v_pn + H}``, the maxima over the negatives
+      (``N(p) = N(a)`` for a same-label pair; with an ``indices_tuple``, whose pairs need not
+      share a label, ``B`` is unmasked and shifted by the maximum over every column) and a
+      headroom ``H`` (≈ 18 in float32 at M = 512, 175 in float64: a second derivative's
+      ``w²`` stays finite): one matmul, ``O(B·M + M²)`` memory. The largest product is below
+      ``e^{2H}`` where the ``n`` that maximises ``u_an`` and the one that maximises ``v_pn``
+      differ; when every product of a pair is below ~``e^{-87}`` (float32) the sum leaves the
+      normal range. In CPU eager mode such a batch is then recomputed on its listed pairs
+      (exact); on the static path the pair's log-sum-exp is read as that threshold plus the
+      shifts: an overestimate of the term by up to the gap, with no gradient through its
+      log-sum-exp. That takes ``8t·max‖x_n‖ ≳ 87 + 2H``, e.g. α = 40° with raw norms above
+      ~22 in float32 (α ≳ 80° with unit rows), and negatives near the anchor and the positive
+      but far apart.
 
     Args:
         embeddings: ``(B, D)`` float tensor.
@@ -376,40 +378,54 @@ def _angular_terms(batch: Batch, *, alpha) -> dict[str, Terms]:
     # 4t x̂_p·x_n, (M, M): u itself in self mode (anchors are the references)
     v = u if batch.ref_emb is None else (4 * t) * matmul(ref_hat, ref.transpose(-1, -2))
     listed = batch.listed(pos)  # the labels' listing where pos is theirs
-    if listed is not None:  # each anchor's positive columns: an exact log-sum-exp per pair
-        idx, valid = listed
-        rows, k = idx.shape
-        # z_akn = u_an + v_pn for the anchor's k-th positive p: (rows, K, M), over N(a) only
-        z = v.index_select(0, idx.reshape(-1)).view(rows, k, -1) + u.unsqueeze(-2)
-        lse = masked_logsumexp(z, neg.unsqueeze(-2))  # −finfo.max without a negative: loss 0
-        term = _angular_term(lse, cos_ar.gather(-1, idx), valid.to(cd), t, twice=True)
-        return _angular_loss(batch, scatter_rows(term, listed, cos_ar), pos)
-    # every entry by one matmul (the static path): Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
-    # = (A Bᵀ)_{ap}, each factor shifted by the maximum over the negatives it sums
-    a, u_max, has_neg = _exp_below_max(u, neg)
-    if batch.indices_tuple is not None:  # the tuple's pairs need not share a label: N(p) ≠ N(a)
-        v_max = v.amax(-1, keepdim=True).detach()  # every column: B ≤ 1, never overflows
-        b = torch.exp(v - v_max)
-    elif batch.ref_emb is None:  # N(p) = N(a) for a same-label pair, and v = u: B = A
-        b, v_max = a, u_max
-    else:  # N(a) = the references of another label than p's: p's negatives among them
-        assert batch.ref_labels is not None  # needs_labels: ref_emb comes with ref_labels
-        b, v_max, _ = _exp_below_max(v, label_masks(batch.ref_labels, dtype=cd).neg)
-    w = matmul(a, b.transpose(-1, -2))
-    lse = torch.log(w.clamp_min(torch.finfo(cd).tiny)) + u_max + v_max.transpose(-1, -2)
-    keep = has_neg.to(cd) * indicator(pos)
-    return _angular_loss(batch, _angular_term(lse, cos_ar, keep, t), pos)
+    if listed is None:
+        # every entry by one matmul (the static path): Σ_n [n ∈ N(a)] e^{u_an + v_pn − shifts}
+        # = (A Bᵀ)_{ap}, each factor shifted to a headroom H below the maximum over the
+        # negatives it sums: the products span e^{2H} more above the subnormal floor, and w²
+        # (a second derivative's) stays finite: M²·e^{4H} below finfo.max (H ≈ 18 in float32
+        # at M = 512, 175 in float64)
+        room = max(
+            0.0, 0.5 * (0.5 * math.log(torch.finfo(cd).max) - math.log(u.shape[-1] + 1.0)) - 1.0
+        )
+        a, u_shift, has_neg = _exp_below_max(u, neg, room)
+        if batch.indices_tuple is not None:  # the tuple's pairs need not share a label
+            v_shift = v.amax(-1, keepdim=True).detach() - room  # every column: no overflow
+            b = torch.exp(v - v_shift)
+        elif batch.ref_emb is None:  # N(p) = N(a) for a same-label pair, and v = u: B = A
+            b, v_shift = a, u_shift
+        else:  # N(a) = the references of another label than p's: p's negatives among them
+            assert batch.ref_labels is not None  # needs_labels: ref_emb comes with ref_labels
+            b, v_shift, _ = _exp_below_max(v, label_masks(batch.ref_labels, dtype=cd).neg, room)
+        w = matmul(a, b.transpose(-1, -2))
+        keep = has_neg.to(cd) * indicator(pos)
+        tiny = torch.finfo(cd).tiny
+        # in CPU eager mode a kept pair whose sum fell below the normal range (the maximising
+        # negatives of u_a and v_p far apart: a gap of ~2H + 87 nats) is taken exactly instead
+        if not (readable(w) and bool(((w < tiny) & (keep > 0)).any())):
+            lse = torch.log(w.clamp_min(tiny)) + u_shift + v_shift.transpose(-1, -2)
+            return _angular_loss(batch, _angular_term(lse, cos_ar, keep, t), pos)
+        listed = batch.listed(pos, cost=0.0)
+        assert listed is not None  # readable: always listed at no cost bound
+    # each anchor's positive columns: an exact log-sum-exp per pair
+    idx, valid = listed
+    rows, k = idx.shape
+    # z_akn = u_an + v_pn for the anchor's k-th positive p: (rows, K, M), over N(a) only
+    z = v.index_select(0, idx.reshape(-1)).view(rows, k, -1) + u.unsqueeze(-2)
+    lse = masked_logsumexp(z, neg.unsqueeze(-2))  # −finfo.max without a negative: loss 0
+    term = _angular_term(lse, cos_ar.gather(-1, idx), valid.to(cd), t, twice=True)
+    return _angular_loss(batch, scatter_rows(term, listed, cos_ar), pos)
 
 
-def _exp_below_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``([mask]·e^{x − max}, max, has_any)`` with the maximum (detached, ``(R, 1)``) over each
-    row's masked entries, 0 for a row without any (``has_any`` false; a NaN row has: it stays
-    NaN); the entries off the mask are exactly 0 (their exponent is never taken above 0)."""
+def _exp_below_max(x: Tensor, mask: Tensor, room: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``([mask]·e^{x − shift}, shift, has_any)`` with ``shift = max − room``, the maximum
+    (detached, ``(R, 1)``) over each row's masked entries, 0 for a row without any
+    (``has_any`` false; a NaN row has: it stays NaN); the entries off the mask are exactly 0
+    (their exponent is never taken above ``room``)."""
     low = torch.finfo(x.dtype).min
     x_max = torch.where(mask > 0, x, low).amax(-1, keepdim=True)
     has_any = ~(x_max <= low)
-    x_max = torch.where(has_any, x_max, 0.0).detach()
-    return mask * torch.exp(torch.where(mask > 0, x - x_max, -100.0)), x_max, has_any
+    shift = torch.where(has_any, x_max - room, 0.0).detach()
+    return mask * torch.exp(torch.where(mask > 0, x - shift, -100.0)), shift, has_any
 
 
 def _angular_loss(batch: Batch, losses: Tensor, pos: Tensor) -> dict[str, Terms]:
