@@ -164,7 +164,9 @@ def multiple_negatives_ranking(
             ``query_to_doc`` (and ``doc_to_doc``), its queries (a queue made with
             ``queries=True``) for ``query_to_query`` and ``doc_to_query``; masked by the ids
             the batch gives. No gradient reaches the queue. Refused with ``guide`` (the guide
-            model has no rows for the queue) and on the ring.
+            model has no rows for the queue). Under ``pf.distributed`` (gathered or on the
+            ring, which reads each rank's copy once) every rank holds the same queue: push the
+            global batch (docs/guides/large-batch.md, "Under DDP").
 
     Returns:
         0-d tensor: float32 for float16/bfloat16 embeddings, else their dtype.
