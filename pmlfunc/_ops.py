@@ -7,7 +7,7 @@
 | :func:`masked` | ``x`` on kept entries, ``−finfo.max`` elsewhere |
 | :func:`ratio` | ``num / den``, 0 (with a zero gradient) where ``den == 0`` |
 | :class:`FirstOrder`, :func:`first_order_backward`, :func:`unrecorded` | a gradient formed as a Function of its own, whose second differentiation raises (the tiled engine, ``pf.chunked.loss``) |
-| :func:`sigmoid`, :func:`sigmoid_` | ``σ(x)`` with its subnormal tail (``torch.sigmoid`` returns 0 below −88.7 in float32); in place with ``1 − σ`` |
+| :func:`sigmoid`, :func:`sigmoid_` | ``σ(x)`` with its subnormal tail (``torch.sigmoid`` returns 0 below −88.7 in float32); in place with ``σ(1 − σ)`` |
 | :func:`logaddexp` | ``torch.logaddexp``, in a form inductor compiles well (and, ``twice``, with a finite second derivative at ``−finfo.max``) |
 | :func:`indicator` | ``[x > 0]`` or ``[x ≥ 0]`` as a float mask, no bool tensor |
 | :func:`count_true` | the true entries of a bool mask, by an ``int32`` sum |
@@ -323,13 +323,13 @@ def sigmoid(x: Tensor) -> Tensor:
 
 
 def sigmoid_(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(σ(x), σ(x)(1 − σ(x)))`` as :func:`sigmoid` computes them, ``σ`` in ``x``'s buffer, one
-    new tensor (``σ(1 − σ) = σ / (1 + e)``, exact where ``σ`` nears 1): σ's derivative. Not
-    differentiable (a first-order walk's)."""
+    """``(σ(x), σ(x)(1 − σ(x)))`` as :func:`sigmoid` computes them, ``σ`` in ``x``'s buffer:
+    σ's derivative, exactly 0 where ``σ`` rounds to 1 (from ``x ≈ 17`` in float32, ``37`` in
+    float64: a sentinel such as 100 leaves no trace). Not differentiable (a first-order
+    walk's)."""
     e = x.clamp_max_(SIGMOID_CLAMP).exp_()
-    den = torch.add(e, 1.0)
-    sig = e.div_(den)  # (a division: σ ≤ 1, where e · (1/(1+e)) may not be)
-    return sig, den.reciprocal_().mul_(sig)
+    sig = e.div_(torch.add(e, 1.0))  # (a division: σ ≤ 1, where e · (1/(1+e)) may not be)
+    return sig, torch.rsub(sig, 1.0).mul_(sig)
 
 
 def logaddexp(a: Tensor, b: Tensor, *, twice: bool = False) -> Tensor:

@@ -300,12 +300,13 @@ def _near_correction(
     w: Tensor, x: Tensor, y: Tensor, idx: Tensor, valid: Tensor, self_mode: bool
 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
     """The weights ``w`` with the forward's recomputed entries (``(idx, valid)``,
-    :func:`_exact_entries`) zeroed, and those entries' gradient from the differences:
-    ``(Σ_k c_ik (x_i − y_{j_k})`` on ``x``'s rows, the same terms added into ``y``'s rows, to
-    subtract``)`` (``None``: no entry to correct). The two matmuls' ``x_i Σ_j w_ij − Σ_j w_ij y_j`` cancels where ``y_j`` is
-    near ``x_i``: its error is ``~eps·w_ij·‖x_i‖``, against a gradient of size ``w_ij·d_ij``
-    (0.4–1 % relative for rows 1e-5 apart in float32); the differences have none. In self mode
-    both halves' entries are taken (the forward wrote each near entry to both), each weight once.
+    :func:`_exact_entries`) zeroed, and those entries' gradient from the differences: a pair
+    ``(Σ_k c_ik (x_i − y_{j_k}), the same terms added into y's rows)``, the first to add to
+    ``x``'s gradient, the second to subtract from ``y``'s (``None``: no entry to correct).
+    The two matmuls' ``x_i Σ_j w_ij − Σ_j w_ij y_j`` cancels where ``y_j`` is near ``x_i``:
+    its error is ``~eps·w_ij·‖x_i‖``, against a gradient of size ``w_ij·d_ij`` (0.4–1 %
+    relative for rows 1e-5 apart in float32); the differences have none. In self mode both
+    halves' entries are taken (the forward wrote each near entry to both), each weight once.
 
     Nothing to do (no budget; in eager CPU mode, no valid slot: nothing near anything) costs
     nothing. In place on ``w`` (the backward's own buffer) outside transforms and when no graph
